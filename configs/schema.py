@@ -1,0 +1,294 @@
+"""The canonical, typed config schema of meshrl.
+
+Config files (``configs/*.py``) return an ``ml_collections.ConfigDict``; ``from_config_dict``
+turns it into the frozen ``Config`` below and validates it. Every section is a frozen dataclass
+whose fields are ordered: required, common optional, rare optional, internal. Each field carries
+its documentation and constraint in ``metadata`` so ``scripts/gen_config_docs.py`` can render
+``docs/config.md`` from this file alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Literal
+
+from meshrl.configs.fields import ConfigError, Section, at_least, field, one_of_or_fill
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class Job(str, enum.Enum):
+    """What ``main.py`` runs."""
+
+    SFT = "sft"  # supervised fine-tuning with masked next-token cross-entropy
+    RL = "rl"  # asynchronous RL (GRPO/PPO family) with a colocated sampler
+    SAMPLE = "sample"  # generate completions for prompts from a file
+
+
+MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig(Section):
+    _section = "mesh"
+    data: int = field(-1, "ICI size of the data axis (batch; FSDP shards params here).",
+                      one_of_or_fill)
+    tensor: int = field(1, "ICI size of the tensor axis (heads, MLP hidden, vocab).", one_of_or_fill)
+    context: int = field(1, "ICI size of the context axis (sequence length in training).",
+                         one_of_or_fill)
+    expert: int = field(1, "ICI size of the expert axis (MoE experts; extra batch for dense).",
+                        one_of_or_fill)
+    expert_tensor: int = field(1, "ICI size of the expert_tensor axis (each expert's FFN hidden).",
+                               one_of_or_fill)
+    fsdp: bool = field(False, "Trainer role shards params and optimizer state over data (ZeRO-3).")
+    dcn_data: int = field(1, "DCN (across slices/hosts) size of the data axis.", one_of_or_fill)
+    dcn_tensor: int = field(1, "DCN size of the tensor axis.", one_of_or_fill)
+    dcn_context: int = field(1, "DCN size of the context axis.", one_of_or_fill)
+    dcn_expert: int = field(1, "DCN size of the expert axis.", one_of_or_fill)
+    dcn_expert_tensor: int = field(1, "DCN size of the expert_tensor axis.", one_of_or_fill)
+
+    def validate(self) -> None:
+        for prefix in ("", "dcn_"):
+            names = [prefix + a for a in MESH_AXES]
+            fills = [n for n in names if getattr(self, n) == -1]
+            if len(fills) > 1:
+                raise ConfigError(
+                    f"mesh: at most one -1 fill per {'DCN' if prefix else 'ICI'} list, got -1 for "
+                    f"{', '.join('mesh.' + n for n in fills)}")
+
+    @property
+    def ici_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, a) for a in MESH_AXES)
+
+    @property
+    def dcn_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, "dcn_" + a) for a in MESH_AXES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig(Section):
+    _section = "model"
+    arch: Literal["llama", "qwen2", "qwen3"] = field(
+        "llama", "Decoder family: llama (Llama 3.x), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm).")
+    vocab_size: int = field(256, "Vocabulary size.", at_least(1))
+    hidden_size: int = field(64, "Model (embedding) width.", at_least(1))
+    intermediate_size: int = field(172, "SwiGLU MLP hidden width.", at_least(1))
+    num_layers: int = field(2, "Number of decoder layers.", at_least(1))
+    num_heads: int = field(4, "Query heads.", at_least(1))
+    num_kv_heads: int = field(2, "Key/value heads (GQA); must divide num_heads.", at_least(1))
+    hf_path: str = field("", "Local Hugging Face checkpoint directory; empty: random init.")
+    tokenizer: str = field("char", "'char' (built-in) or a local directory with tokenizer.json.")
+    head_dim: int = field(0, "Per-head width; 0 means hidden_size // num_heads.", at_least(0))
+    rope_theta: float = field(10000.0, "RoPE base frequency.", at_least(1.0))
+    rope_scaling: Literal["none", "llama3", "linear"] = field("none", "RoPE scaling rule.")
+    rope_scaling_factor: float = field(1.0, "RoPE scaling factor.", at_least(1.0))
+    rope_low_freq_factor: float = field(1.0, "llama3 RoPE low-frequency factor.", at_least(0.0))
+    rope_high_freq_factor: float = field(4.0, "llama3 RoPE high-frequency factor.", at_least(0.0))
+    rope_original_max_position: int = field(8192, "llama3 RoPE original context length.",
+                                            at_least(1))
+    max_position_embeddings: int = field(2048, "Longest supported position.", at_least(1))
+    rms_norm_eps: float = field(1e-6, "RMSNorm epsilon.", at_least(0.0))
+    tie_embeddings: bool = field(False, "Share the input embedding with the output head.")
+    attention_bias: bool = field(False, "Bias on q/k/v projections (Qwen2).")
+    qk_norm: bool = field(False, "RMSNorm on per-head q and k (Qwen3).")
+    param_dtype: DType = field("float32", "Dtype of stored parameters (master weights).")
+    compute_dtype: DType = field("float32", "Dtype of activations and matmuls.")
+    remat: Literal["none", "full", "dots"] = field(
+        "none", "Rematerialisation policy per layer: none, full, or save only matmul outputs.")
+    scan_layers: bool = field(False, "Run layers with a scan (faster compile, one layer's code).")
+
+    def validate(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model.num_kv_heads = {self.num_kv_heads}: must divide "
+                              f"model.num_heads = {self.num_heads}")
+        if self.head_dim == 0 and self.hidden_size % self.num_heads:
+            raise ConfigError(f"model.hidden_size = {self.hidden_size}: must be divisible by "
+                              f"model.num_heads = {self.num_heads} when model.head_dim = 0")
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig(Section):
+    _section = "optimizer"
+    name: Literal["adamw", "sgd", "adafactor"] = field("adamw", "Optimizer.")
+    schedule: Literal["constant", "cosine", "linear"] = field(
+        "cosine", "Learning-rate decay after warmup.")
+    warmup_steps: int = field(0, "Linear warmup steps from 0 to trainer.learning_rate.",
+                              at_least(0))
+    weight_decay: float = field(0.0, "Decoupled weight decay (never applied to norms or biases).",
+                                at_least(0.0))
+    grad_clip_norm: float = field(1.0, "Global-norm gradient clipping; 0 disables.", at_least(0.0))
+    b1: float = field(0.9, "Adam beta1.", at_least(0.0))
+    b2: float = field(0.95, "Adam beta2.", at_least(0.0))
+    eps: float = field(1e-8, "Adam epsilon.", at_least(0.0))
+    momentum: float = field(0.0, "SGD momentum; 0 is plain SGD.", at_least(0.0))
+    min_lr_ratio: float = field(0.0, "Final learning rate as a fraction of the peak.",
+                                at_least(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig(Section):
+    _section = "trainer"
+    learning_rate: float = field(1e-3, "Peak learning rate.", at_least(0.0))
+    steps: int = field(100, "Optimizer steps to run.", at_least(0))
+    batch_size: int = field(8, "Global sequences per optimizer step.", at_least(1))
+    seq_len: int = field(128, "Training sequence length (tokens).", at_least(2))
+    seed: int = field(0, "Seed of params init, dropout-free RNG stream and data order.")
+    microbatches: int = field(1, "Gradient-accumulation microbatches per step; must divide "
+                                 "batch_size.", at_least(1))
+    log_every: int = field(10, "Steps between metric writes.", at_least(1))
+    eval_every: int = field(0, "Steps between held-out evaluations; 0 disables.", at_least(0))
+    on_nonfinite: Literal["raise", "skip"] = field(
+        "raise", "A non-finite loss raises, or skips the update and counts it.")
+    peak_flops: float = field(0.0, "Peak FLOP/s per device for MFU; 0 looks up the device.",
+                              at_least(0.0))
+
+    def validate(self) -> None:
+        if self.batch_size % self.microbatches:
+            raise ConfigError(f"trainer.microbatches = {self.microbatches}: must divide "
+                              f"trainer.batch_size = {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig(Section):
+    _section = "sampler"
+    max_len: int = field(256, "KV-cache length per slot (prompt + generated).", at_least(2))
+    slots: int = field(32, "Concurrent sequences in the KV cache.", at_least(1))
+    max_new_tokens: int = field(64, "Default cap on generated tokens per request.", at_least(1))
+    temperature: float = field(1.0, "Sampling temperature; 0 is greedy.", at_least(0.0))
+    top_k: int = field(0, "Keep the k most likely tokens; 0 disables.", at_least(0))
+    top_p: float = field(1.0, "Nucleus sampling mass; 1 disables.", at_least(0.0))
+    dtype: DType = field("float32", "Dtype of sampler params and KV cache.")
+    decode_chunk: int = field(8, "Decode steps fused in one jitted call between slot checks.",
+                              at_least(1))
+    prompt_buckets: tuple[int, ...] = field((32, 64, 128), "Prompt length buckets (no recompiles).")
+
+    def validate(self) -> None:
+        if self.top_p > 1.0:
+            raise ConfigError(f"sampler.top_p = {self.top_p}: must be in [0, 1]")
+        if any(b <= 0 for b in self.prompt_buckets) or list(self.prompt_buckets) != sorted(
+                self.prompt_buckets):
+            raise ConfigError(f"sampler.prompt_buckets = {self.prompt_buckets}: must be positive "
+                              f"and ascending")
+        if self.prompt_buckets and self.prompt_buckets[-1] >= self.max_len:
+            raise ConfigError(f"sampler.prompt_buckets = {self.prompt_buckets}: the largest must "
+                              f"be < sampler.max_len = {self.max_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    _section = "rollout"
+    group_size: int = field(4, "Samples per prompt (a GRPO group).", at_least(1))
+    prompts_per_step: int = field(8, "Prompts (groups) per optimizer step.", at_least(1))
+    max_staleness: int = field(1, "Oldest allowed weight-version lag; 0 is synchronous RL.",
+                               at_least(0))
+    filter_equal_groups: bool = field(True, "Drop groups whose rewards are all equal (counted).")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(Section):
+    _section = "reward"
+    names: tuple[str, ...] = field(("math",), "Registered reward functions to combine.")
+    weights: tuple[float, ...] = field((1.0,), "Weight of each reward in names.")
+    timeout_s: float = field(5.0, "Per-call timeout; a timeout gives reward 0 and is counted.",
+                             at_least(0.001))
+    num_workers: int = field(2, "Reward process-pool size.", at_least(1))
+
+    def validate(self) -> None:
+        if len(self.names) != len(self.weights):
+            raise ConfigError(f"reward.weights = {self.weights}: needs one weight per name in "
+                              f"reward.names = {self.names}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig(Section):
+    _section = "data"
+    source: Literal["arithmetic", "countdown", "jsonl", "parquet"] = field(
+        "arithmetic", "Synthetic task or file format of data.path.")
+    path: str = field("", "Local JSONL/Parquet file (for source jsonl/parquet).")
+    prompt_field: str = field("question", "Record field with the prompt.")
+    answer_field: str = field("answer", "Record field with the ground truth.")
+    max_prompt_len: int = field(128, "Longest prompt in tokens.", at_least(1))
+    on_overlong: Literal["drop", "raise"] = field("drop", "Over-long prompts: drop and count, "
+                                                          "or raise.")
+    num_examples: int = field(2000, "Synthetic examples to generate.", at_least(1))
+    eval_examples: int = field(200, "Held-out synthetic examples.", at_least(0))
+    difficulty: int = field(2, "Synthetic difficulty (digits / numbers).", at_least(1))
+    shuffle_seed: int = field(0, "Seed of the deterministic shuffle.")
+
+    def validate(self) -> None:
+        if self.source in ("jsonl", "parquet") and not self.path:
+            raise ConfigError(f"data.path = '': required when data.source = {self.source!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig(Section):
+    _section = "checkpoint"
+    every_steps: int = field(50, "Steps between checkpoints; 0 saves only at the end.",
+                             at_least(0))
+    keep: int = field(3, "Checkpoints kept.", at_least(1))
+    async_save: bool = field(True, "Write checkpoints in the background.")
+    publish_every: int = field(10, "Steps between Orbax weight versions for the sampler.",
+                               at_least(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig(Section):
+    _section = "logging"
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = field("INFO", "Log level.")
+    tensorboard: bool = field(True, "Write tensorboardX events under <workdir>/tb (process 0).")
+    progress_bar: bool = field(True, "Show a progress bar on process 0.")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig(Section):
+    _section = "distributed"
+    initialize: Literal["never", "auto", "explicit"] = field(
+        "never", "Call jax.distributed.initialize: never, auto (cluster env), or explicit.")
+    coordinator_address: str = field("", "host:port of process 0 (explicit mode).")
+    num_processes: int = field(1, "Processes in the job (explicit mode).", at_least(1))
+    process_id: int = field(0, "This process's index (explicit mode).", at_least(0))
+
+    def validate(self) -> None:
+        if self.initialize == "explicit" and not self.coordinator_address:
+            raise ConfigError("distributed.coordinator_address = '': required when "
+                              "distributed.initialize = 'explicit'")
+        if self.process_id >= self.num_processes:
+            raise ConfigError(f"distributed.process_id = {self.process_id}: must be < "
+                              f"distributed.num_processes = {self.num_processes}")
+
+
+SECTIONS: dict[str, type[Section]] = {
+    cls._section: cls
+    for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
+                RolloutConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
+                DistributedConfig)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole resolved config; build it with ``from_config_dict``."""
+
+    job: Job
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"job": self.job.value}
+        for name in SECTIONS:
+            out[name] = dataclasses.asdict(getattr(self, name))
+        return out

@@ -1,0 +1,50 @@
+"""Job dispatch for ``main.py``: one function per ``Job``, imported only when run."""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+
+import jax
+import ml_collections
+
+from meshrl.configs.schema import Config, Job
+from meshrl.mesh import create_mesh, describe_mesh, describe_rules, initialize_distributed, rules_for
+from meshrl.utils import log
+
+# Job -> "module:function"; each function takes (config, workdir).
+_JOBS: dict[Job, str] = {}
+
+
+def register(job: Job, target: str) -> None:
+    _JOBS[job] = target
+
+
+def dry_run(config: Config) -> str:
+    """Validate, start distributed if configured, build the mesh; return what a user checks."""
+    initialize_distributed(config.distributed)
+    mesh = create_mesh(config.mesh)
+    log.set_process_index(jax.process_index())
+    lines = [
+        "# resolved config",
+        str(ml_collections.ConfigDict(config.to_dict())).rstrip(),
+        f"# mesh ({len(mesh.devices.flat)} devices, {jax.devices()[0].platform})",
+        "  " + describe_mesh(mesh),
+        "# logical -> physical rules: train"
+        + (" (fsdp)" if config.mesh.fsdp else ""),
+        describe_rules(rules_for("train", config.mesh.fsdp)),
+        "# logical -> physical rules: sample",
+        describe_rules(rules_for("sample")),
+    ]
+    return "\n".join(lines)
+
+
+def run(config: Config, workdir: str) -> None:
+    log.setup(config.logging.level)
+    if config.job not in _JOBS:
+        known = sorted(j.value for j in _JOBS)
+        raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "
+                                  f"available: {known}")
+    module, fn = _JOBS[config.job].split(":")
+    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    getattr(importlib.import_module(module), fn)(config, workdir)

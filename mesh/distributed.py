@@ -1,0 +1,27 @@
+"""Explicit multi-process start-up. Never called at import: ``main`` calls it first thing."""
+
+from __future__ import annotations
+
+import jax
+
+from meshrl.configs.schema import DistributedConfig
+from meshrl.utils import log
+
+
+def initialize_distributed(cfg: DistributedConfig) -> bool:
+    """Start JAX's multi-controller runtime as ``cfg`` says; True when it was initialised.
+
+    Must run before anything touches a JAX backend (creating arrays, listing devices).
+    """
+    if cfg.initialize == "never":
+        return False
+    if cfg.initialize == "auto":
+        # Cluster environments (TPU pods, SLURM, Open MPI) supply every argument.
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+    log.set_process_index(jax.process_index())
+    log.get_logger("mesh").info("jax.distributed initialised: process %d of %d, %d devices",
+                                jax.process_index(), jax.process_count(), jax.device_count())
+    return True

@@ -1,0 +1,93 @@
+"""The named 5-axis device mesh: data, tensor, context, expert, expert_tensor.
+
+Each axis has an ICI size (inside a slice/host) and a DCN size (across slices/hosts); the mesh
+axis is their product, DCN outermost. Nothing here runs at import time: callers build the mesh
+explicitly and pass it down.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh
+
+from meshrl.configs.schema import MESH_AXES, MeshConfig
+
+
+class MeshShapeError(ValueError):
+    """The configured axis sizes do not match the devices."""
+
+
+def _describe(cfg: MeshConfig) -> str:
+    ici = " ".join(f"{a}={s}" for a, s in zip(MESH_AXES, cfg.ici_shape))
+    dcn = " ".join(f"dcn_{a}={s}" for a, s in zip(MESH_AXES, cfg.dcn_shape))
+    return f"ICI [{ici}] x DCN [{dcn}]"
+
+
+def _num_granules(devices: Sequence[jax.Device]) -> int:
+    """Slices on TPU multislice, else processes: the units DCN axes span."""
+    if all(hasattr(d, "slice_index") for d in devices):
+        return len({d.slice_index for d in devices})
+    return len({d.process_index for d in devices})
+
+
+def _fill(sizes: tuple[int, ...], total: int, cfg: MeshConfig, n: int) -> tuple[int, ...]:
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 not in sizes:
+        return sizes
+    if known == 0 or total % known:
+        raise MeshShapeError(f"mesh: cannot fill -1: {_describe(cfg)} does not divide "
+                             f"{n} devices")
+    return tuple(total // known if s == -1 else s for s in sizes)
+
+
+def resolve_shapes(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[
+        tuple[int, ...], tuple[int, ...]]:
+    """Resolve -1 fills to concrete ``(ici_shape, dcn_shape)``; fail on a device-count mismatch."""
+    n = len(devices)
+    dcn = _fill(cfg.dcn_shape, _num_granules(devices), cfg, n)
+    if n % math.prod(dcn):
+        raise MeshShapeError(f"mesh: {_describe(cfg)} needs a multiple of {math.prod(dcn)} "
+                             f"devices across DCN, but {n} devices are available")
+    ici = _fill(cfg.ici_shape, n // math.prod(dcn), cfg, n)
+    if math.prod(ici) * math.prod(dcn) != n:
+        raise MeshShapeError(
+            f"mesh: {_describe(cfg)} multiplies to {math.prod(ici) * math.prod(dcn)} devices, "
+            f"but {n} devices are available; make the product of all axis sizes equal {n}")
+    return ici, dcn
+
+
+def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...],
+                         devices: Sequence[jax.Device]) -> np.ndarray:
+    if all(hasattr(d, "slice_index") for d in devices):
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, allow_split_physical_axes=True)
+    if len({d.process_index for d in devices}) == math.prod(dcn):
+        return mesh_utils.create_hybrid_device_mesh(
+            ici, dcn, devices, process_is_granule=True, allow_split_physical_axes=True)
+    # Fake CPU devices in one process have no slices: treat contiguous blocks of devices as the
+    # DCN granules, so multi-slice layouts can be exercised in tests.
+    ordered = sorted(devices, key=lambda d: (d.process_index, d.id))
+    arr = np.array(ordered, dtype=object).reshape(dcn + ici)
+    k = len(ici)
+    arr = arr.transpose([ax for i in range(k) for ax in (i, k + i)])
+    return arr.reshape([d * i for d, i in zip(dcn, ici)])
+
+
+def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """Build the named mesh for ``cfg`` over ``devices`` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    ici, dcn = resolve_shapes(cfg, devices)
+    if math.prod(dcn) > 1:
+        arr = _hybrid_device_array(ici, dcn, devices)
+    else:
+        arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def describe_mesh(mesh: Mesh) -> str:
+    return ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
