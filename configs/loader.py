@@ -50,6 +50,16 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     return Config(job=job, **sections)
 
 
+def render(config: Config) -> str:
+    """One ``section.field = value`` line per field, as a user would type an override."""
+    lines = [f"job = {config.job.value}"]
+    for name, values in config.to_dict().items():
+        if name == "job":
+            continue
+        lines += [f"{name}.{key} = {value!r}" for key, value in values.items()]
+    return "\n".join(lines)
+
+
 def to_config_dict(config: Config) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(config.to_dict())
 

@@ -6,10 +6,16 @@ import importlib
 import pathlib
 
 import jax
-import ml_collections
 
+from meshrl.configs.loader import render
 from meshrl.configs.schema import Config, Job
-from meshrl.mesh import create_mesh, describe_mesh, describe_rules, initialize_distributed, rules_for
+from meshrl.mesh import (
+    create_mesh,
+    describe_mesh,
+    describe_rules,
+    initialize_distributed,
+    rules_for,
+)
 from meshrl.utils import log
 
 # Job -> "module:function"; each function takes (config, workdir).
@@ -27,7 +33,7 @@ def dry_run(config: Config) -> str:
     log.set_process_index(jax.process_index())
     lines = [
         "# resolved config",
-        str(ml_collections.ConfigDict(config.to_dict())).rstrip(),
+        render(config),
         f"# mesh ({len(mesh.devices.flat)} devices, {jax.devices()[0].platform})",
         "  " + describe_mesh(mesh),
         "# logical -> physical rules: train"

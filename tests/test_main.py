@@ -1,0 +1,48 @@
+"""main.py: dry run prints the mesh; bad mesh sizes and typos exit non-zero with clear text."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+       "JAX_PLATFORMS": "cpu"}
+
+
+def _main(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "main.py"),
+                           "--config", str(ROOT / "configs" / "default.py"), *args],
+                          capture_output=True, text=True, env=ENV, timeout=300)
+
+
+def test_dry_run_exits_zero_and_prints_all_five_axes():
+    out = _main("--dry_run")
+    assert out.returncode == 0, out.stderr
+    assert "data=8, tensor=1, context=1, expert=1, expert_tensor=1" in out.stdout
+    assert "trainer.learning_rate = " in out.stdout
+    assert "# logical -> physical rules: sample" in out.stdout
+
+
+def test_dry_run_applies_overrides():
+    out = _main("--dry_run", "--config.mesh.data=2", "--config.mesh.tensor=4",
+                "--config.mesh.fsdp=true")
+    assert out.returncode == 0, out.stderr
+    assert "data=2, tensor=4" in out.stdout
+    assert "rules: train (fsdp)" in out.stdout
+
+
+@pytest.mark.parametrize("args, expected", [
+    (("--config.mesh.data=3",), "but 8 devices are available"),
+    (("--config.trainer.lerning_rate=1e-4",), "did you mean 'trainer.learning_rate'"),
+    (("--config.model.num_kv_heads=3",), "model.num_kv_heads = 3: must divide"),
+])
+def test_bad_config_exits_nonzero_with_message(args, expected):
+    out = _main("--dry_run", *args)
+    assert out.returncode != 0
+    assert expected in out.stderr
+    assert "Traceback" not in out.stderr
