@@ -1,0 +1,13 @@
+"""Data pipelines: synthetic tasks, JSONL/Parquet sources, tokenization, packing (grain)."""
+
+from meshrl.datasets.pipeline import (
+    PromptIterator,
+    SFTIterator,
+    eval_examples,
+    make_prompt_iterator,
+    make_sft_iterator,
+)
+from meshrl.datasets.sources import DatasetError
+
+__all__ = ["DatasetError", "PromptIterator", "SFTIterator", "eval_examples",
+           "make_prompt_iterator", "make_sft_iterator"]

@@ -1,0 +1,144 @@
+"""Example sources: local JSONL / Parquet files and the synthetic tasks.
+
+Every example is a dict with ``prompt`` (str), ``answer`` (str ground truth), ``origin`` (where it
+came from, e.g. ``"data/gsm8k.jsonl:12"``, for error messages), optionally ``messages`` (SFT chat
+data) and any reward fields (countdown: ``numbers``, ``target``; other columns of a file row).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from meshrl.configs.schema import DataConfig
+from meshrl.datasets import synthetic
+from meshrl.utils.log import get_logger
+
+log = get_logger("datasets")
+
+SYNTHETIC = ("arithmetic", "countdown")
+
+
+class DatasetError(ValueError):
+    """Bad or missing data; the message names the file (and line) or the config field."""
+
+
+def _check_messages(messages: Any, origin: str) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(f"{origin}: 'messages' must be a non-empty list of "
+                           f"{{'role', 'content'}} dicts")
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)):
+            raise DatasetError(f"{origin}: every message needs string 'role' and 'content', "
+                               f"got {m!r:.120}")
+    return messages
+
+
+def row_to_example(row: Any, data: DataConfig, origin: str) -> dict:
+    """Normalise one file row; a row that cannot be used raises naming ``origin``."""
+    if not isinstance(row, dict):
+        raise DatasetError(f"{origin}: a row must be a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        messages = _check_messages(row["messages"], origin)
+        extra = {k: v for k, v in row.items() if k != "messages"}
+        if messages[-1]["role"] == "assistant":
+            # SFT chat data: the last assistant turn is the response, the rest is the prompt.
+            prompt_messages, answer = messages[:-1], messages[-1]["content"]
+            if not prompt_messages:
+                raise DatasetError(f"{origin}: 'messages' has only an assistant turn; no prompt")
+        else:
+            prompt_messages, answer = messages, str(row.get(data.answer_field, ""))
+        last_user = next((m["content"] for m in reversed(prompt_messages)
+                          if m["role"] == "user"), prompt_messages[-1]["content"])
+        return {**extra, "prompt": last_user, "answer": answer, "messages": prompt_messages,
+                "origin": origin}
+    missing = [f for f in (data.prompt_field, data.answer_field) if f not in row]
+    if missing:
+        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}); set "
+                           f"data.prompt_field / data.answer_field to match the file")
+    prompt, answer = row[data.prompt_field], row[data.answer_field]
+    if not isinstance(prompt, str) or not prompt:
+        raise DatasetError(f"{origin}: field {data.prompt_field!r} must be a non-empty string, "
+                           f"got {prompt!r:.80}")
+    if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
+        raise DatasetError(f"{origin}: field {data.answer_field!r} must be a string or number, "
+                           f"got {answer!r:.80}")
+    extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
+    return {**extra, "prompt": prompt, "answer": str(answer), "origin": origin}
+
+
+def read_jsonl(path: str, data: DataConfig, stats: dict[str, int]) -> list[dict]:
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                stats["blank_lines"] = stats.get("blank_lines", 0) + 1
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
+                                   f"{e.colno})") from None
+            examples.append(row_to_example(row, data, f"{path}:{lineno}"))
+    return examples
+
+
+def read_parquet(path: str, data: DataConfig) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a corrupt file
+        raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+    # Parquet rows are numbered from 1 like JSONL lines, so messages read the same way.
+    return [row_to_example(row, data, f"{path}:row {i}")
+            for i, row in enumerate(table.to_pylist(), start=1)]
+
+
+def read_file(path: str, data: DataConfig, stats: dict[str, int], field_name: str) -> list[dict]:
+    if not os.path.isfile(path):
+        raise DatasetError(f"{field_name} = {path!r}: file not found")
+    examples = read_parquet(path, data) if data.source == "parquet" else read_jsonl(path, data,
+                                                                                    stats)
+    if not examples:
+        raise DatasetError(f"{field_name} = {path!r}: the file holds no examples")
+    return examples
+
+
+def load_train(data: DataConfig, stats: dict[str, int]) -> list[dict]:
+    """The training examples of ``data`` (synthetic: stream 0, seeded by data.shuffle_seed)."""
+    if data.source in SYNTHETIC:
+        return synthetic.generate(data.source, data.shuffle_seed, synthetic.TRAIN_STREAM,
+                                  data.num_examples, data.difficulty, data.ops)
+    return read_file(data.path, data, stats, "data.path")
+
+
+def load_eval(data: DataConfig) -> list[dict]:
+    """Held-out examples. Synthetic: stream 1 with every prompt of the training set removed.
+    Files: the first ``data.eval_examples`` rows of ``data.eval_path`` (none if unset)."""
+    if data.eval_examples == 0:
+        return []
+    if data.source not in SYNTHETIC:
+        if not data.eval_path:
+            log.warning("data.eval_path is empty: no held-out examples for source %r",
+                        data.source)
+            return []
+        return read_file(data.eval_path, data, {}, "data.eval_path")[:data.eval_examples]
+    taken = {ex["prompt"] for ex in load_train(data, {})}
+    out: list[dict] = []
+    start, budget = 0, 20 * data.eval_examples + 1000  # bounded: tiny task spaces run dry
+    while len(out) < data.eval_examples and start < budget:
+        chunk = synthetic.generate(data.source, data.shuffle_seed, synthetic.EVAL_STREAM,
+                                   data.eval_examples, data.difficulty, data.ops, start=start)
+        start += len(chunk)
+        for ex in chunk:
+            if ex["prompt"] not in taken:
+                taken.add(ex["prompt"])
+                out.append(ex)
+    if len(out) < data.eval_examples:
+        log.warning("only %d of data.eval_examples = %d held-out prompts are disjoint from the "
+                    "training set (task space too small at difficulty %d)", len(out),
+                    data.eval_examples, data.difficulty)
+    return out[:data.eval_examples]

@@ -1,0 +1,159 @@
+"""Tokenizers: a built-in byte-level ``CharTokenizer`` and ``HFTokenizer`` over local files.
+
+Both satisfy the ``Tokenizer`` protocol the data pipeline, sampler and workflows code against.
+``encode`` never adds special tokens: the data pipeline decides where BOS/EOS go, so the same
+prompt ids reach the trainer and the sampler.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    # False when the tokenizer only has a fallback chat format; the data pipeline then feeds plain
+    # prompts raw (a tiny char model learns "12+34=" faster without chat scaffolding).
+    has_chat_template: bool
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        ...
+
+
+class CharTokenizer:
+    """Byte-level tokenizer: id = UTF-8 byte value; ids 0/1/2 are reserved for pad/bos/eos.
+
+    The bytes 0x00-0x02 (NUL, SOH, STX) therefore cannot appear in text; ``encode`` maps them to
+    ``?`` so that model input never contains a spurious special token.
+    """
+
+    PAD, BOS, EOS = 0, 1, 2
+    _REPLACEMENT = ord("?")
+
+    def __init__(self, vocab_size: int = 256, use_chat_template: bool = False) -> None:
+        if vocab_size < 256:
+            raise ValueError(f"CharTokenizer vocab_size = {vocab_size}: must be >= 256 (bytes)")
+        self.vocab_size = vocab_size
+        self.bos_id: int | None = self.BOS
+        self.eos_id = self.EOS
+        self.pad_id = self.PAD
+        self.has_chat_template = use_chat_template
+
+    def encode(self, text: str) -> list[int]:
+        return [b if b > self.EOS else self._REPLACEMENT for b in text.encode("utf-8")]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        data = bytes(int(i) for i in ids if self.EOS < int(i) < 256)
+        return data.decode("utf-8", errors="replace")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        # A fixed, short format: a role tag line, then the content line, per turn.
+        parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
+        if add_generation_prompt:
+            parts.append("<|assistant|>\n")
+        return "".join(parts)
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        return value.get("content")
+    return str(value)
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` plus its ``tokenizer_config.json`` (chat template and
+    special tokens), read from a local directory. Never runs remote code: the chat template is
+    rendered in jinja2's immutable sandbox."""
+
+    def __init__(self, directory: str) -> None:
+        from tokenizers import Tokenizer as _RustTokenizer
+
+        path = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no tokenizer.json in {directory!r}")
+        self._tok = _RustTokenizer.from_file(path)
+        config: dict[str, Any] = {}
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        if os.path.isfile(config_path):
+            with open(config_path, encoding="utf-8") as f:
+                config = json.load(f)
+        template = config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+            named = {t["name"]: t["template"] for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        jinja_path = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.isfile(jinja_path):
+            with open(jinja_path, encoding="utf-8") as f:
+                template = f.read()
+        self._template_source: str | None = template
+        self.has_chat_template = template is not None
+        self._special = {k: _token_content(config.get(k))
+                         for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.bos_id = self._id_of(self._special["bos_token"])
+        eos_id = self._id_of(self._special["eos_token"])
+        if eos_id is None:
+            raise ValueError(f"{config_path}: eos_token {self._special['eos_token']!r} is missing "
+                             f"or not in the vocabulary; an EOS id is required to stop generation")
+        self.eos_id = eos_id
+        pad_id = self._id_of(self._special["pad_token"])
+        # Models without a pad token (Llama) pad with EOS; padded positions are masked anyway.
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self._compiled: Any = None
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if self._template_source is None:
+            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+        if self._compiled is None:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+            # Same environment options as transformers, so templates render identically.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols])
+            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
+                x, ensure_ascii=False, indent=indent)
+            env.globals["raise_exception"] = _raise_exception
+            self._compiled = env.from_string(self._template_source)
+        specials = {k: v for k, v in self._special.items() if v is not None}
+        return self._compiled.render(messages=messages,
+                                     add_generation_prompt=add_generation_prompt, **specials)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """``"char"`` for the built-in byte tokenizer, else a local directory with tokenizer.json."""
+    if spec == "char":
+        return CharTokenizer()
+    if os.path.isdir(spec):
+        return HFTokenizer(spec)
+    raise ValueError(f"tokenizer spec {spec!r}: must be 'char' or a local directory containing "
+                     f"tokenizer.json (downloads are not supported)")

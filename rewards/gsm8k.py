@@ -1,0 +1,40 @@
+"""GSM8K reward: the completion's final number equals the number after ``####`` in ``answer``.
+
+Range {0.0, 1.0}. The completion's final answer is its last ``#### N``, else its last
+``\\boxed{}``, else its last number; equivalence is ``math_answer.is_equiv`` (so ``1,000``,
+``$1000`` and ``1000.00`` all match ``1000``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from meshrl.rewards.extract import last_boxed, last_number
+from meshrl.rewards.math_answer import is_equiv
+from meshrl.rewards.registry import register
+
+_HASHES = re.compile(r"####\s*([^\n]*)")
+
+
+def gold_number(answer: str) -> str:
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
+
+
+def final_answer(completion: str) -> str | None:
+    marked = _HASHES.findall(completion)
+    if marked and marked[-1].strip():
+        number = last_number(marked[-1])
+        return number if number is not None else marked[-1].strip()
+    boxed = last_boxed(completion)
+    return boxed if boxed is not None else last_number(completion)
+
+
+@register("gsm8k")
+def gsm8k_reward(prompts: list[str], completions: list[str], *, answer: list[str],
+                 **_: Any) -> list[float]:
+    out = []
+    for completion, gold in zip(completions, answer):
+        pred = final_answer(completion)
+        out.append(1.0 if pred is not None and is_equiv(pred, gold_number(str(gold))) else 0.0)
+    return out

@@ -1,0 +1,283 @@
+"""Math reward: the completion's final answer equals the ground truth.
+
+Range {0.0, 1.0}. The final answer is the last ``\\boxed{...}`` (nested braces allowed; an empty
+box scores 0), else the last number in the completion. The ground truth (``answer`` field) may be
+a bare answer, a MATH solution (its last ``\\boxed{}`` is used) or a GSM8K solution (text after
+``####``). Equivalence, in order: normalised strings; exact numbers (integers, decimals,
+fractions, ``\\frac``/``\\dfrac``, percentages, thousands separators, ``\\text{}``, ``$``, units,
+negatives); tuples element-wise; then symbolic equality of small expressions with sympy, built
+by a whitelisting ``ast`` walk (model text is never evaluated), bounded in length and nodes.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import re
+from fractions import Fraction
+from typing import Any
+
+from meshrl.rewards.extract import last_boxed, last_number
+from meshrl.rewards.registry import register
+
+MAX_CHARS = 300
+MAX_NODES = 200
+MAX_EXPONENT = 100
+MAX_SYMBOLIC_EXPONENT = 12
+
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*"
+                       r"\{([^{}]*)\}")
+# A unit is a word of 2+ letters ("5 cm", "12 apples"); one letter may be a variable ("2x").
+_UNITS = re.compile(r"^([-+]?[\d.,/]*\d)\s*[a-zA-Z]{2,}[a-zA-Z.\s]*(?:\^\{?[23]\}?)?$")
+_NUM = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?$")
+
+
+def normalize(text: str) -> str:
+    """Canonical string for an answer; only surface notation is removed, never content."""
+    s = text.strip()
+    for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle"):
+        s = s.replace(token, "")
+    s = s.replace("\\$", "").replace("$", "").replace("\\ ", " ").replace("~", " ")
+    for _ in range(3):  # \text{} may nest inside \textbf{}
+        s = _TEXT_CMD.sub(r"\1", s)
+    for token in ("^{\\circ}", "^\\circ", "°", "\\%", "%", "\\degree"):
+        s = s.replace(token, "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
+    s = re.sub(r"^[a-zA-Z]\s*=\s*(?!.*=)", "", s.strip())  # "x = 5" -> "5"
+    s = re.sub(r"\b\d{1,3}(?:,\d{3})+(?![\d])", lambda m: m.group().replace(",", ""), s)
+    s = s.strip().rstrip(".").strip()
+    unit = _UNITS.match(s)
+    if unit:
+        s = unit.group(1).rstrip(".")
+    if s.startswith("{") and s.endswith("}") and _balanced(s[1:-1]):
+        s = s[1:-1]
+    return re.sub(r"\s+", "", s)
+
+
+def _balanced(s: str) -> bool:
+    depth = 0
+    for ch in s:
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if depth < 0:
+            return False
+    return depth == 0
+
+
+def to_number(s: str) -> Fraction | None:
+    """Exact value of a plain number, ``a/b``, ``\\frac{a}{b}`` or ``-\\frac{a}{b}``."""
+    m = re.fullmatch(r"([-+]?)\\frac\{([-+]?\d+(?:\.\d+)?)\}\{([-+]?\d+(?:\.\d+)?)\}", s)
+    if m:
+        den = Fraction(m.group(3))
+        if den == 0:
+            return None
+        value = Fraction(m.group(2)) / den
+        return -value if m.group(1) == "-" else value
+    if _NUM.match(s):
+        num, _, den = s.partition("/")
+        if num.endswith("."):
+            num = num[:-1]
+        if den and int(den) == 0:
+            return None
+        return Fraction(num) / (Fraction(den) if den else 1)
+    return None
+
+
+def _brace_group(s: str, i: int) -> tuple[str, int]:
+    """The ``{...}`` group (or single character) at ``s[i]``; returns (content, next index)."""
+    while i < len(s) and s[i] == " ":
+        i += 1
+    if i >= len(s):
+        raise ValueError("missing argument")
+    if s[i] != "{":
+        return s[i], i + 1
+    depth = 0
+    for j in range(i, len(s)):
+        depth += {"{": 1, "}": -1}.get(s[j], 0)
+        if depth == 0:
+            return s[i + 1:j], j + 1
+    raise ValueError("unbalanced braces")
+
+
+def latex_to_python(s: str) -> str:
+    """Rewrite a small LaTeX expression into Python syntax (text only; nothing runs)."""
+    out, i = [], 0
+    while i < len(s):
+        if s.startswith("\\frac", i):
+            num, i = _brace_group(s, i + 5)
+            den, i = _brace_group(s, i)
+            out.append(f"(({latex_to_python(num)})/({latex_to_python(den)}))")
+        elif s.startswith("\\sqrt", i):
+            i += 5
+            root = None
+            if i < len(s) and s[i] == "[":
+                end = s.index("]", i)
+                root, i = s[i + 1:end], end + 1
+            arg, i = _brace_group(s, i)
+            arg = latex_to_python(arg)
+            out.append(f"sqrt({arg})" if root is None else
+                       f"(({arg})**(1/({latex_to_python(root)})))")
+        else:
+            out.append(s[i])
+            i += 1
+    text = "".join(out)
+    for latex, py in (("\\cdot", "*"), ("\\times", "*"), ("\\div", "/"), ("\\pi", " pi "),
+                      ("^", "**"), ("{", "("), ("}", ")")):
+        text = text.replace(latex, py)
+    if "\\" in text:
+        raise ValueError("unsupported LaTeX command")
+    # Implicit multiplication: 2x, 2(x+1), (a)(b), x y -> explicit *.
+    tokens = re.findall(r"\d+\.?\d*|\.\d+|[A-Za-z]+|\*\*|\S", text)
+    joined: list[str] = []
+    for tok in tokens:
+        if joined and (re.match(r"[\w.)]", joined[-1][-1]) and joined[-1] != "sqrt"
+                       and (re.match(r"[\w(.]", tok[0]))):
+            joined.append("*")
+        joined.append(tok)
+    return " ".join(joined)
+
+
+def to_sympy(s: str) -> Any:
+    """A sympy expression for ``s`` built by walking a whitelisted syntax tree, or None."""
+    import sympy
+
+    if len(s) > MAX_CHARS:
+        return None
+    try:
+        tree = ast.parse(latex_to_python(s), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+    if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
+        return None
+
+    def build(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return sympy.Rational(str(node.value))
+        if isinstance(node, ast.Name):
+            if node.id == "pi":
+                return sympy.pi
+            if len(node.id) == 1:
+                return sympy.Symbol(node.id)
+            raise ValueError(f"name {node.id!r}")
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            value = build(node.operand)
+            return -value if isinstance(node.op, ast.USub) else value
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                and node.func.id == "sqrt" and len(node.args) == 1 and not node.keywords):
+            return sympy.sqrt(build(node.args[0]))
+        if isinstance(node, ast.BinOp):
+            left, right = build(node.left), build(node.right)
+            if isinstance(node.op, ast.Add):
+                return left + right
+            if isinstance(node.op, ast.Sub):
+                return left - right
+            if isinstance(node.op, ast.Mult):
+                return left * right
+            if isinstance(node.op, ast.Div):
+                return left / right
+            if isinstance(node.op, ast.Pow):
+                # Only small numeric exponents: x**(10**9) would stall expansion, and even
+                # (a+b+c)**100 expands to thousands of terms, so symbolic bases get less.
+                limit = MAX_SYMBOLIC_EXPONENT if left.free_symbols else MAX_EXPONENT
+                if not right.is_number or abs(right) > limit:
+                    raise ValueError("exponent")
+                return left ** right
+        raise ValueError(type(node).__name__)
+
+    try:
+        return build(tree.body)
+    except (ValueError, TypeError, ZeroDivisionError, RecursionError):
+        return None
+
+
+def _symbolic_equal(a: str, b: str) -> bool:
+    import sympy
+
+    x, y = to_sympy(a), to_sympy(b)
+    if x is None or y is None:
+        return False
+    try:
+        diff = sympy.expand(x - y)
+        if diff == 0:
+            return True
+        if not diff.free_symbols:
+            value = complex(sympy.N(diff, 30))
+            return abs(value) < 1e-9
+        return sympy.count_ops(diff) < 60 and sympy.simplify(diff) == 0
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError):
+        return False
+
+
+def _split_top_level(s: str) -> list[str]:
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(s):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def _unwrap(s: str) -> str:
+    """``s`` without one outer pair of () or [] brackets enclosing all of it."""
+    if len(s) >= 2 and s[0] in "([" and s[-1] in ")]":
+        depth = 0
+        for i, ch in enumerate(s):
+            depth += 1 if ch in "([" else -1 if ch in ")]" else 0
+            if depth == 0 and i < len(s) - 1:
+                return s
+        return s[1:-1]
+    return s
+
+
+def is_equiv(pred: str, gold: str) -> bool:
+    """Whether two final answers are the same value (see the module docstring)."""
+    p, g = normalize(pred), normalize(gold)
+    if not p or not g:
+        return False
+    if p == g or p.lower() == g.lower():
+        return True
+    pn, gn = to_number(p), to_number(g)
+    if pn is not None and gn is not None:
+        return pn == gn
+    p_parts, g_parts = _split_top_level(_unwrap(p)), _split_top_level(_unwrap(g))
+    if len(g_parts) > 1 or len(p_parts) > 1:
+        if len(p_parts) != len(g_parts) or len(g_parts) > 6:
+            return False
+        if _unwrap(p) != p or _unwrap(g) != g:
+            # Tuples and intervals are ordered and their brackets matter: (1,2) is not [1,2].
+            return (p[0], p[-1]) == (g[0], g[-1]) and all(
+                is_equiv(a, b) for a, b in zip(p_parts, g_parts))
+        # A bare list of solutions ("2, -3") is unordered.
+        return any(all(is_equiv(a, b) for a, b in zip(perm, g_parts))
+                   for perm in itertools.permutations(p_parts))
+    return _symbolic_equal(p, g)
+
+
+def gold_answer(answer: str) -> str:
+    """The final answer inside a ground-truth field (MATH solution, GSM8K solution or bare)."""
+    boxed = last_boxed(answer)
+    if boxed is not None:
+        return boxed
+    if "####" in answer:
+        return answer.rsplit("####", 1)[1].strip()
+    return answer
+
+
+def final_answer(completion: str) -> str | None:
+    boxed = last_boxed(completion)
+    return boxed if boxed is not None else last_number(completion)
+
+
+@register("math")
+def math_reward(prompts: list[str], completions: list[str], *, answer: list[str],
+                **_: Any) -> list[float]:
+    out = []
+    for completion, gold in zip(completions, answer):
+        pred = final_answer(completion)
+        out.append(1.0 if pred is not None and is_equiv(pred, gold_answer(str(gold))) else 0.0)
+    return out

@@ -1,0 +1,43 @@
+"""Reward registry: ``register(name)`` decorates a reward, ``get(name)`` resolves it.
+
+A reward is ``fn(prompts: list[str], completions: list[str], **fields) -> list[float]`` where
+every field is a list aligned with ``completions`` (e.g. ``answer=[...]``). Rewards must accept
+and ignore unknown fields, because examples carry every column of their source row.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+RewardFn = Callable[..., list[float]]
+
+_REGISTRY: dict[str, RewardFn] = {}
+
+
+def register(name: str) -> Callable[[RewardFn], RewardFn]:
+    def deco(fn: RewardFn) -> RewardFn:
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            raise ValueError(f"reward {name!r} is already registered")
+        _REGISTRY[name] = fn
+        return fn
+    return deco
+
+
+def get(name: str) -> RewardFn:
+    """A registered name, or ``"package.module:function"`` for rewards outside meshrl.rewards
+    (the module is imported, in the reward worker too; config names only, never model text)."""
+    if ":" in name:
+        module, _, attr = name.partition(":")
+        fn = getattr(importlib.import_module(module), attr, None)
+        if not callable(fn):
+            raise KeyError(f"reward {name!r}: {module} has no callable {attr!r}")
+        return fn
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)} (or use "
+                       f"'package.module:function')")
+    return _REGISTRY[name]
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)

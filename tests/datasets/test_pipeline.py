@@ -1,0 +1,179 @@
+"""grain pipelines: batch layout, packing, determinism, sharding, resume, multi-epoch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from meshrl.configs.schema import DataConfig
+from meshrl.datasets import (
+    DatasetError,
+    eval_examples,
+    make_prompt_iterator,
+    make_sft_iterator,
+)
+from meshrl.models.tokenizer import CharTokenizer
+
+TOK = CharTokenizer()
+
+
+def _prompts(batches: list[list[dict]]) -> list[str]:
+    return [ex["prompt"] for batch in batches for ex in batch]
+
+
+def test_sft_batch_has_documented_shapes_dtypes_and_next_token_targets():
+    it = make_sft_iterator(DataConfig(num_examples=50), TOK, batch_size=8, seq_len=40, seed=0,
+                           process_index=1, process_count=2)
+    batch = next(it)
+    dtypes = {"input_ids": np.int32, "targets": np.int32, "loss_mask": np.float32,
+              "positions": np.int32, "segment_ids": np.int32}
+    for name, dtype in dtypes.items():
+        assert batch[name].shape == (4, 40) and batch[name].dtype == dtype, name
+    seg = batch["segment_ids"]
+    inside = (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)
+    # Within a segment, the target at t is the input at t+1.
+    np.testing.assert_array_equal(batch["targets"][:, :-1][inside], batch["input_ids"][:, 1:][inside])
+
+
+def test_packed_segments_restart_positions_and_mask_only_answer_tokens():
+    batch = next(make_sft_iterator(DataConfig(num_examples=50), TOK, batch_size=2, seq_len=64,
+                                   seed=3))
+    for row in range(2):
+        seg, pos = batch["segment_ids"][row], batch["positions"][row]
+        assert seg.max() >= 2  # packing put several examples in the row
+        for s in range(1, seg.max() + 1):
+            where = np.flatnonzero(seg == s)
+            np.testing.assert_array_equal(pos[where], np.arange(len(where)))
+            text = TOK.decode(batch["input_ids"][row, where])
+            a, b = text[:-1].split("=")[0].split("+")
+            trained = batch["targets"][row, where][batch["loss_mask"][row, where] == 1]
+            # The trained targets are exactly the answer digits and EOS.
+            assert trained[-1] == TOK.eos_id
+            assert TOK.decode(trained) == str(int(a) + int(b))
+        pad = seg == 0
+        assert (batch["loss_mask"][row][pad] == 0).all()
+        assert (batch["input_ids"][row][pad] == TOK.pad_id).all()
+
+
+def test_unpacked_rows_hold_one_example_each():
+    batch = next(make_sft_iterator(DataConfig(num_examples=10), TOK, batch_size=4, seq_len=64,
+                                   seed=0, pack=False))
+    assert (batch["segment_ids"].max(axis=1) == 1).all()
+
+
+@pytest.mark.parametrize("kind", ["sft", "prompt"])
+def test_resume_from_json_state_gives_same_continuation_across_epochs(kind: str):
+    data = DataConfig(num_examples=13)
+
+    def make():
+        if kind == "sft":
+            return make_sft_iterator(data, TOK, batch_size=4, seq_len=48, seed=5)
+        return make_prompt_iterator(data, TOK, batch_size=4, seed=5)
+
+    it = make()
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))
+    expected = [next(it) for _ in range(6)]  # crosses several epoch boundaries
+    resumed = make()
+    resumed.set_state(state)
+    got = [next(resumed) for _ in range(6)]
+    if kind == "sft":
+        for e, g in zip(expected, got):
+            for k in e:
+                np.testing.assert_array_equal(e[k], g[k])
+    else:
+        assert got == expected
+    assert resumed.stats == it.stats
+
+
+def test_set_state_from_a_different_pipeline_is_rejected():
+    a = make_prompt_iterator(DataConfig(num_examples=10), TOK, batch_size=2, seed=0)
+    b = make_prompt_iterator(DataConfig(num_examples=10), TOK, batch_size=2, seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        b.set_state(a.get_state())
+
+
+def test_two_process_sharding_splits_each_epoch_with_no_overlap_and_no_loss():
+    data = DataConfig(num_examples=24, difficulty=4)  # 4 digits: no duplicate prompts
+    shards = [make_prompt_iterator(data, TOK, batch_size=8, seed=7, process_index=p,
+                                   process_count=2) for p in range(2)]
+    per_process = [_prompts([next(it) for _ in range(3)]) for it in shards]  # 24 = one epoch
+    assert set(per_process[0]).isdisjoint(per_process[1])
+    single = make_prompt_iterator(data, TOK, batch_size=8, seed=7)
+    everything = _prompts([next(single) for _ in range(3)])
+    assert sorted(per_process[0] + per_process[1]) == sorted(everything)
+    assert len(set(everything)) == len(everything)  # one epoch: each example exactly once
+
+
+def test_shuffle_is_deterministic_per_seed_and_reshuffles_each_epoch():
+    data = DataConfig(num_examples=16)
+
+    def order(seed: int) -> list[str]:
+        it = make_prompt_iterator(data, TOK, batch_size=16, seed=seed)
+        return _prompts([next(it), next(it)])
+
+    first, again, other = order(0), order(0), order(1)
+    assert first == again and first != other
+    epoch0, epoch1 = first[:16], first[16:]
+    assert sorted(epoch0) == sorted(epoch1) and epoch0 != epoch1
+
+
+def test_overlong_prompts_are_dropped_and_counted():
+    data = DataConfig(source="countdown", num_examples=20, max_prompt_len=255)
+    lengths = []
+    it = make_prompt_iterator(data, TOK, batch_size=4, seed=0)
+    for _ in range(10):
+        lengths += [len(ex["prompt_ids"]) for ex in next(it)]
+    assert max(lengths) <= 255
+    assert it.stats["dropped_overlong_prompt"] > 0
+    assert it.stats["examples"] == 40
+
+
+def test_overlong_prompt_with_on_overlong_raise_names_the_example():
+    data = DataConfig(source="countdown", num_examples=5, max_prompt_len=16, on_overlong="raise")
+    with pytest.raises(DatasetError, match=r"countdown\[stream=0, index=\d\]: prompt has \d+ "
+                                           r"tokens > data.max_prompt_len = 16"):
+        next(make_prompt_iterator(data, TOK, batch_size=1, seed=0))
+
+
+def test_sequences_over_seq_len_are_dropped_and_counted():
+    # "123+456=" is 9 prompt ids with BOS; a 3-digit sum + EOS gives 12 positions, 4 digits 13.
+    data = DataConfig(num_examples=40, difficulty=3)
+    it = make_sft_iterator(data, TOK, batch_size=4, seq_len=12, seed=0)
+    for _ in range(5):
+        batch = next(it)
+        trained = batch["targets"][batch["loss_mask"] == 1]
+        assert len(TOK.decode(trained)) == 3 * int(batch["segment_ids"].astype(bool).any(1).sum())
+    assert it.stats["dropped_overlong_sequence"] > 0
+
+
+def test_when_every_example_is_overlong_the_iterator_raises_instead_of_spinning():
+    data = DataConfig(num_examples=6, max_prompt_len=2)
+    with pytest.raises(DatasetError, match="every example is dropped"):
+        next(make_sft_iterator(data, TOK, batch_size=2, seq_len=32, seed=0))
+
+
+def test_batch_size_not_divisible_by_process_count_is_rejected():
+    with pytest.raises(ValueError, match="divisible by process_count"):
+        make_prompt_iterator(DataConfig(), TOK, batch_size=3, seed=0, process_count=2)
+
+
+def test_prompt_examples_carry_reward_fields_and_bos_prefixed_ids():
+    data = DataConfig(source="countdown", num_examples=8, max_prompt_len=400)
+    ex = next(make_prompt_iterator(data, TOK, batch_size=2, seed=0))[0]
+    assert {"prompt", "prompt_ids", "answer", "numbers", "target"} <= set(ex)
+    assert ex["prompt_ids"][0] == TOK.bos_id and TOK.decode(ex["prompt_ids"]) == ex["prompt"]
+    assert "messages" not in ex and "origin" not in ex
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "countdown"])
+def test_eval_examples_are_disjoint_from_the_training_set(source: str):
+    data = DataConfig(source=source, num_examples=300, eval_examples=50, max_prompt_len=400)
+    train = set(_prompts([next(make_prompt_iterator(data, TOK, batch_size=300, seed=0))]))
+    held_out = eval_examples(data, TOK)
+    assert len(held_out) == 50
+    assert train.isdisjoint(ex["prompt"] for ex in held_out)
+    assert all(ex["prompt_ids"] for ex in held_out)

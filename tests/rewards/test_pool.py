@@ -1,0 +1,111 @@
+"""RewardPool: timeouts, errors and dead workers become counted zeros; weights compose."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from meshrl.configs.schema import RewardConfig
+from meshrl.rewards import RewardPool
+
+H = "meshrl.tests.rewards.helpers:"
+
+
+@pytest.fixture
+def make_pool():
+    pools: list[RewardPool] = []
+
+    def make(*args, **kwargs) -> RewardPool:
+        pools.append(RewardPool(*args, **kwargs))
+        return pools[-1]
+
+    yield make
+    for pool in pools:
+        pool.close()
+
+
+def test_reward_that_sleeps_forever_scores_zero_within_the_timeout(make_pool):
+    pool = make_pool([H + "sleep_forever"], timeout_s=0.5, num_workers=2)
+    start = time.monotonic()
+    rewards = pool.score(["p", "q"], ["a", "b"])
+    elapsed = time.monotonic() - start
+    assert rewards == [0.0, 0.0]
+    assert pool.counters["timeouts"] == 2 and pool.counters["errors"] == 0
+    assert elapsed < 0.5 + 10.0  # 0.5 s per call in parallel + worker start-up
+    assert pool.metrics()["reward/timeouts"] == 2.0
+
+
+def test_hung_worker_is_replaced_and_later_calls_still_score(make_pool):
+    pool = make_pool([H + "hangs_on_marker"], timeout_s=0.5, num_workers=1)
+    assert pool.score(["p", "p", "p"], ["abc", "HANG", "hello"]) == [3.0, 0.0, 5.0]
+    assert pool.counters["timeouts"] == 1 and pool.counters["worker_restarts"] == 1
+    assert pool.score(["p"], ["four"]) == [4.0]
+
+
+@pytest.mark.parametrize("name", ["always_raises", "returns_nan", "kills_worker"])
+def test_failing_reward_scores_zero_and_counts_an_error(make_pool, name: str):
+    pool = make_pool([H + name], timeout_s=0.5, num_workers=1)
+    assert pool.score(["p", "q"], ["a", "b"]) == [0.0, 0.0]
+    assert pool.counters["errors"] == 2 and pool.counters["timeouts"] == 0
+
+
+def test_weighted_composition_follows_reward_config(make_pool):
+    config = RewardConfig(names=("math", "format"), weights=(1.0, 0.5), timeout_s=5.0,
+                          num_workers=2)
+    pool = RewardPool.from_config(config)
+    try:
+        completions = ["<think>2+2</think><answer>\\boxed{4}</answer>", "4", "<think>x</think>"
+                       "<answer>5</answer>"]
+        assert pool.score(["q"] * 3, completions, answer=["4"] * 3) == [1.5, 1.0, 0.5]
+        components = pool.score_components(["q"], ["4"], answer=["4"])
+        assert components == {"math": [1.0], "format": [0.0]}
+    finally:
+        pool.close()
+
+
+def test_ascore_does_not_block_the_event_loop(make_pool):
+    pool = make_pool([H + "sleep_forever"], timeout_s=0.5, num_workers=1)
+
+    async def main() -> tuple[list[float], int]:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.05)
+                ticks += 1
+
+        task = asyncio.create_task(ticker())
+        rewards = await pool.ascore(["p"], ["a"])
+        task.cancel()
+        return rewards, ticks
+
+    rewards, ticks = asyncio.run(main())
+    assert rewards == [0.0] and ticks >= 5
+
+
+def test_unknown_reward_or_mismatched_fields_fail_fast():
+    with pytest.raises(KeyError, match="unknown reward 'maths'"):
+        RewardPool(["maths"])
+    with pytest.raises(ValueError, match="one weight each"):
+        RewardPool(["math"], [1.0, 2.0])
+    pool = RewardPool(["math"])
+    with pytest.raises(ValueError, match="need 2 entries"):
+        pool.score(["a", "b"], ["1", "2"], answer=["1"])
+    pool.close()
+
+
+def test_empty_batch_scores_nothing_without_starting_workers():
+    pool = RewardPool(["math"])
+    assert pool.score([], [], answer=[]) == [] and pool._workers == []
+    pool.close()
+
+
+def test_math_reward_bounds_symbolic_work_so_adversarial_powers_fail_fast():
+    from meshrl.rewards import get
+
+    start = time.monotonic()
+    assert get("math")(["q"], ["\\boxed{(a+b+c+d)^{99}}"], answer=["x"]) == [0.0]
+    assert time.monotonic() - start < 2.0
