@@ -187,6 +187,64 @@ class RolloutConfig(Section):
     max_staleness: int = field(1, "Oldest allowed weight-version lag; 0 is synchronous RL.",
                                at_least(0))
     filter_equal_groups: bool = field(True, "Drop groups whose rewards are all equal (counted).")
+    max_turns: int = field(1, "Model turns per episode; > 1 runs a multi-turn environment.",
+                           at_least(1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(Section):
+    _section = "rl"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = field(
+        "grpo", "Advantage estimator: grpo (group mean/std), drgrpo (group mean only), rloo "
+                "(leave-one-out baseline), reinforce_pp (REINFORCE++: whole-batch normalised).")
+    policy_loss: Literal["ppo", "decoupled_ppo", "gspo"] = field(
+        "decoupled_ppo", "Policy loss: ppo (ratio vs behaviour), decoupled_ppo (AReaL: ratio vs "
+                         "the proximal policy times a capped behaviour weight), gspo "
+                         "(sequence-level ratio).")
+    eps_low: float = field(0.2, "Lower clip: the ratio is clipped at 1 - eps_low; in [0, 1).",
+                           at_least(0.0))
+    eps_high: float = field(0.28, "Upper clip: the ratio is clipped at 1 + eps_high (DAPO "
+                                  "clip-higher when > eps_low).", at_least(0.0))
+    aggregation: Literal["token_mean", "sequence_mean"] = field(
+        "token_mean", "Loss aggregation: mean over all loss tokens, or mean of per-sequence "
+                      "token means.")
+    kl_coef: float = field(0.0, "Weight of the KL to the reference model; 0 disables.",
+                           at_least(0.0))
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        "k3", "KL estimator (Schulman): k1 = log-ratio, k2 = half squared log-ratio, k3 = "
+              "ratio - 1 - log-ratio.")
+    kl_where: Literal["loss", "reward"] = field(
+        "loss", "Apply the KL penalty in the loss, or subtract it from the sequence reward.")
+    entropy_coef: float = field(0.0, "Weight of the entropy bonus; 0 disables.", at_least(0.0))
+    dual_clip_c: float = field(0.0, "Dual-clip bound c for negative advantages; 0 disables, "
+                                    "otherwise must be > 1.", at_least(0.0))
+    behav_weight_cap: float = field(5.0, "decoupled_ppo: cap on pi_prox / pi_behav; tokens above "
+                                         "it are masked out; 0 disables, otherwise must be >= 1.",
+                                    at_least(0.0))
+    adv_eps: float = field(1e-6, "Epsilon added to standard deviations in advantages.",
+                           at_least(0.0))
+    overlong_buffer: int = field(0, "DAPO soft overlong punishment: linear penalty over the last "
+                                    "overlong_buffer tokens before overlong_max_len; 0 disables.",
+                                 at_least(0))
+    overlong_max_len: int = field(0, "Completion length at which the overlong penalty reaches "
+                                     "-overlong_penalty; must exceed overlong_buffer when on.",
+                                  at_least(0))
+    overlong_penalty: float = field(1.0, "Largest overlong penalty (subtracted from the reward).",
+                                    at_least(0.0))
+
+    def validate(self) -> None:
+        if self.eps_low >= 1.0:
+            raise ConfigError(f"rl.eps_low = {self.eps_low}: must be < 1 (the ratio is clipped "
+                              f"at 1 - eps_low > 0)")
+        if 0.0 < self.dual_clip_c <= 1.0:
+            raise ConfigError(f"rl.dual_clip_c = {self.dual_clip_c}: must be 0 (off) or > 1")
+        if 0.0 < self.behav_weight_cap < 1.0:
+            raise ConfigError(f"rl.behav_weight_cap = {self.behav_weight_cap}: must be 0 (off) "
+                              f"or >= 1 (a cap below 1 masks on-policy tokens)")
+        if self.overlong_buffer and self.overlong_max_len <= self.overlong_buffer:
+            raise ConfigError(f"rl.overlong_max_len = {self.overlong_max_len}: must be > "
+                              f"rl.overlong_buffer = {self.overlong_buffer} when the overlong "
+                              f"penalty is on")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +255,8 @@ class RewardConfig(Section):
     timeout_s: float = field(5.0, "Per-call timeout; a timeout gives reward 0 and is counted.",
                              at_least(0.001))
     num_workers: int = field(2, "Reward process-pool size.", at_least(1))
+    format_template: str = field("<think>...</think><answer>...</answer>",
+                                 "Template of the 'format' reward; '...' is any non-blank text.")
 
     def validate(self) -> None:
         if len(self.names) != len(self.weights):
@@ -210,19 +270,29 @@ class DataConfig(Section):
     source: Literal["arithmetic", "countdown", "jsonl", "parquet"] = field(
         "arithmetic", "Synthetic task or file format of data.path.")
     path: str = field("", "Local JSONL/Parquet file (for source jsonl/parquet).")
+    eval_path: str = field("", "Local held-out file in the same format (file sources); empty: no "
+                               "held-out set. Synthetic sources hold out a disjoint seed stream.")
     prompt_field: str = field("question", "Record field with the prompt.")
     answer_field: str = field("answer", "Record field with the ground truth.")
     max_prompt_len: int = field(128, "Longest prompt in tokens.", at_least(1))
-    on_overlong: Literal["drop", "raise"] = field("drop", "Over-long prompts: drop and count, "
+    on_overlong: Literal["drop", "raise"] = field("drop", "Over-long prompts (and SFT sequences "
+                                                          "over trainer.seq_len): drop and count, "
                                                           "or raise.")
     num_examples: int = field(2000, "Synthetic examples to generate.", at_least(1))
-    eval_examples: int = field(200, "Held-out synthetic examples.", at_least(0))
-    difficulty: int = field(2, "Synthetic difficulty (digits / numbers).", at_least(1))
-    shuffle_seed: int = field(0, "Seed of the deterministic shuffle.")
+    eval_examples: int = field(200, "Held-out examples (synthetic, or first rows of "
+                                    "data.eval_path).", at_least(0))
+    difficulty: int = field(2, "Synthetic difficulty: arithmetic operand digits; countdown "
+                               "uses difficulty + 1 numbers.", at_least(1))
+    ops: tuple[str, ...] = field(("+",), "Arithmetic operators to sample from ('+', '-', '*').")
+    shuffle_seed: int = field(0, "Seed of synthetic generation; mixed with trainer.seed for the "
+                                 "deterministic shuffle.")
 
     def validate(self) -> None:
         if self.source in ("jsonl", "parquet") and not self.path:
             raise ConfigError(f"data.path = '': required when data.source = {self.source!r}")
+        if not self.ops or any(op not in ("+", "-", "*") for op in self.ops):
+            raise ConfigError(f"data.ops = {self.ops}: must be a non-empty subset of "
+                              f"('+', '-', '*')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +335,7 @@ class DistributedConfig(Section):
 SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
-                RolloutConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
+                RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
                 DistributedConfig)
 }
 
@@ -281,6 +351,7 @@ class Config:
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)

@@ -1,0 +1,29 @@
+"""Flax NNX decoders (Llama 3.x, Qwen2/2.5, Qwen3), KV cache, and HF safetensors import/export."""
+
+from meshrl.models.decoder import (
+    Decoder,
+    abstract_model,
+    create_model,
+    flops_per_token,
+    forward,
+    param_count,
+    split_model,
+)
+from meshrl.models.hf import (
+    CheckpointError,
+    hf_config_from_model,
+    load_hf_checkpoint,
+    load_hf_config,
+    model_config_from_hf,
+    model_from_config,
+    save_hf_checkpoint,
+)
+from meshrl.models.kv_cache import CACHE_AXES, KVCache
+from meshrl.models.sharding import ShardingContext, logical_axes, param_shardings
+
+__all__ = [
+    "CACHE_AXES", "CheckpointError", "Decoder", "KVCache", "ShardingContext", "abstract_model",
+    "create_model", "flops_per_token", "forward", "hf_config_from_model", "load_hf_checkpoint", "load_hf_config",
+    "logical_axes", "model_config_from_hf", "model_from_config", "param_count", "param_shardings", "save_hf_checkpoint",
+    "split_model",
+]

@@ -1,0 +1,33 @@
+"""Async rollout episodes (single-turn RLVR, multi-turn), staleness control, the rollout runner
+and the one ``RolloutBatch`` struct that crosses to the trainer."""
+
+from meshrl.workflows.batch import (
+    TRAIN_BATCH_KEYS,
+    RolloutBatch,
+    Trajectory,
+    bucket_length,
+    build_rollout_batch,
+)
+from meshrl.workflows.episode import (
+    Engine,
+    Environment,
+    EnvStep,
+    EpisodeSettings,
+    RewardScorer,
+    arun_episode,
+    arun_group,
+)
+from meshrl.workflows.runner import (
+    PromptsExhaustedError,
+    RolloutRunner,
+    group_episode_fn,
+)
+from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_runner
+from meshrl.workflows.staleness import StalenessController
+
+__all__ = [
+    "TRAIN_BATCH_KEYS", "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
+    "RewardScorer", "RolloutBatch", "RolloutRunner", "StalenessController", "Trajectory",
+    "arun_episode", "arun_group", "bucket_length", "build_rollout_batch", "episode_settings",
+    "group_episode_fn", "make_rollout_batch", "make_runner",
+]

@@ -1,0 +1,247 @@
+"""The decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3) and its functional helpers."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshrl.configs.schema import ModelConfig
+from meshrl.mesh.rules import Rules, rules_for
+from meshrl.models.attention import Attention
+from meshrl.models.kv_cache import KVCache
+from meshrl.models.layers import MLP, RMSNorm, dtype_of, param
+from meshrl.models.rope import inv_frequencies, rope_tables
+from meshrl.models.sharding import ShardingContext, constrain, param_shardings
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    # Keep weight matmul outputs (no batch dims), recompute attention and elementwise work.
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sharding: ShardingContext | None):
+        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
+                                 param_dtype=pd)
+        self.attn = Attention(cfg, rngs=rngs, sharding=sharding)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
+                                param_dtype=pd)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd,
+                       compute_dtype=cd, sharding=sharding)
+        self.sharding = sharding
+
+    def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
+                 positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
+                 cache: tuple[jax.Array, jax.Array] | None = None, layer: int = 0,
+                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        h, cache = self.attn(self.attn_norm(x_BxLxD), cos_BxLxH, sin_BxLxH, positions_BxL,
+                             segment_ids_BxL, cache, layer)
+        x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
+        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
+        return constrain(x_BxLxD, ("batch", "length", "act_embed"), self.sharding), cache
+
+
+def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
+               seg: jax.Array) -> jax.Array:
+    return block(x, cos, sin, pos, seg)[0]
+
+
+class Decoder(nnx.Module):
+    """Token ids -> logits. ``model(ids, positions=None, segment_ids=None)`` -> logits [B, L, V];
+    with ``cache=KVCache`` returns ``(logits, new_cache)``.
+
+    Segment ids pack several sequences in one row: no attention across different ids; id 0 is
+    padding (it only attends to padding). Positions default to 0..L-1 and drive RoPE (and, with a
+    cache, where k/v are written and which entries are visible). With a cache, segment ids are
+    ignored: each slot holds one sequence (see ``kv_cache``).
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 sharding: ShardingContext | None = None):
+        pd = dtype_of(cfg.param_dtype)
+        self.cfg = cfg
+        self.sharding = sharding
+        self.embed = param(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd)
+        if cfg.scan_layers:
+            # One Block whose params carry a leading "layers" axis; the forward scans over it.
+            self.layers = _stacked_blocks(cfg, rngs, sharding)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs, sharding=sharding)
+                                    for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
+                                  param_dtype=pd)
+        self.lm_head = (None if cfg.tie_embeddings else
+                        param(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd))
+
+    def __call__(self, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None = None,
+                 segment_ids_BxL: jax.Array | None = None, *, cache: KVCache | None = None,
+                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+        cfg, ctx = self.cfg, self.sharding
+        B, L = input_ids_BxL.shape
+        cd = dtype_of(cfg.compute_dtype)
+        if positions_BxL is None:
+            if cache is not None:
+                raise ValueError("a KV-cache forward needs explicit positions_BxL")
+            positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+        if segment_ids_BxL is None:
+            segment_ids_BxL = jnp.ones((B, L), jnp.int32)
+        assert positions_BxL.shape == (B, L), (positions_BxL.shape, (B, L))
+        assert segment_ids_BxL.shape == (B, L), (segment_ids_BxL.shape, (B, L))
+
+        x_BxLxD = jnp.take(self.embed[...], input_ids_BxL, axis=0).astype(cd)
+        x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"), ctx)
+        cos_BxLxH, sin_BxLxH = rope_tables(positions_BxL, inv_frequencies(cfg))
+
+        kv = None if cache is None else (cache.k, cache.v)
+        if cfg.scan_layers:
+            x_BxLxD, kv = self._scan(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                     segment_ids_BxL, kv)
+        elif kv is not None:
+            for i, block in enumerate(self.layers):
+                x_BxLxD, kv = block(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                    segment_ids_BxL, kv, i)
+        else:
+            run = _run_block
+            if cfg.remat != "none":
+                run = nnx.remat(_run_block, policy=_REMAT_POLICIES[cfg.remat])
+            for block in self.layers:
+                x_BxLxD = run(block, x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                              segment_ids_BxL)
+        if kv is not None:
+            cache = KVCache(*kv)
+
+        x_BxLxD = self.final_norm(x_BxLxD)
+        if self.lm_head is None:
+            logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.embed[...].astype(cd))
+        else:
+            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...].astype(cd))
+        logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"), ctx)
+        assert logits_BxLxV.shape == (B, L, cfg.vocab_size), logits_BxLxV.shape
+        return logits_BxLxV if cache is None else (logits_BxLxV, cache)
+
+    def _scan(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
+              positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
+              kv: tuple[jax.Array, jax.Array] | None,
+              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+        """Layers as a lax.scan over the stacked params. The KV cache rides in the carry (not
+        in xs/ys) so each layer's write is an in-place update at a traced layer index."""
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(carry, xs):
+            x, kv = carry
+            layer_params, i = xs
+            block = nnx.merge(graphdef, layer_params)
+            return block(x, cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL, kv, i), None
+
+        if self.cfg.remat != "none" and kv is None:
+            # prevent_cse=False is safe (and faster) inside scan, per the jax.checkpoint docs.
+            body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],
+                                  prevent_cse=False)
+        layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
+        (x_BxLxD, kv), _ = jax.lax.scan(body, (x_BxLxD, kv), (stacked, layer_ids))
+        return x_BxLxD, kv
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, sharding: ShardingContext | None,
+                    ) -> Block:
+    @nnx.split_rngs(splits=cfg.num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=cfg.num_layers)
+    def make(layer_rngs: nnx.Rngs) -> Block:
+        return Block(cfg, rngs=layer_rngs, sharding=sharding)
+
+    blocks = make(rngs)
+    for _, var in nnx.iter_graph(blocks):
+        if isinstance(var, nnx.Param):
+            names = ("layers",) + tuple(var.get_metadata()["logical_axes"])
+            var.set_metadata("logical_axes", names)
+    return blocks
+
+
+# ---- functional helpers for jit boundaries ------------------------------------------------
+
+
+def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params); the model holds nothing but Params, so this is the whole state."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    assert not jax.tree.leaves(rest), f"model has non-Param state: {rest}"
+    return graphdef, params
+
+
+def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
+            positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
+            cache: KVCache | None = None) -> Any:
+    """Pure forward over params: logits, or (logits, cache) when a cache is given."""
+    model = nnx.merge(graphdef, params)
+    if cache is None:
+        return model(input_ids_BxL, positions_BxL, segment_ids_BxL)
+    return model(input_ids_BxL, positions_BxL, segment_ids_BxL, cache=cache)
+
+
+def abstract_model(cfg: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
+                   seed: int = 0) -> Decoder:
+    """The model with ShapeDtypeStruct params: nothing is allocated."""
+    ctx = _context(mesh, rules)
+    return nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed), sharding=ctx))
+
+
+def _context(mesh: Mesh | None, rules: Rules | None) -> ShardingContext | None:
+    if mesh is None:
+        return None
+    return ShardingContext(mesh, rules if rules is not None else rules_for("train"))
+
+
+def create_model(cfg: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
+                 seed: int = 0) -> Decoder:
+    """Random init; with a mesh every param is born in its NamedSharding (jit out_shardings),
+    so no device ever holds a full replica of a sharded weight. ``rules`` default to train."""
+    ctx = _context(mesh, rules)
+    graphdef, init = _initializer(cfg, ctx)
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+@functools.lru_cache(maxsize=8)
+def _initializer(cfg: ModelConfig, ctx: ShardingContext | None,
+                 ) -> tuple[nnx.GraphDef, Callable[[jax.Array], nnx.State]]:
+    """Jitted init per (config, sharding), the seed traced: re-creating a model (new seed, tests,
+    restarts in one process) reuses the compiled initializer."""
+
+    def init(key: jax.Array) -> nnx.State:
+        return split_model(Decoder(cfg, rngs=nnx.Rngs(key), sharding=ctx))[1]
+
+    graphdef, abstract_params = split_model(
+        nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(0), sharding=ctx)))
+    if ctx is None:
+        return graphdef, jax.jit(init)
+    return graphdef, jax.jit(init, out_shardings=param_shardings(abstract_params, ctx.mesh,
+                                                                  ctx.rules))
+
+
+def param_count(cfg: ModelConfig) -> int:
+    """Parameters (tied embeddings counted once), computed abstractly."""
+    params = split_model(abstract_model(cfg))[1]
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: 6 * matmul params + attention (Kaplan/PaLM convention).
+
+    Matmul params exclude the embedding lookup but include the output head (also when tied:
+    the matmul still runs). Attention adds 6 * 2 * layers * heads * head_dim * seq_len (QK^T and
+    PV, forward + backward, no discount for the causal mask), as in the PaLM MFU appendix.
+    """
+    D, F, N, K, H = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.resolved_head_dim)
+    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F
+    matmul_params = cfg.num_layers * per_layer + D * cfg.vocab_size
+    attention = 12 * cfg.num_layers * N * H * seq_len
+    return float(6 * matmul_params + attention)

@@ -1,0 +1,109 @@
+"""HF config conversion: supported fields round-trip, unsupported ones fail naming the thing,
+real-size configs build abstractly, broken checkpoints fail naming the tensor."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import pytest
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import ModelConfig
+from meshrl.models import (
+    CheckpointError,
+    abstract_model,
+    flops_per_token,
+    hf_config_from_model,
+    load_hf_checkpoint,
+    load_hf_config,
+    model_config_from_hf,
+    param_count,
+    split_model,
+)
+
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 151936,
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True,
+    "hidden_act": "silu", "use_sliding_window": False, "sliding_window": 32768,
+    "max_window_layers": 21, "torch_dtype": "bfloat16",
+}
+
+
+def test_qwen25_05b_config_builds_abstractly_with_494m_params(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
+
+    cfg = load_hf_config(tmp_path)
+    _, params = split_model(abstract_model(cfg))
+
+    leaves = jax.tree.leaves(params)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+    assert cfg.tie_embeddings and cfg.attention_bias and cfg.resolved_head_dim == 64
+    assert param_count(cfg) == 494_032_768  # the published Qwen2.5-0.5B count
+    # Training FLOPs/token: dominated by 6N (N counts the tied head's matmul too).
+    assert 6 * 494e6 < flops_per_token(cfg, 2048) < 6 * 494e6 * 1.5
+
+
+@pytest.mark.parametrize("cfg", [
+    ModelConfig(arch="llama", rope_scaling="llama3", rope_scaling_factor=8.0,
+                rope_theta=500000.0),
+    ModelConfig(arch="llama", rope_scaling="linear", rope_scaling_factor=2.0),
+    ModelConfig(arch="qwen2", attention_bias=True, tie_embeddings=True),
+    ModelConfig(arch="qwen3", qk_norm=True, head_dim=32),
+])
+def test_model_config_round_trips_through_hf_config(cfg):
+    assert model_config_from_hf(hf_config_from_model(cfg)) == cfg
+
+
+def test_transformers_4_style_rope_scaling_is_read():
+    hf = {**hf_config_from_model(ModelConfig(arch="llama")), "rope_parameters": None,
+          "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
+
+    cfg = model_config_from_hf(hf)
+
+    assert (cfg.rope_theta, cfg.rope_scaling, cfg.rope_scaling_factor) == (500000.0, "linear",
+                                                                          4.0)
+
+
+@pytest.mark.parametrize("change, named", [
+    ({"model_type": "gpt2"}, "'gpt2'"),
+    ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+     "low_freq_factor"),
+    ({"use_sliding_window": True}, "use_sliding_window"),
+    ({"num_local_experts": 8}, "num_local_experts"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_hf_config_fails_naming_the_field(change, named):
+    hf = {**hf_config_from_model(ModelConfig(arch="llama")), **change}
+
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
+        model_config_from_hf(hf)
+
+
+def test_missing_tensor_fails_naming_it(hf_checkpoint):
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("qwen2_untied")
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    save_file(tensors, path / "model.safetensors")
+
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_hf_checkpoint(path)
+
+
+def test_wrong_tensor_shape_fails_naming_it(hf_checkpoint):
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("llama")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:10]
+    save_file(tensors, path / "model.safetensors")
+
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
+        load_hf_checkpoint(path)

@@ -1,0 +1,113 @@
+"""Advantage estimators, chosen by name (``rl.advantage``): small pure functions in a registry.
+
+Every estimator maps group rewards ``[G, N]`` (G prompts, N samples each) to advantages of the same
+shape. They are pure and jit-able; ``token_advantages`` broadcasts per-sequence advantages onto the
+loss tokens. Reward shaping that happens before the estimator (the DAPO overlong penalty) lives
+here too, so the rollout side and the trainer side share one definition.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import jax
+import jax.numpy as jnp
+
+F = TypeVar("F", bound=Callable)
+
+
+class Registry(Generic[F]):
+    """Name -> function; ``register`` decorates, ``get`` resolves with a helpful error."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        def deco(fn: F) -> F:
+            if name in self._fns and self._fns[name] is not fn:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._fns[name] = fn
+            return fn
+        return deco
+
+    def get(self, name: str) -> F:
+        if name not in self._fns:
+            raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._fns)}")
+        return self._fns[name]
+
+    def names(self) -> list[str]:
+        return sorted(self._fns)
+
+
+AdvantageFn = Callable[..., jax.Array]  # (rewards_GxN, *, eps) -> advantages_GxN
+_ADVANTAGES: Registry[AdvantageFn] = Registry("advantage")
+register = _ADVANTAGES.register
+get = _ADVANTAGES.get
+names = _ADVANTAGES.names
+
+
+@register("grpo")
+def grpo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
+    """GRPO: standardise within each group (population std, as in DeepSeekMath)."""
+    rewards_GxN = rewards_GxN.astype(jnp.float32)
+    mean_Gx1 = rewards_GxN.mean(-1, keepdims=True)
+    std_Gx1 = rewards_GxN.std(-1, keepdims=True)
+    return (rewards_GxN - mean_Gx1) / (std_Gx1 + eps)
+
+
+@register("drgrpo")
+def drgrpo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
+    """Dr. GRPO: subtract the group mean only; dividing by the std biases towards easy/hard
+    prompts (Liu et al. 2025). ``eps`` is accepted for a uniform signature and unused."""
+    del eps
+    rewards_GxN = rewards_GxN.astype(jnp.float32)
+    return rewards_GxN - rewards_GxN.mean(-1, keepdims=True)
+
+
+@register("rloo")
+def rloo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
+    """RLOO: baseline is the mean of the *other* N-1 samples, i.e. N/(N-1) * (r - group mean).
+    A group of one has no baseline and gets advantage 0."""
+    del eps
+    rewards_GxN = rewards_GxN.astype(jnp.float32)
+    n = rewards_GxN.shape[-1]
+    if n == 1:
+        return jnp.zeros_like(rewards_GxN)
+    return (rewards_GxN - rewards_GxN.mean(-1, keepdims=True)) * (n / (n - 1))
+
+
+@register("reinforce_pp")
+def reinforce_pp(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
+    """REINFORCE++ (Hu 2025): no critic and no per-group baseline; rewards are normalised over
+    the whole batch, which keeps the scale stable without the group-std bias."""
+    rewards_GxN = rewards_GxN.astype(jnp.float32)
+    return (rewards_GxN - rewards_GxN.mean()) / (rewards_GxN.std() + eps)
+
+
+def compute(name: str, rewards_B: jax.Array, group_size: int, *, eps: float = 1e-6) -> jax.Array:
+    """Flat rewards of contiguous groups (``[G * N]``, group g = rows g*N..g*N+N-1) -> ``[B]``."""
+    B = rewards_B.shape[0]
+    assert B % group_size == 0, f"batch {B} is not a whole number of groups of {group_size}"
+    rewards_GxN = rewards_B.reshape(B // group_size, group_size)
+    return get(name)(rewards_GxN, eps=eps).reshape(B)
+
+
+def token_advantages(advantages_B: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
+    """Broadcast per-sequence advantages onto the loss tokens; 0 elsewhere."""
+    assert advantages_B.shape == loss_mask_BxL.shape[:1], (advantages_B.shape, loss_mask_BxL.shape)
+    return advantages_B[:, None].astype(jnp.float32) * loss_mask_BxL.astype(jnp.float32)
+
+
+def overlong_penalty(lengths_B: jax.Array, *, max_len: int, buffer: int,
+                     penalty: float = 1.0) -> jax.Array:
+    """DAPO soft overlong punishment (Yu et al. 2025, eq. 13), a value in [-penalty, 0] to add
+    to each reward: 0 up to ``max_len - buffer`` generated tokens, then linear down to
+    ``-penalty`` at ``max_len``, and ``-penalty`` beyond. Truncated answers are penalised softly
+    instead of being rewarded or zeroed abruptly, which DAPO found reduces reward noise."""
+    if buffer <= 0:
+        return jnp.zeros(lengths_B.shape, jnp.float32)
+    assert max_len > buffer, f"max_len {max_len} must exceed buffer {buffer}"
+    over_B = lengths_B.astype(jnp.float32) - (max_len - buffer)
+    return -penalty * jnp.clip(over_B / buffer, 0.0, 1.0)

@@ -1,0 +1,57 @@
+"""KL-to-reference estimators (``rl.kl_estimator``) and the entropy of the policy.
+
+Schulman's estimators of KL(pi || ref) from samples of pi, per token, with
+``log_ratio = logp - ref_logp``:
+  k1 = log_ratio                              (unbiased, high variance, can be negative)
+  k2 = 0.5 * log_ratio**2                     (biased, low variance, >= 0)
+  k3 = exp(-log_ratio) - 1 + log_ratio        (unbiased, low variance, >= 0)
+All are pure and jit-able. ``kl_in_reward`` is the "KL in the reward" variant: the summed
+per-token KL of each sequence is subtracted from its reward before advantages are computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from meshrl.trainer.advantages import Registry
+
+KLFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logprobs_BxL, ref_logprobs_BxL) -> BxL
+_KL: Registry[KLFn] = Registry("kl estimator")
+register = _KL.register
+get = _KL.get
+
+
+@register("k1")
+def k1(logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array) -> jax.Array:
+    return logprobs_BxL - ref_logprobs_BxL
+
+
+@register("k2")
+def k2(logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array) -> jax.Array:
+    return 0.5 * jnp.square(logprobs_BxL - ref_logprobs_BxL)
+
+
+@register("k3")
+def k3(logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array) -> jax.Array:
+    # Clamp the log-ratio: exp of a large negative log-ratio overflows in float32 and one bad
+    # token would turn the whole loss into inf.
+    log_ratio_BxL = jnp.clip(logprobs_BxL - ref_logprobs_BxL, -20.0, 20.0)
+    return jnp.exp(-log_ratio_BxL) - 1.0 + log_ratio_BxL
+
+
+def kl_in_reward(rewards_B: jax.Array, logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array,
+                 loss_mask_BxL: jax.Array, *, coef: float, estimator: str = "k1") -> jax.Array:
+    """Rewards minus ``coef`` times each sequence's summed per-token KL (masked tokens: 0).
+    The KL is a constant of the reward, so it carries no gradient."""
+    kl_BxL = get(estimator)(logprobs_BxL, ref_logprobs_BxL) * loss_mask_BxL
+    return rewards_B - coef * jax.lax.stop_gradient(kl_BxL.sum(-1))
+
+
+def entropy_from_logits(logits_BxLxV: jax.Array) -> jax.Array:
+    """Entropy of softmax(logits) per position, in float32 whatever the compute dtype."""
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
+    return -(jnp.exp(logp_BxLxV) * logp_BxLxV).sum(-1)

@@ -1,0 +1,265 @@
+"""Policy losses of the PPO family, chosen by name (``rl.policy_loss``): pure per-token functions.
+
+A registered loss maps ``PolicyInputs`` (per-token ``[B, L]`` arrays) and ``LossParams`` to
+``PolicyTerms``: the per-token loss to minimise, the mask of tokens that count (a loss may drop
+tokens, e.g. the decoupled-PPO weight cap) and per-token statistics. ``aggregate`` turns them into
+a token mean or a mean of per-sequence means; masked tokens contribute neither value nor gradient.
+
+* ``ppo``: clipped surrogate with ratio pi / pi_behav; separate eps_low / eps_high (DAPO
+  clip-higher) and optional dual clip (Ye et al. 2020) bounding the loss of negative advantages
+  by ``c * |A|``.
+* ``decoupled_ppo`` (AReaL, Fu et al. 2025): the ratio is taken against the proximal policy
+  (recomputed by the trainer) and clipped around 1; the off-policy correction is the behaviour
+  weight pi_prox / pi_behav, stop-gradient, with tokens above ``behav_weight_cap`` masked out.
+  When behaviour == proximal the weight is 1 and the loss equals ``ppo``.
+* ``gspo`` (Zheng et al. 2025): one ratio per sequence, exp(mean token log-ratio), clipped at
+  sequence level; every loss token of a sequence carries the sequence loss.
+
+``make_rl_loss_fn`` adapts all of it to the trainer's ``LossFn`` contract (sums + weight).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from meshrl.configs.schema import RLConfig
+from meshrl.trainer import advantages as adv_lib
+from meshrl.trainer import kl as kl_lib
+from meshrl.trainer.advantages import Registry
+from meshrl.trainer.kl import entropy_from_logits
+from meshrl.trainer.losses import LossFn, LossOutput, token_logprobs
+
+Aggregation = Literal["token_mean", "sequence_mean"]
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough to clip, small enough never to overflow
+
+
+@dataclasses.dataclass(frozen=True)
+class LossParams:
+    """Static (Python) hyper-parameters; hashable so they never become traced values."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float = 0.0  # 0: off, else > 1
+    behav_weight_cap: float = 0.0  # 0: off, else >= 1
+
+    @classmethod
+    def from_config(cls, rl: RLConfig) -> LossParams:
+        return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c,
+                   behav_weight_cap=rl.behav_weight_cap)
+
+
+class PolicyInputs(NamedTuple):
+    logprobs_BxL: jax.Array  # noqa: N815 -- under the params being trained (carries the gradient)
+    proximal_logprobs_BxL: jax.Array  # noqa: N815 -- recomputed before the update (decoupled PPO)
+    behaviour_logprobs_BxL: jax.Array  # noqa: N815 -- recorded by the sampler
+    advantages_BxL: jax.Array  # noqa: N815
+    loss_mask_BxL: jax.Array  # noqa: N815
+
+
+class PolicyTerms(NamedTuple):
+    loss_BxL: jax.Array  # noqa: N815 -- per-token loss; only entries under mask_BxL are used
+    mask_BxL: jax.Array  # noqa: N815 -- float32 mask of tokens that count in the loss
+    stats: dict[str, jax.Array]  # per-token [B, L] statistics, averaged over the input mask
+
+
+PolicyLossFn = Callable[[PolicyInputs, LossParams], PolicyTerms]
+_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+register = _LOSSES.register
+get = _LOSSES.get
+names = _LOSSES.names
+
+
+def _check(inputs: PolicyInputs) -> None:
+    shape = inputs.loss_mask_BxL.shape
+    for name, x in zip(PolicyInputs._fields, inputs):
+        assert x.shape == shape, f"{name} has shape {x.shape}, expected {shape}"
+
+
+def _masked_log_ratio(logp_BxL: jax.Array, old_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
+    # Padding may hold -inf/garbage logprobs; zeroing them *before* exp keeps both the value and
+    # the gradient finite (a where after exp still back-propagates 0 * inf = nan).
+    log_ratio_BxL = jnp.where(mask_BxL > 0, logp_BxL - old_BxL, 0.0)
+    return jnp.clip(log_ratio_BxL, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+
+
+def clipped_surrogate(ratio: jax.Array, adv: jax.Array, p: LossParams
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Per-element PPO loss ``-min(r A, clip(r, 1-eps_low, 1+eps_high) A)``, dual-clipped at
+    ``-c A`` for A < 0 when ``c > 0``. Returns (loss, clipped, dual_clipped) indicators as float."""
+    surr = ratio * adv
+    surr_clipped = jnp.clip(ratio, 1.0 - p.eps_low, 1.0 + p.eps_high) * adv
+    objective = jnp.minimum(surr, surr_clipped)
+    clipped = (surr_clipped < surr).astype(jnp.float32)
+    dual = jnp.zeros_like(clipped)
+    if p.dual_clip_c > 0.0:
+        # With a negative advantage an unbounded ratio would give an unbounded loss; the dual
+        # clip caps it at c * |A| (and zeroes the gradient there).
+        bound = p.dual_clip_c * adv
+        dual = ((adv < 0) & (bound > objective)).astype(jnp.float32)
+        objective = jnp.where(adv < 0, jnp.maximum(objective, bound), objective)
+    return -objective, clipped, dual
+
+
+def _ppo_terms(log_ratio_BxL: jax.Array, inputs: PolicyInputs, p: LossParams,
+               mask_BxL: jax.Array) -> PolicyTerms:
+    ratio_BxL = jnp.exp(log_ratio_BxL)
+    loss_BxL, clipped_BxL, dual_BxL = clipped_surrogate(ratio_BxL, inputs.advantages_BxL, p)
+    # k3 of the old policy vs the current one: the usual "approx KL" of PPO implementations.
+    approx_kl_BxL = jax.lax.stop_gradient(ratio_BxL - 1.0 - log_ratio_BxL)
+    stats = {"clip_frac": clipped_BxL, "dual_clip_frac": dual_BxL,
+             "ratio_mean": jax.lax.stop_gradient(ratio_BxL), "approx_kl": approx_kl_BxL}
+    return PolicyTerms(loss_BxL, mask_BxL, stats)
+
+
+@register("ppo")
+def ppo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
+    """PPO clip against the behaviour policy (the proximal logprobs are ignored)."""
+    _check(inputs)
+    mask_BxL = inputs.loss_mask_BxL.astype(jnp.float32)
+    log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.behaviour_logprobs_BxL, mask_BxL)
+    return _ppo_terms(log_ratio_BxL, inputs, p, mask_BxL)
+
+
+@register("decoupled_ppo")
+def decoupled_ppo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
+    """AReaL's decoupled objective: w * clipped_surrogate(pi / pi_prox), w = pi_prox / pi_behav."""
+    _check(inputs)
+    in_mask_BxL = inputs.loss_mask_BxL.astype(jnp.float32)
+    log_w_BxL = _masked_log_ratio(inputs.proximal_logprobs_BxL, inputs.behaviour_logprobs_BxL,
+                                  in_mask_BxL)
+    weight_BxL = jax.lax.stop_gradient(jnp.exp(log_w_BxL))
+    capped_BxL = jnp.zeros_like(in_mask_BxL)
+    mask_BxL = in_mask_BxL
+    if p.behav_weight_cap > 0.0:
+        # Tokens whose behaviour policy is too far from the proximal one are dropped, not
+        # clipped: a clipped weight would still train on a sample the cap declares unusable.
+        capped_BxL = (weight_BxL > p.behav_weight_cap).astype(jnp.float32)
+        mask_BxL = in_mask_BxL * (1.0 - capped_BxL)
+    log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.proximal_logprobs_BxL, mask_BxL)
+    terms = _ppo_terms(log_ratio_BxL, inputs, p, mask_BxL)
+    stats = {**terms.stats, "behav_weight_mean": weight_BxL, "behav_capped_frac": capped_BxL}
+    return PolicyTerms(weight_BxL * terms.loss_BxL, mask_BxL, stats)
+
+
+@register("gspo")
+def gspo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
+    """GSPO: s = exp(mean_t log(pi / pi_behav)) per sequence, clipped at sequence level, with
+    the sequence advantage (mean of its token advantages)."""
+    _check(inputs)
+    mask_BxL = inputs.loss_mask_BxL.astype(jnp.float32)
+    n_B = jnp.maximum(mask_BxL.sum(-1), 1.0)
+    log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.behaviour_logprobs_BxL, mask_BxL)
+    seq_log_ratio_B = jnp.clip(log_ratio_BxL.sum(-1) / n_B, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_B = jnp.exp(seq_log_ratio_B)
+    adv_B = jnp.where(mask_BxL > 0, inputs.advantages_BxL, 0.0).sum(-1) / n_B
+    loss_B, clipped_B, dual_B = clipped_surrogate(ratio_B, adv_B, p)
+    ones_BxL = jnp.ones_like(mask_BxL)
+    approx_kl_B = jax.lax.stop_gradient(ratio_B - 1.0 - seq_log_ratio_B)
+    stats = {"clip_frac": clipped_B[:, None] * ones_BxL,
+             "dual_clip_frac": dual_B[:, None] * ones_BxL,
+             "ratio_mean": jax.lax.stop_gradient(ratio_B)[:, None] * ones_BxL,
+             "approx_kl": approx_kl_B[:, None] * ones_BxL}
+    return PolicyTerms(loss_B[:, None] * ones_BxL, mask_BxL, stats)
+
+
+def aggregate(x_BxL: jax.Array, mask_BxL: jax.Array, mode: Aggregation
+              ) -> tuple[jax.Array, jax.Array]:
+    """(sum, weight) with sum / weight the requested mean; sums add over microbatches.
+
+    token_mean: every loss token weighs the same (long sequences weigh more).
+    sequence_mean: mean over sequences with at least one loss token of their token means
+    (GRPO's original 1/|o_i| normalisation).
+    """
+    mask_BxL = mask_BxL.astype(jnp.float32)
+    masked_BxL = jnp.where(mask_BxL > 0, x_BxL, 0.0) * mask_BxL
+    if mode == "token_mean":
+        return masked_BxL.sum(), mask_BxL.sum()
+    if mode == "sequence_mean":
+        n_B = mask_BxL.sum(-1)
+        has_B = (n_B > 0).astype(jnp.float32)
+        return (masked_BxL.sum(-1) / jnp.maximum(n_B, 1.0) * has_B).sum(), has_B.sum()
+    raise ValueError(f"unknown aggregation {mode!r}; expected token_mean or sequence_mean")
+
+
+def _mean(pair: tuple[jax.Array, jax.Array]) -> jax.Array:
+    return pair[0] / jnp.maximum(pair[1], 1.0)
+
+
+def policy_loss(name: str, inputs: PolicyInputs, params: LossParams, *,
+                aggregation: Aggregation = "token_mean") -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(loss scalar, metrics): the registered loss, aggregated; metrics averaged the same way
+    over the input loss mask."""
+    terms = get(name)(inputs, params)
+    loss = _mean(aggregate(terms.loss_BxL, terms.mask_BxL, aggregation))
+    metrics = {k: _mean(aggregate(v, inputs.loss_mask_BxL, aggregation))
+               for k, v in terms.stats.items()}
+    return loss, metrics
+
+
+def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_BxL: jax.Array,
+                         ref_logprobs_BxL: jax.Array, loss_mask_BxL: jax.Array,
+                         group_size: int) -> jax.Array:
+    """Advantages for ``rl.kl_where == "reward"``: subtract ``rl.kl_coef`` times each sequence's
+    summed KL(behaviour || reference) from its reward, then rerun ``rl.advantage``. Run it once
+    per batch before the train step (it needs whole groups; the step's microbatches are strided
+    rows, not groups) and put the result in the batch's ``advantages``."""
+    rewards_B = rewards_B.astype(jnp.float32)
+    if rl.kl_coef > 0.0 and rl.kl_where == "reward":
+        mask_BxL = loss_mask_BxL.astype(jnp.float32)
+        rewards_B = kl_lib.kl_in_reward(
+            rewards_B, jnp.where(mask_BxL > 0, behaviour_logprobs_BxL, 0.0),
+            jnp.where(mask_BxL > 0, ref_logprobs_BxL, 0.0), mask_BxL, coef=rl.kl_coef,
+            estimator=rl.kl_estimator)
+    return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
+
+
+def make_rl_loss_fn(rl: RLConfig) -> LossFn:
+    """The trainer's ``LossFn`` for RL: ``(logits_BxLxV, batch) -> (loss_sum, weight, aux)``.
+
+    ``batch`` (target-aligned, all ``[B, L]``; see ``RolloutBatch.to_train_batch``):
+    ``targets``, ``loss_mask``, ``behaviour_logprobs``, ``advantages``; optional
+    ``proximal_logprobs`` (default: the current logprobs, stop-gradient, which is exact when each
+    rollout batch gets one optimizer step) and ``ref_logprobs`` (required when
+    ``rl.kl_coef > 0`` and ``rl.kl_where == "loss"``). With ``rl.kl_where == "reward"`` the KL
+    is already in ``advantages`` (``kl_reward_advantages``) and this loss adds none.
+    """
+    params = LossParams.from_config(rl)
+    loss_impl = get(rl.policy_loss)
+    kl_fn = kl_lib.get(rl.kl_estimator)
+    kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
+
+    def loss_fn(logits_BxLxV: jax.Array, batch: Mapping[str, jax.Array]) -> LossOutput:
+        targets_BxL = batch["targets"]
+        assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape,
+                                                              targets_BxL.shape)
+        logp_BxL = token_logprobs(logits_BxLxV, targets_BxL)
+        prox_BxL = batch.get("proximal_logprobs")
+        if prox_BxL is None:
+            prox_BxL = jax.lax.stop_gradient(logp_BxL)
+        in_mask_BxL = batch["loss_mask"].astype(jnp.float32)
+        inputs = PolicyInputs(logp_BxL, prox_BxL, batch["behaviour_logprobs"],
+                              batch["advantages"], in_mask_BxL)
+        terms = loss_impl(inputs, params)
+        loss_BxL, stats = terms.loss_BxL, dict(terms.stats)
+        if kl_in_loss:
+            kl_BxL = kl_fn(jnp.where(in_mask_BxL > 0, logp_BxL, 0.0),
+                           jnp.where(in_mask_BxL > 0, batch["ref_logprobs"], 0.0))
+            loss_BxL = loss_BxL + rl.kl_coef * kl_BxL
+            stats["kl_ref"] = jax.lax.stop_gradient(kl_BxL)
+        if rl.entropy_coef > 0.0:
+            entropy_BxL = entropy_from_logits(logits_BxLxV)
+            loss_BxL = loss_BxL - rl.entropy_coef * entropy_BxL
+            stats["entropy"] = jax.lax.stop_gradient(entropy_BxL)
+        loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation)
+        # The trainer divides aux sums by the loss weight; rescale each statistic's own mean
+        # (over the input mask) so the reported value is that mean.
+        aux = {k: _mean(aggregate(v, in_mask_BxL, rl.aggregation)) * weight
+               for k, v in stats.items()}
+        return loss_sum, weight, aux
+
+    return loss_fn

@@ -1,0 +1,164 @@
+"""The async rollout runner: keeps the staleness controller's capacity full with groups from a
+prompt iterator and hands finished groups to the trainer side via ``await get_batch(version)``.
+
+It runs on the caller's event loop and never blocks it: episodes await the engine and the reward
+pool, and the (possibly file-backed) prompt iterator is advanced in a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+from meshrl.utils.log import get_logger
+from meshrl.workflows.batch import Trajectory
+from meshrl.workflows.episode import Engine, arun_group
+from meshrl.workflows.staleness import StalenessController
+
+log = get_logger("workflows")
+
+Group = list[Trajectory]
+GroupFn = Callable[[dict, int], Awaitable[Group | None]]  # (item, group_id) -> group or None
+
+
+class PromptsExhaustedError(RuntimeError):
+    """The prompt iterator ran out and every accepted group has been handed over."""
+
+
+def group_episode_fn(engine: Engine, *, group_size: int, filter_equal: bool = True,
+                     counters: collections.Counter[str] | None = None,
+                     **episode_kwargs: Any) -> GroupFn:
+    """``arun_group`` bound to an engine and settings, in the runner's ``(item, group_id)`` form."""
+
+    async def fn(item: dict, group_id: int) -> Group | None:
+        return await arun_group(engine, item, group_size=group_size, group_id=group_id,
+                                filter_equal=filter_equal, counters=counters, **episode_kwargs)
+    return fn
+
+
+class RolloutRunner:
+    """Usage (inside a running event loop)::
+
+        runner = RolloutRunner(group_fn, prompts, controller)
+        runner.start()
+        groups = await runner.get_batch(version)   # controller.batch_size groups
+        ...
+        await runner.stop()
+
+    ``prompts`` yields example dicts or lists of them (``make_prompt_iterator`` batches).
+    """
+
+    def __init__(self, group_fn: GroupFn, prompts: Iterator[Any],
+                 controller: StalenessController, *, first_group_id: int = 0,
+                 counters: collections.Counter[str] | None = None) -> None:
+        self.group_fn, self.prompts, self.controller = group_fn, prompts, controller
+        # Share one Counter with group_episode_fn so filtering counts reach metrics/state_dict.
+        self.counters = counters if counters is not None else collections.Counter()
+        self._next_group_id = first_group_id
+        self._items: collections.deque[dict] = collections.deque()
+        self._queue: asyncio.Queue[Group | None] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._filler: asyncio.Task | None = None
+        self._exhausted = False
+        self._error: BaseException | None = None
+
+    def start(self) -> None:
+        if self._filler is None:
+            self._filler = asyncio.get_running_loop().create_task(self._fill())
+
+    async def _next_item(self) -> dict | None:
+        if not self._items:
+            # A file-backed iterator may read from disk: keep that off the event loop.
+            batch = await asyncio.to_thread(next, self.prompts, None)
+            if batch is None:
+                return None
+            self._items.extend([batch] if isinstance(batch, dict) else batch)
+        return self._items.popleft() if self._items else None
+
+    async def _fill(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                while self.controller.can_admit():
+                    item = await self._next_item()
+                    if item is None:
+                        self._exhausted = True
+                        break
+                    self.controller.on_submit()
+                    task = asyncio.create_task(self._run_group(item, self._next_group_id))
+                    self._next_group_id += 1
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+                if self._exhausted:
+                    break
+                await self._wake.wait()
+            while self._tasks:
+                await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001  (surface to the consumer, do not hang it)
+            log.exception("rollout filler failed")
+            self._error = e
+        self._queue.put_nowait(None)  # end of stream: wakes a waiting get_batch
+
+    async def _run_group(self, item: dict, group_id: int) -> None:
+        try:
+            group = await self.group_fn(item, group_id)
+        except asyncio.CancelledError:
+            self.controller.on_reject()
+            raise
+        except Exception:  # noqa: BLE001  (one bad episode must not stop the pipeline)
+            log.exception("rollout group %d failed; counted in errored_groups", group_id)
+            self.counters["errored_groups"] += 1
+            group = None
+        if group is None:
+            self.controller.on_reject()
+        else:
+            self.controller.on_accept()
+            self._queue.put_nowait(group)
+        self._wake.set()
+
+    async def get_batch(self, version: int) -> list[Group]:
+        """``controller.batch_size`` groups, none staler than allowed at ``version`` (stale ones
+        are dropped and counted). Raises PromptsExhaustedError at the end of the prompts."""
+        self.controller.set_version(version)
+        self._wake.set()  # a new version opens capacity
+        out: list[Group] = []
+        while len(out) < self.controller.batch_size:
+            group = await self._queue.get()
+            if group is None:
+                self._queue.put_nowait(None)  # keep the end marker for later calls
+                if self._error is not None:
+                    raise RuntimeError("the rollout filler failed") from self._error
+                raise PromptsExhaustedError(
+                    f"prompts exhausted with {len(out)} of {self.controller.batch_size} groups")
+            if self.controller.consume(group):
+                out.append(group)
+            else:
+                self._wake.set()  # the dropped group's slot is free again
+        return out
+
+    async def stop(self) -> None:
+        """Cancel the filler and every running group (they count as rejected)."""
+        tasks = ([self._filler] if self._filler is not None else []) + list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._filler = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"controller": self.controller.state_dict(), "next_group_id": self._next_group_id,
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.controller.load_state_dict(state["controller"])
+        self._next_group_id = int(state["next_group_id"])
+        self.counters.clear()
+        self.counters.update(state["counters"])
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.controller.metrics(),
+                **{f"rollout/{k}": float(v) for k, v in self.counters.items()}}

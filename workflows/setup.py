@@ -1,0 +1,53 @@
+"""Build the rollout side of an RL job from the typed ``Config`` (one place that maps config
+fields onto episode settings, the staleness controller, the runner and the batch builder)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from meshrl.configs.schema import Config
+from meshrl.models.tokenizer import Tokenizer
+from meshrl.workflows.batch import RolloutBatch, Trajectory, build_rollout_batch
+from meshrl.workflows.episode import Engine, Environment, EpisodeSettings, RewardScorer
+from meshrl.workflows.runner import RolloutRunner, group_episode_fn
+from meshrl.workflows.staleness import StalenessController
+
+
+def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
+    """Sampling from ``sampler.*``; every episode (all turns) fits ``trainer.seq_len`` so the
+    batch has the one static length the train step was compiled for."""
+    s = config.sampler
+    return EpisodeSettings(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                           top_k=s.top_k, top_p=s.top_p, stop_ids=(tokenizer.eos_id,),
+                           max_turns=config.rollout.max_turns,
+                           max_total_len=min(config.trainer.seq_len, s.max_len),
+                           seed=config.trainer.seed)
+
+
+def make_runner(config: Config, engine: Engine, reward_pool: RewardScorer,
+                prompts: Iterator[Any], tokenizer: Tokenizer, *,
+                env: Environment | None = None, version: int = 0) -> RolloutRunner:
+    """A runner whose controller admits ``rollout.prompts_per_step`` groups per version with
+    ``rollout.max_staleness``; call ``start()`` inside the event loop."""
+    r = config.rollout
+    counters: collections.Counter[str] = collections.Counter()
+    group_fn = group_episode_fn(engine, group_size=r.group_size,
+                                filter_equal=r.filter_equal_groups, counters=counters,
+                                reward_pool=reward_pool, decode=tokenizer.decode,
+                                settings=episode_settings(config, tokenizer), env=env)
+    controller = StalenessController(batch_size=r.prompts_per_step, max_staleness=r.max_staleness,
+                                     version=version)
+    return RolloutRunner(group_fn, prompts, controller, counters=counters)
+
+
+def make_rollout_batch(config: Config, groups: Sequence[Sequence[Trajectory]],
+                       pad_id: int) -> RolloutBatch:
+    """Pad to ``trainer.seq_len`` (one static shape on every process) with ``rl.*`` shaping."""
+    rl = config.rl
+    return build_rollout_batch(groups, length_buckets=(config.trainer.seq_len,), pad_id=pad_id,
+                               advantage=rl.advantage, adv_eps=rl.adv_eps,
+                               overlong_buffer=rl.overlong_buffer,
+                               overlong_max_len=rl.overlong_max_len,
+                               overlong_penalty=rl.overlong_penalty)
