@@ -1,7 +1,19 @@
-"""Default job: a tiny decoder learns a synthetic verifiable task on a laptop CPU.
+"""Default job: a tiny char decoder learns 2-digit addition with a short SFT warm start, then
+asynchronous GRPO raises its held-out accuracy. Runs on a laptop CPU in a few minutes.
 
   python main.py --config configs/default.py --workdir /tmp/meshrl
   python main.py --config configs/default.py:smoke --workdir /tmp/meshrl_smoke   # < 1 minute
+
+The warm start (``<workdir>/sft``, ``WARM_START_STEPS_PER_RL_STEP x trainer.steps`` SFT steps at
+``WARM_START_LEARNING_RATE``, see ``trainer/rl_loop.py``) is deliberately short, so RL starts
+from a mediocre policy. Writes tensorboard events, checkpoints, published weight versions,
+``rl_curves.png`` and ``summary.json`` (accuracy before/after RL) under the workdir; a rerun of
+the same command resumes.
+
+Measured on 2 CPU cores: 3 minutes wall; held-out greedy accuracy 0.46 after the warm start,
+0.535 after 500 RL steps (pass@1 0.13 -> 0.16). TODO(meshrl): the target is +15 points; higher
+RL rates (1e-4 .. 3e-3) first lower the greedy accuracy of this 0.1M-param model, lower ones
+move it slowly.
 """
 
 from __future__ import annotations
@@ -12,25 +24,48 @@ from meshrl.configs.loader import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    cfg = base_config("sft")
+    cfg = base_config("rl")
     cfg.model.vocab_size = 256  # the built-in char tokenizer's byte vocabulary
-    cfg.model.hidden_size = 128  # small enough to train in minutes on 2 CPU cores
-    cfg.model.intermediate_size = 344  # ~8/3 x hidden, as in Llama
-    cfg.model.num_layers = 4  # depth of the tiny decoder
-    cfg.model.num_heads = 4  # 32-wide heads
+    cfg.model.hidden_size = 64  # 0.1M params: SFT + RL in minutes on 2 CPU cores
+    cfg.model.intermediate_size = 172  # ~8/3 x hidden (SwiGLU)
+    cfg.model.num_layers = 2
+    cfg.model.num_heads = 4
     cfg.model.num_kv_heads = 2  # GQA, as in the real model families
-    cfg.data.source = "arithmetic"  # synthetic, verifiable, generated from a seed
-    cfg.data.difficulty = 2  # operands up to two digits
-    cfg.trainer.learning_rate = 3e-3  # tiny models tolerate a high peak rate
-    cfg.trainer.steps = 300  # SFT steps
-    cfg.trainer.batch_size = 32  # sequences per step
-    cfg.trainer.seq_len = 64  # prompt + answer fit in 64 characters
-    cfg.optimizer.warmup_steps = 20  # linear warmup before the cosine decay
-    cfg.optimizer.weight_decay = 0.01  # decoupled, masked off norms and biases
+    cfg.data.source = "arithmetic"  # synthetic and verifiable ("12+34=" -> "46")
+    cfg.data.difficulty = 2  # two-digit operands
+    cfg.data.max_prompt_len = 16  # "<bos>99+99=" is 7 tokens
+    cfg.data.eval_examples = 200  # held-out prompts (disjoint from the training set)
+    cfg.reward.names = ("math",)  # exact numeric answer
+    cfg.trainer.learning_rate = 5e-5  # the RL rate (Adam); the warm start uses its own
+    cfg.trainer.steps = 500  # RL steps (weight versions); the SFT warm start runs as many
+    cfg.trainer.batch_size = 32  # SFT warm-start sequences per step
+    cfg.trainer.seq_len = 32  # prompt + completion fit in 32 tokens
+    cfg.trainer.log_every = 1
+    cfg.trainer.eval_every = 100  # held-out greedy accuracy and pass@k with the sampler
+    cfg.optimizer.warmup_steps = 10
+    cfg.optimizer.weight_decay = 0.01
+    cfg.sampler.max_len = 32
+    cfg.sampler.max_new_tokens = 8  # answers are at most 3 digits + EOS
+    cfg.sampler.prompt_buckets = (16,)  # one prefill shape: no recompiles
+    cfg.sampler.slots = 256  # room for the batches in flight (max_staleness + 1)
+    cfg.sampler.decode_chunk = 4
+    cfg.rollout.group_size = 16  # many samples per prompt: a rare right answer still shows up
+    cfg.rollout.prompts_per_step = 16  # 256 samples per optimizer step
+    cfg.rollout.max_staleness = 2  # asynchronous: up to 2 versions behind
+    cfg.checkpoint.every_steps = 100
+    cfg.checkpoint.publish_every = 50  # Orbax weight versions under <workdir>/weights
     if arg == "smoke":
-        cfg.trainer.steps = 10  # the whole pipeline, end to end, in seconds
-        cfg.trainer.log_every = 2  # see every stage log at least once
-        cfg.checkpoint.every_steps = 5  # exercise save and keep-N
+        cfg.trainer.steps = 4  # the whole pipeline, end to end, in well under a minute
+        cfg.trainer.eval_every = 2
+        cfg.checkpoint.every_steps = 2
+        cfg.checkpoint.publish_every = 2
+        cfg.data.num_examples = 200
+        cfg.data.eval_examples = 16
+        cfg.rollout.group_size = 4
+        cfg.rollout.prompts_per_step = 4
+        cfg.rollout.filter_equal_groups = False  # an untrained policy: keep every group
+        cfg.sampler.slots = 32
+        cfg.logging.progress_bar = False
     elif arg not in (None, ""):
         raise ValueError(f"configs/default.py: unknown variant {arg!r}; known: 'smoke'")
     return cfg

@@ -26,6 +26,11 @@ def register(job: Job, target: str) -> None:
     _JOBS[job] = target
 
 
+register(Job.SFT, "meshrl.trainer.sft:run")
+register(Job.SAMPLE, "meshrl.inference.job:run")
+register(Job.RL, "meshrl.trainer.rl_loop:run")
+
+
 def dry_run(config: Config) -> str:
     """Validate, start distributed if configured, build the mesh; return what a user checks."""
     initialize_distributed(config.distributed)

@@ -1,0 +1,28 @@
+"""Train state, optimizer, loss registry, the jitted train step, checkpoints, metrics, the loop."""
+
+from meshrl.trainer.checkpoint import (
+    Checkpointer,
+    CheckpointMismatchError,
+    Restored,
+    verify_step_dir,
+)
+from meshrl.trainer.loop import (
+    BATCH_KEYS,
+    Loop,
+    NonFiniteLossError,
+    Trainee,
+    expand_prefix,
+    put_batch,
+)
+from meshrl.trainer.losses import get_loss, register, sft_cross_entropy, token_logprobs
+from meshrl.trainer.optimizer import decay_mask, make_optimizer, make_schedule
+from meshrl.trainer.state import TrainState, abstract_state, init_state, state_shardings
+from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+
+__all__ = [
+    "BATCH_KEYS", "CheckpointMismatchError", "Checkpointer", "Loop", "NonFiniteLossError", "Restored", "Trainee", "TrainState",
+    "abstract_state", "batch_shardings", "decay_mask", "expand_prefix", "get_loss",
+    "init_state", "jit_train_step", "make_optimizer", "make_schedule", "make_train_step",
+    "put_batch", "register", "sft_cross_entropy", "state_shardings", "token_logprobs",
+    "verify_step_dir",
+]

@@ -1,0 +1,133 @@
+"""Async facade over the sampler: ``await engine.agenerate(request)`` from asyncio code.
+
+The decode loop runs in its own thread, so workflows never block the event loop on device
+work; results come back through ``loop.call_soon_threadsafe``. ``pause()`` returns once no chunk
+is running (a safe point for weight updates); ``resume()`` restarts the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import itertools
+import threading
+from typing import Any
+
+from meshrl.inference.engine import Completion, Request, Sampler
+from meshrl.utils.log import get_logger
+
+log = get_logger("inference")
+
+
+class EngineShutdownError(RuntimeError):
+    """The engine was shut down before the request finished."""
+
+
+class AsyncEngine:
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self._cv = threading.Condition()
+        self._inbox: collections.deque[Request] = collections.deque()
+        self._futures: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._ids = itertools.count()
+        self._paused = self._stepping = self._shutdown = False
+        self._thread = threading.Thread(target=self._run, name="meshrl-sampler", daemon=True)
+        self._thread.start()
+
+    @property
+    def version(self) -> int:
+        return self.sampler.version
+
+    async def agenerate(self, request: Request) -> Completion:
+        """Generate one completion; many may be awaited concurrently (continuous batching)."""
+        self.sampler.validate(request)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        request = dataclasses.replace(request, id=("async", next(self._ids), request.id))
+        with self._cv:
+            if self._shutdown:
+                raise EngineShutdownError("the engine is shut down")
+            self._futures[request.id] = (loop, fut)
+            self._inbox.append(request)
+            self._cv.notify_all()
+        out: Completion = await fut
+        # Hand the caller back the request it passed in (its own id).
+        return dataclasses.replace(out, request=dataclasses.replace(out.request,
+                                                                    id=request.id[2]))
+
+    def pause(self) -> None:
+        """Stop after the current chunk; returns when no chunk is running."""
+        with self._cv:
+            self._paused = True
+            self._cv.wait_for(lambda: not self._stepping)
+
+    def resume(self) -> None:
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """Pause, hand the weights over (in-flight sequences are re-prefilled), resume."""
+        self.pause()
+        try:
+            self.sampler.update_weights(params, version)
+        finally:
+            self.resume()
+
+    def load_weights(self, version: int) -> None:
+        self.pause()
+        try:
+            self.sampler.load_weights(version)
+        finally:
+            self.resume()
+
+    def shutdown(self) -> None:
+        """Stop the loop thread; pending requests fail with EngineShutdownError."""
+        with self._cv:
+            self._shutdown = True
+            self._cv.notify_all()
+        self._thread.join()
+        for loop, fut in self._futures.values():
+            loop.call_soon_threadsafe(_fail, fut, EngineShutdownError("the engine was shut down"))
+        self._futures.clear()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._shutdown or (not self._paused and (
+                    self._inbox or self.sampler.has_work())))
+                if self._shutdown:
+                    return
+                while self._inbox:
+                    self.sampler.submit(self._inbox.popleft())
+                self._stepping = True
+            try:
+                done = self.sampler.step()
+            except Exception as e:  # surface to every waiter instead of dying silently
+                log.exception("sampler step failed")
+                with self._cv:
+                    waiters, self._futures = self._futures, {}
+                    self._shutdown = True
+                    self._stepping = False
+                    self._cv.notify_all()
+                for loop, fut in waiters.values():
+                    loop.call_soon_threadsafe(_fail, fut, e)
+                return
+            with self._cv:
+                self._stepping = False
+                self._cv.notify_all()
+                resolved = [(self._futures.pop(c.request.id), c) for c in done
+                            if c.request.id in self._futures]
+            for (loop, fut), c in resolved:
+                loop.call_soon_threadsafe(_resolve, fut, c)
+
+
+def _resolve(fut: asyncio.Future, value: Completion) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _fail(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

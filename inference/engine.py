@@ -1,0 +1,443 @@
+"""The sampler: static KV cache, bucketed prefill, chunked windowed decode, continuous batching.
+
+Device state is one ``SlotState`` (per-slot token, position, flags, sampling settings) plus the
+``slots x max_len`` KV cache. Host code only decides *which* compiled variant runs next (prompt
+bucket, insert-batch bucket, cache window) from host-side lengths it already knows, and reads
+each chunk's outputs once after the chunk: one device->host transfer per ``decode_chunk`` steps.
+
+Decode cost follows the attended length: the model's cache path attends over every entry of the
+cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the smallest window
+bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^n, so at most
+~1.5x of the attended length is wasted.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.configs.schema import ModelConfig, SamplerConfig
+from meshrl.inference import weights as wts
+from meshrl.inference.sampling import sample
+from meshrl.mesh.rules import Rules, rules_for
+from meshrl.models import KVCache, abstract_model, param_shardings, split_model
+from meshrl.models.decoder import forward
+from meshrl.utils.log import get_logger
+
+log = get_logger("inference")
+
+MAX_STOP_IDS = 8  # static width of the per-slot stop-id table
+_RUNNING, _STOP, _LENGTH = 0, 1, 2
+_REASONS = {_STOP: "stop", _LENGTH: "length"}
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation request; None fields fall back to the SamplerConfig defaults."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    seed: int = 0
+    stop_ids: Sequence[int] = ()
+    id: Any = None
+
+
+@dataclasses.dataclass
+class Completion:
+    request: Request
+    tokens: list[int]
+    logprobs: list[float]  # under the (temperature/top-k/top-p) distribution sampled from
+    raw_logprobs: list[float]  # log_softmax of the model's logits
+    versions: list[int]  # weight version that produced each generated token
+    finish_reason: str = ""  # "stop" | "length"
+
+    @property
+    def token_versions(self) -> list[int]:
+        """Versions over prompt + completion; prompt tokens carry -1."""
+        return [-1] * len(self.request.prompt_ids) + self.versions
+
+
+@struct.dataclass
+class SlotState:
+    token_B: jax.Array  # noqa: N815 -- last sampled token, fed at pos_B by the next decode step
+    pos_B: jax.Array  # noqa: N815
+    active_B: jax.Array  # noqa: N815
+    reason_B: jax.Array  # noqa: N815
+    n_gen_B: jax.Array  # noqa: N815
+    max_new_B: jax.Array  # noqa: N815
+    stop_BxS: jax.Array  # noqa: N815
+    temperature_B: jax.Array  # noqa: N815
+    top_k_B: jax.Array  # noqa: N815
+    top_p_B: jax.Array  # noqa: N815
+    seed_B: jax.Array  # noqa: N815
+
+    @classmethod
+    def init(cls, slots: int) -> SlotState:
+        # Distinct buffers per field: the decode/prefill jits donate the whole state.
+        def i() -> jax.Array:
+            return jnp.zeros((slots,), jnp.int32)
+        return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(),
+                   jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+                   jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i())
+
+
+def _buckets_up_to(n: int, start: int) -> tuple[int, ...]:
+    out = {n}
+    b = start
+    while b < n:
+        out.update(x for x in (b, b * 3 // 2) if x < n)
+        b *= 2
+    return tuple(sorted(out))
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _kv(cache: KVCache) -> tuple[jax.Array, jax.Array]:
+    """(keys, values), each L x B x T x K x H, whatever the KVCache fields are named."""
+    k, v = (getattr(cache, f.name) for f in dataclasses.fields(cache))
+    return k, v
+
+
+def _finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Array,
+            max_len: int) -> SlotState:
+    """Advance the slots that emitted ``tok_B`` and retire those that hit a stop or a limit."""
+    n_gen_B = st.n_gen_B + emit_B
+    stop_B = jnp.any(tok_B[:, None] == st.stop_BxS, axis=-1)
+    # prompt + generated never exceeds max_len (the last token is never fed back).
+    length_B = (n_gen_B >= st.max_new_B) | (new_pos_B >= max_len - 1)
+    done_B = emit_B & (stop_B | length_B)
+    reason_B = jnp.where(done_B, jnp.where(stop_B, _STOP, _LENGTH), st.reason_B)
+    return st.replace(token_B=jnp.where(emit_B, tok_B, st.token_B),
+                      pos_B=jnp.where(emit_B, new_pos_B, st.pos_B),
+                      active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
+
+
+class Sampler:
+    """Continuous-batching sampler over its own mesh (params tensor-parallel, slots over data).
+
+    ``generate(requests)`` is the synchronous API; ``submit`` + ``step`` drive the loop one
+    chunk at a time (the async facade runs them in a thread). ``update_weights`` may land
+    between chunks: in-flight slots are re-prefilled under the new version.
+    """
+
+    def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
+                 params: Any = None, *, version: int = 0, workdir: str | None = None,
+                 rules: Rules | None = None, insert_buckets: Sequence[int] | None = None):
+        self.cfg, self.mesh, self.workdir = cfg, mesh, workdir
+        self.rules = rules if rules is not None else rules_for("sample")
+        self.model_cfg = dataclasses.replace(model_cfg, param_dtype=cfg.dtype,
+                                             compute_dtype=cfg.dtype, remat="none")
+        abstract = abstract_model(self.model_cfg, mesh=mesh, rules=self.rules)
+        self.graphdef, abstract_state = split_model(abstract)
+        self._state_template = abstract_state
+        self._expected = wts.flat_params(abstract_state)
+        self._shardings = wts.flat_params(param_shardings(abstract_state, mesh, self.rules))
+        self._copy_cast = wts.make_copy_cast(
+            self._shardings, {k: v.dtype for k, v in self._expected.items()})
+        S, T = cfg.slots, cfg.max_len
+        self.prompt_buckets = tuple(cfg.prompt_buckets) or _buckets_up_to(T - 1, 16)
+        self.window_buckets = _buckets_up_to(T, 32)
+        self.insert_buckets = tuple(insert_buckets or sorted({min(2 ** i, S) for i in range(
+            S.bit_length() + 1)}))
+        self._repl = NamedSharding(mesh, PartitionSpec())
+        self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
+        self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
+                             out_shardings=self._cache_sh)()
+        self.state = jax.device_put(SlotState.init(S), self._repl)
+        self.window_trace_shapes: list[tuple[int, ...]] = []  # cache shapes decode was traced at
+        self._build_jits()
+        # Host-side scheduling mirror: which request sits in which slot, and what it produced.
+        self._queue: collections.deque[Request] = collections.deque()
+        self._slot_out: list[Completion | None] = [None] * S
+        self._stale_slots: set[int] = set()
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self.params: nnx.State | None = None
+        self.version = -1
+        if params is not None:
+            self.update_weights(params, version)
+
+    # ---- compiled functions --------------------------------------------------------------
+
+    def _build_jits(self) -> None:
+        T = self.cfg.max_len
+        graphdef, cfg = self.graphdef, self.model_cfg
+        chunk = self.cfg.decode_chunk
+
+        def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
+                    lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
+                    resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+            N, P = tokens_NxP.shape
+            pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
+            tmp = KVCache.init(cfg, N, P, self.cfg.dtype)
+            logits_NxPxV, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp)
+            # Padding rows use slot index S: every scatter below drops them.
+            cache = KVCache(*(full.at[:, slots_N, :P].set(part, mode="drop")
+                              for full, part in zip(_kv(cache), _kv(tmp))))
+            if not resample:
+                return cache, st, ()
+            last_NxV = jnp.take_along_axis(logits_NxPxV, (lens_N - 1)[:, None, None], axis=1)[:, 0]
+            sub = st.replace(
+                pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
+                reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
+            tok_N, lp_N, raw_N = sample(last_NxV, sub.temperature_B, sub.top_k_B, sub.top_p_B,
+                                        sub.seed_B, lens_N)
+            sub = _finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
+                          T)
+            st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
+            return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
+
+        def decode(params: nnx.State, cache: KVCache, st: SlotState, window: int,
+                   ) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+            win = KVCache(*(x[:, :, :window] for x in _kv(cache)))
+            self.window_trace_shapes.append(_kv(win)[0].shape)
+            B = st.token_B.shape[0]
+            out0 = (jnp.full((B, chunk), -1, jnp.int32), jnp.zeros((B, chunk), jnp.float32),
+                    jnp.zeros((B, chunk), jnp.float32))
+
+            def step(i: jax.Array, carry: tuple) -> tuple:
+                win, st, (tok_BxC, lp_BxC, raw_BxC) = carry
+                logits_Bx1xV, win = forward(graphdef, params, st.token_B[:, None],
+                                            st.pos_B[:, None], None, win)
+                new_pos_B = st.pos_B + 1
+                tok_B, lp_B, raw_B = sample(logits_Bx1xV[:, 0], st.temperature_B, st.top_k_B,
+                                            st.top_p_B, st.seed_B, new_pos_B)
+                emit_B = st.active_B
+                st = _finish(st, emit_B, tok_B, new_pos_B, T)
+                tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
+                return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B))
+
+            win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
+            cache = KVCache(*(jax.lax.dynamic_update_slice(full, part, (0,) * 5)
+                              for full, part in zip(_kv(cache), _kv(win))))
+            return cache, st, out + (st.active_B, st.reason_B)
+
+        st_sh, cache_sh = self._repl, self._cache_sh
+        self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
+                                out_shardings=(cache_sh, st_sh, st_sh))
+        self._decode = jax.jit(decode, static_argnames=("window",), donate_argnums=(1, 2),
+                               out_shardings=(cache_sh, st_sh, st_sh))
+
+    def compile_count(self) -> int:
+        """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
+        return self._prefill._cache_size() + self._decode._cache_size()
+
+    def window_for(self, max_pos: int) -> int:
+        """Cache window for a chunk whose largest active position is ``max_pos``."""
+        return _bucket(min(max_pos + self.cfg.decode_chunk, self.cfg.max_len),
+                       self.window_buckets)
+
+    # ---- weights -------------------------------------------------------------------------
+
+    def _install(self, flat: dict[str, jax.Array], version: int) -> None:
+        leaves = [flat[k] for k in self._expected]  # _expected follows the template's order
+        with self._lock:
+            self.params = jax.tree.unflatten(jax.tree.structure(self._state_template), leaves)
+            self.version = int(version)
+            # Every sequence in flight now has a KV cache from the old weights.
+            self._stale_slots = {s for s, c in enumerate(self._slot_out) if c is not None}
+
+    def update_weights(self, params: Any, version: int) -> None:
+        """In-process handoff: validate, reshard to the sampler, cast, copy; lands between
+        chunks (in-flight sequences are re-prefilled under the new weights)."""
+        flat = wts.reshard_cast(params, self._expected, self._shardings, self._copy_cast)
+        self._install(flat, version)
+        log.info("sampler weights -> version %d (in-process)", version)
+
+    def load_weights(self, version: int, workdir: str | None = None) -> None:
+        """Restore ``<workdir>/weights/<version>`` (published by the trainer) onto the sampler."""
+        workdir = workdir or self.workdir
+        if workdir is None:
+            raise ValueError("load_weights needs a workdir (Sampler(workdir=...) or argument)")
+        restored = wts.restore_weights(workdir, version, self._expected, self._shardings)
+        flat = wts.reshard_cast(restored, self._expected, self._shardings, self._copy_cast)
+        self._install(flat, version)
+        log.info("sampler weights -> version %d (from %s)", version, workdir)
+
+    # ---- scheduling ----------------------------------------------------------------------
+
+    def submit(self, request: Request) -> Any:
+        """Queue a request; returns its id (``request.id`` or a fresh integer)."""
+        self.validate(request)
+        if request.id is None:
+            request = dataclasses.replace(request, id=next(self._ids))
+        with self._lock:
+            self._queue.append(request)
+        return request.id
+
+    def validate(self, request: Request) -> None:
+        """Raise ValueError for a request this sampler cannot serve."""
+        n = len(request.prompt_ids)
+        if not 1 <= n <= self.prompt_buckets[-1]:
+            raise ValueError(f"prompt length {n}: must be in [1, {self.prompt_buckets[-1]}] "
+                             f"(sampler.prompt_buckets = {self.prompt_buckets})")
+        if len(request.stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
+        if request.max_new_tokens is not None and request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
+
+    def has_work(self) -> bool:
+        return bool(self._queue) or any(c is not None for c in self._slot_out)
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+        """Run requests to completion with continuous batching; results in request order."""
+        ids = [self.submit(r) for r in requests]
+        done: dict[Any, Completion] = {}
+        while len(done) < len(ids):
+            for c in self.step():
+                done[c.request.id] = c
+        return [done[i] for i in ids]
+
+    def step(self) -> list[Completion]:
+        """One scheduling round: refresh stale caches, refill free slots, one decode chunk."""
+        with self._lock:
+            if self.params is None:
+                raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
+            finished: list[Completion] = []
+            if self._stale_slots:
+                self._recompute()
+            finished += self._admit()
+            if any(c is not None for c in self._slot_out):
+                finished += self._decode_chunk()
+            return finished
+
+    def _settings(self, reqs: Sequence[Request | None], n: int) -> dict[str, np.ndarray]:
+        c = self.cfg
+        def pick(r: Request | None, name: str, default: Any) -> Any:
+            v = getattr(r, name) if r is not None else None
+            return default if v is None else v
+        stop_NxS = np.full((n, MAX_STOP_IDS), -1, np.int32)
+        for i, r in enumerate(reqs):
+            if r is not None and r.stop_ids:
+                stop_NxS[i, :len(r.stop_ids)] = r.stop_ids
+        rows = list(reqs) + [None] * (n - len(reqs))
+        return dict(
+            max_new_B=np.array([pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
+                               np.int32),
+            stop_BxS=stop_NxS,
+            temperature_B=np.array([pick(r, "temperature", c.temperature) for r in rows],
+                                   np.float32),
+            top_k_B=np.array([pick(r, "top_k", c.top_k) for r in rows], np.int32),
+            top_p_B=np.array([pick(r, "top_p", c.top_p) for r in rows], np.float32),
+            seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))
+
+    def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
+                     reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
+                     ) -> tuple[np.ndarray, ...]:
+        S = self.cfg.slots
+        tokens_NxP = np.zeros((n, bucket), np.int32)
+        lens_N = np.ones((n,), np.int32)
+        slots_N = np.full((n,), S, np.int32)  # index S is out of range: the row is dropped
+        for i, (seq, s) in enumerate(zip(seqs, slots)):
+            tokens_NxP[i, :len(seq)] = seq
+            lens_N[i], slots_N[i] = len(seq), s
+        self.cache, self.state, out = self._prefill(
+            self.params, self.cache, self.state, tokens_NxP, lens_N, slots_N,
+            self._settings(reqs, n), resample=resample)
+        return tuple(jax.device_get(out))
+
+    def _admit(self) -> list[Completion]:
+        free = [s for s, c in enumerate(self._slot_out) if c is None]
+        take = min(len(free), len(self._queue))
+        if not take:
+            return []
+        by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
+        for s in free[:take]:
+            r = self._queue.popleft()
+            by_bucket[_bucket(len(r.prompt_ids), self.prompt_buckets)].append((s, r))
+        finished = []
+        for bucket, group in by_bucket.items():
+            for lo in range(0, len(group), self.insert_buckets[-1]):
+                part = group[lo:lo + self.insert_buckets[-1]]
+                n = _bucket(len(part), self.insert_buckets)
+                reqs = [r for _, r in part]
+                tok, lp, raw, active, reason = self._run_prefill(
+                    [r.prompt_ids for r in reqs], [s for s, _ in part], reqs, bucket, n, True)
+                for i, (s, r) in enumerate(part):
+                    c = Completion(r, [int(tok[i])], [float(lp[i])], [float(raw[i])],
+                                   [self.version])
+                    if active[i]:
+                        self._slot_out[s] = c
+                    else:
+                        c.finish_reason = _REASONS[int(reason[i])]
+                        finished.append(c)
+        return finished
+
+    def _decode_chunk(self) -> list[Completion]:
+        live = [(s, c) for s, c in enumerate(self._slot_out) if c is not None]
+        max_pos = max(len(c.request.prompt_ids) + len(c.tokens) - 1 for _, c in live)
+        window = self.window_for(max_pos)
+        self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
+                                                   window=window)
+        tok_BxC, lp_BxC, raw_BxC, active_B, reason_B = jax.device_get(out)
+        finished = []
+        for s, c in live:
+            emitted = tok_BxC[s] >= 0
+            c.tokens += tok_BxC[s][emitted].tolist()
+            c.logprobs += lp_BxC[s][emitted].tolist()
+            c.raw_logprobs += raw_BxC[s][emitted].tolist()
+            c.versions += [self.version] * int(emitted.sum())
+            if not active_B[s]:
+                c.finish_reason = _REASONS[int(reason_B[s])]
+                self._slot_out[s] = None
+                finished.append(c)
+        return finished
+
+    def _recompute(self) -> None:
+        """Re-prefill every in-flight slot's prompt + tokens so far (except the last, not yet
+        in the cache) under the current weights; the next token then comes from the new version."""
+        live = [(s, c) for s, c in enumerate(self._slot_out)
+                if c is not None and s in self._stale_slots]
+        self._stale_slots = set()
+        by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
+        for s, c in live:
+            prefix = list(c.request.prompt_ids) + c.tokens[:-1]
+            by_bucket[_bucket(len(prefix), self.recompute_buckets)].append((s, prefix))
+        for bucket, group in by_bucket.items():
+            # Always all slots wide: one compiled variant per bucket.
+            self._run_prefill([p for _, p in group], [s for s, _ in group], [], bucket,
+                              self.cfg.slots, False)
+
+    @property
+    def recompute_buckets(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.prompt_buckets) | set(self.window_buckets)))
+
+    def warmup(self, recompute: bool = False) -> None:
+        """Compile every prefill (prompt x insert bucket) and decode (window) variant.
+
+        Runs them for real on padding rows (dropped) and inactive slots, so nothing in the
+        cache that matters changes. ``recompute`` also compiles the re-prefill variants used
+        after a mid-generation weight update.
+        """
+        with self._lock:
+            if self.has_work():
+                raise RuntimeError("warmup() needs an idle sampler")
+            for p in self.prompt_buckets:
+                for n in self.insert_buckets:
+                    self._run_prefill([], [], [], p, n, True)
+            if recompute:
+                for p in self.recompute_buckets:
+                    self._run_prefill([], [], [], p, self.cfg.slots, False)
+            for w in self.window_buckets:
+                self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
+                                                           window=w)
+            jax.block_until_ready(self.cache)
+        log.info("sampler warm: %d compiled variants", self.compile_count())

@@ -1,0 +1,89 @@
+"""Token sampling: greedy, temperature, top-k and top-p with per-slot parameters and seeds.
+
+Everything here is a pure function over device arrays so it can run inside the fused decode
+chunk. Each slot carries its own parameters (temperature, top_k, top_p, seed), so one compiled
+step serves requests with different settings without recompiling.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Finite "minus infinity": log_softmax of a row with masked entries stays NaN-free.
+_NEG = -1e30
+
+
+def filter_logits(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+                  top_p_B: jax.Array, sort: bool = True) -> jax.Array:
+    """Scaled logits of the distribution actually sampled from (masked entries at -1e30).
+
+    temperature 0 is greedy: only the argmax survives (ties: the lowest index, as ``argmax``).
+    top_k 0 and top_p 1 disable their filters. Both filters keep at least one token.
+    """
+    B, V = logits_BxV.shape
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    greedy_B = temperature_B <= 0.0
+    safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
+    scaled_BxV = logits_BxV / safe_t_B[:, None]
+    argmax_B = jnp.argmax(logits_BxV, axis=-1)
+    greedy_BxV = jnp.where(jnp.arange(V)[None, :] == argmax_B[:, None], 0.0, _NEG)
+    if not sort:  # no top-k/top-p anywhere in the batch: temperature only
+        return jnp.where(greedy_B[:, None], greedy_BxV, scaled_BxV)
+
+    sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
+    rank_V = jnp.arange(V)
+    k_B = jnp.where(top_k_B <= 0, V, jnp.minimum(top_k_B, V))
+    keep_k_BxV = rank_V[None, :] < k_B[:, None]
+    sorted_k_BxV = jnp.where(keep_k_BxV, sorted_BxV, _NEG)
+    probs_BxV = jax.nn.softmax(sorted_k_BxV, axis=-1)
+    # A token is kept while the mass of the strictly better tokens is below top_p.
+    mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
+    keep_BxV = keep_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (rank_V[None, :] == 0))
+    n_keep_B = jnp.sum(keep_BxV, axis=-1)
+    threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
+    filtered_BxV = jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, _NEG)
+    return jnp.where(greedy_B[:, None], greedy_BxV, filtered_BxV)
+
+
+def slot_keys(seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
+    """One key per slot from (request seed, position of the token being sampled).
+
+    Depending only on the request and the position makes a sample independent of which slot or
+    batch the request landed in, and of re-prefills after a weight update.
+    """
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, position_B)
+
+
+def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+           top_p_B: jax.Array, seed_B: jax.Array, position_B: jax.Array,
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sample one token per row.
+
+    Returns (tokens_B int32, logprob under the sampling distribution actually used (0 for
+    greedy), raw model logprob log_softmax(logits)[token]).
+    """
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    raw_logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+
+    def greedy() -> tuple[jax.Array, jax.Array]:
+        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        return tokens_B, jnp.zeros(tokens_B.shape, jnp.float32)
+
+    def stochastic() -> tuple[jax.Array, jax.Array]:
+        # The vocab sort behind top-k/top-p only runs when some row asks for it.
+        needs_sort = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0)
+        filtered_BxV = jax.lax.cond(
+            needs_sort, lambda: filter_logits(logits_BxV, temperature_B, top_k_B, top_p_B),
+            lambda: filter_logits(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
+                                  jnp.ones_like(top_p_B), sort=False))
+        keys_B = slot_keys(seed_B, position_B)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
+        lp_B = jnp.take_along_axis(jax.nn.log_softmax(filtered_BxV, axis=-1),
+                                   tokens_B[:, None], axis=-1)[:, 0]
+        return tokens_B, lp_B
+
+    # All-greedy batches (evaluation, benchmarks) skip the RNG and the filters entirely.
+    tokens_B, sample_lp_B = jax.lax.cond(jnp.all(temperature_B <= 0.0), greedy, stochastic)
+    raw_lp_B = jnp.take_along_axis(raw_logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, sample_lp_B, raw_lp_B

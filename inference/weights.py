@@ -1,0 +1,138 @@
+"""Weight versions for the sampler: in-process handoff (reshard + cast) and Orbax publication.
+
+Both paths end in the same jitted copy-and-cast onto the sampler's shardings, so a version handed
+over in process and the same version restored from ``<workdir>/weights/<version>`` are bitwise
+identical on the sampler.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshrl.utils.log import get_logger
+
+log = get_logger("inference")
+
+
+class WeightMismatchError(ValueError):
+    """Incoming params do not match the sampler's model (tree, shape or dtype kind)."""
+
+
+def _key_name(k: Any) -> str | None:
+    if isinstance(k, jax.tree_util.DictKey):
+        return str(k.key)
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return None if k.name == "value" else k.name  # the Variable's own .value level
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return str(k.idx)
+    return str(k)
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    """``{"layers/0/attn/q/kernel": leaf}`` for an nnx.State, a pure dict or a published tree."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    out: dict[str, Any] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        out["/".join(n for n in map(_key_name, path) if n is not None)] = leaf
+    return out
+
+
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Nested dict with string keys (the layout Orbax stores)."""
+    root: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        node = root
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return root
+
+
+def _kind(dtype: Any) -> str:
+    # numpy's dtype.kind calls bfloat16 'V' (void); ask JAX's type lattice instead.
+    for kind in ("floating", "complexfloating", "signedinteger", "unsignedinteger", "bool_"):
+        if jnp.issubdtype(dtype, getattr(jnp, kind)):
+            return kind
+    return str(jnp.dtype(dtype))
+
+
+def check_compatible(incoming: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Raise WeightMismatchError naming the first offending param path."""
+    missing = sorted(set(expected) - set(incoming))
+    extra = sorted(set(incoming) - set(expected))
+    if missing or extra:
+        raise WeightMismatchError(f"param tree mismatch: missing {missing[:5]}, unexpected "
+                                  f"{extra[:5]}")
+    for name, want in expected.items():
+        got = incoming[name]
+        if tuple(got.shape) != tuple(want.shape):
+            raise WeightMismatchError(f"param {name}: shape {tuple(got.shape)}, sampler expects "
+                                      f"{tuple(want.shape)}")
+        if _kind(got.dtype) != _kind(want.dtype):
+            raise WeightMismatchError(f"param {name}: dtype {got.dtype} ({_kind(got.dtype)}) "
+                                      f"cannot become {want.dtype} ({_kind(want.dtype)})")
+
+
+def make_copy_cast(shardings: dict[str, Any], dtypes: dict[str, Any]) -> Callable:
+    """Jitted flat-dict -> flat-dict copy onto the sampler shardings, cast to its dtypes.
+
+    ``jnp.array(copy=True)`` keeps a real copy even where shardings and dtype already match, so
+    the sampler never aliases a buffer the trainer will donate to its next step.
+    """
+    def copy_cast(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        return {k: jnp.array(v, copy=True).astype(dtypes[k]) for k, v in flat.items()}
+
+    return jax.jit(copy_cast, out_shardings=shardings)
+
+
+def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any],
+                 copy_cast: Callable) -> dict[str, jax.Array]:
+    """Validate, move onto the sampler shardings (any source mesh), copy and cast."""
+    flat = flat_params(params)
+    check_compatible(flat, expected)
+    # device_put handles a different source mesh; the jitted copy then owns fresh buffers.
+    moved = {k: jax.device_put(v, shardings[k]) for k, v in flat.items()}
+    out = copy_cast(moved)
+    jax.block_until_ready(out)
+    return out
+
+
+def weights_dir(workdir: str | pathlib.Path, version: int) -> pathlib.Path:
+    return pathlib.Path(workdir).absolute() / "weights" / str(int(version))
+
+
+def publish_weights(params: Any, workdir: str | pathlib.Path, version: int) -> pathlib.Path:
+    """Write ``params`` (any sharding) as an Orbax checkpoint at ``<workdir>/weights/<version>``."""
+    import orbax.checkpoint as ocp
+
+    path = weights_dir(workdir, version)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, nested(flat_params(params)))
+    ckptr.wait_until_finished()
+    log.info("published weights version %d at %s", version, path)
+    return path
+
+
+def restore_weights(workdir: str | pathlib.Path, version: int, expected: dict[str, Any],
+                    shardings: dict[str, Any]) -> dict[str, jax.Array]:
+    """Restore a published version straight into the sampler shardings (stored dtype kept)."""
+    import orbax.checkpoint as ocp
+
+    path = weights_dir(workdir, version)
+    if not path.exists():
+        raise FileNotFoundError(f"no published weights version {version} at {path}")
+    ckptr = ocp.StandardCheckpointer()
+    meta = flat_params(ckptr.metadata(path).item_metadata)
+    check_compatible(meta, expected)
+    target = nested({k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=shardings[k])
+                     for k, m in meta.items()})
+    return flat_params(ckptr.restore(path, target))

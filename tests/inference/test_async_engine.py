@@ -1,0 +1,72 @@
+"""The asyncio facade: concurrent awaits, pause/update/resume, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from meshrl.inference.async_engine import AsyncEngine, EngineShutdownError
+from meshrl.inference.engine import Request
+from meshrl.models import create_model, split_model
+from meshrl.tests.inference.tiny import TINY, make_sampler
+
+PROMPTS = [[5, 9, 14, 3], [40, 41, 42, 43, 44, 45], [7], [88, 12, 19], [3, 4, 5], [60, 61]]
+
+
+def test_concurrent_agenerate_equals_synchronous_generate(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params)
+    expected = sampler.generate([Request(p, max_new_tokens=6) for p in PROMPTS])
+    engine = AsyncEngine(sampler)
+
+    async def main():
+        return await asyncio.gather(*(engine.agenerate(Request(p, max_new_tokens=6, id=f"r{i}"))
+                                      for i, p in enumerate(PROMPTS)))
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+    assert [o.tokens for o in outs] == [e.tokens for e in expected]
+    assert [o.request.id for o in outs] == [f"r{i}" for i in range(len(PROMPTS))]
+    assert not engine._thread.is_alive()
+
+
+def test_update_while_requests_run_tags_both_versions(tiny_params):
+    _, params = tiny_params
+    new = split_model(create_model(TINY, seed=1))[1]
+    engine = AsyncEngine(make_sampler(params, max_len=64, decode_chunk=2))
+
+    async def main():
+        tasks = [asyncio.create_task(engine.agenerate(Request(p, max_new_tokens=40)))
+                 for p in PROMPTS[:4]]
+        while engine.sampler.version == 0 and not any(t.done() for t in tasks):
+            if any(c is not None and len(c.tokens) >= 3 for c in engine.sampler._slot_out):
+                await asyncio.to_thread(engine.update_weights, new, 1)
+            await asyncio.sleep(0.001)
+        return await asyncio.gather(*tasks)
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+    for o in outs:
+        assert o.versions[0] == 0 and o.versions[-1] == 1
+        assert o.versions == sorted(o.versions)  # never back to the old version
+
+
+def test_shutdown_fails_pending_requests_and_rejects_new_ones(tiny_params):
+    _, params = tiny_params
+    engine = AsyncEngine(make_sampler(params))
+    engine.pause()
+
+    async def main():
+        task = asyncio.create_task(engine.agenerate(Request([5, 6, 7])))
+        await asyncio.sleep(0.01)
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineShutdownError):
+            await task
+        with pytest.raises(EngineShutdownError):
+            await engine.agenerate(Request([5, 6, 7]))
+    asyncio.run(main())

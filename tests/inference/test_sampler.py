@@ -1,0 +1,141 @@
+"""Core sampler behaviour: greedy parity with a full forward, batching, stops, compiles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshrl.inference.engine import Request
+from meshrl.tests.inference.tiny import make_sampler, reference_greedy
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 16) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 96, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(n)]
+
+
+def test_greedy_matches_full_forward_argmax_and_logprobs(tiny_params):
+    graphdef, params = tiny_params
+    sampler = make_sampler(params, max_new_tokens=10)
+    prompts = _prompts(3, seed=1)
+
+    outs = sampler.generate([Request(p) for p in prompts])
+
+    for p, out in zip(prompts, outs):
+        ref_tokens, ref_lps = reference_greedy(graphdef, params, p, 10)
+        assert out.tokens == ref_tokens
+        np.testing.assert_allclose(out.raw_logprobs, ref_lps, rtol=1e-4, atol=1e-5)
+        # Greedy is a point mass: the sampled token has logprob 0 under it.
+        np.testing.assert_allclose(out.logprobs, 0.0, atol=1e-6)
+        assert out.finish_reason == "length"
+        assert out.versions == [0] * 10
+        assert out.token_versions[:len(p)] == [-1] * len(p)
+
+
+def test_continuous_batching_more_requests_than_slots_matches_solo_generation(tiny_params):
+    _, params = tiny_params
+    prompts = _prompts(9, seed=2)
+    budgets = [3, 11, 5, 17, 2, 9, 13, 1, 7]  # slots finish and refill at different chunks
+    sampler = make_sampler(params, slots=4)
+
+    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
+
+    for p, b, out in zip(prompts, budgets, outs):
+        alone = sampler.generate([Request(p, max_new_tokens=b)])[0]
+        assert out.tokens == alone.tokens
+        assert len(out.tokens) == b
+        np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_stop_token_ends_sequence_with_reason_stop(tiny_params):
+    graphdef, params = tiny_params
+    prompt = _prompts(1, seed=3)[0]
+    ref, _ = reference_greedy(graphdef, params, prompt, 6)
+    sampler = make_sampler(params)
+
+    out = sampler.generate([Request(prompt, max_new_tokens=20, stop_ids=(ref[4],))])[0]
+
+    cut = ref.index(ref[4]) + 1
+    assert out.tokens == ref[:cut]
+    assert out.finish_reason == "stop"
+
+
+def test_sequence_reaching_cache_end_finishes_with_length(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, max_len=24, prompt_buckets=(8, 16))
+
+    out = sampler.generate([Request(list(range(3, 19)), max_new_tokens=100)])[0]
+
+    assert len(out.tokens) == 24 - 16  # prompt + completion fill max_len exactly
+    assert out.finish_reason == "length"
+
+
+def test_no_recompilation_after_warmup_with_mixed_prompt_lengths(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, max_len=64, slots=4)
+    sampler.warmup()
+    compiled = sampler.compile_count()
+    prompts = _prompts(11, seed=4, lo=1, hi=16)
+    requests = [Request(p, max_new_tokens=m, temperature=t, top_k=k, seed=i)
+                for i, (p, m, t, k) in enumerate(zip(
+                    prompts, [1, 5, 40, 9, 3, 48, 2, 7, 30, 4, 12],
+                    [0.0, 0.7, 1.0, 0.0, 1.3] * 3, [0, 5, 0, 3, 0] * 3))]
+
+    backend_compiles = []
+
+    def listener(event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            backend_compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        sampler.generate(requests)
+        after_run = len(backend_compiles)
+        jax.jit(lambda x: x * 3)(jnp.ones((7, 3)))  # the listener does see a fresh compile
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+    assert sampler.compile_count() == compiled
+    assert after_run == 0
+    assert backend_compiles  # the listener was live: it saw the probe compile
+
+
+def test_sampled_generation_is_reproducible_per_seed_regardless_of_batch(tiny_params):
+    _, params = tiny_params
+    prompt = _prompts(1, seed=5)[0]
+    a = make_sampler(params, slots=4)
+    b = make_sampler(params, slots=4)
+    req = dict(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7)
+
+    alone = a.generate([Request(prompt, **req)])[0]
+    crowd = b.generate([Request(q, max_new_tokens=5, temperature=1.0, seed=i)
+                        for i, q in enumerate(_prompts(3, seed=6))] + [Request(prompt, **req)])
+
+    assert crowd[-1].tokens == alone.tokens
+    np.testing.assert_allclose(crowd[-1].logprobs, alone.logprobs, rtol=1e-4, atol=1e-5)
+    # Under the truncated distribution a sampled token is at least as likely as under the raw.
+    assert np.all(np.asarray(alone.logprobs) >= np.asarray(alone.raw_logprobs) - 1e-5)
+
+
+def test_decode_window_covers_chunk_and_compiled_input_is_window_shape(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, max_len=192, decode_chunk=8, prompt_buckets=(64,))
+
+    assert sampler.window_buckets == (32, 48, 64, 96, 128, 192)
+    assert sampler.window_for(10) == 32  # positions up to 10 + 8 fit in 32
+    assert sampler.window_for(60) == 96  # 60 + 8 > 64
+    assert sampler.window_for(190) == 192  # capped at max_len
+    sampler.generate([Request(list(range(3, 50)), max_new_tokens=30)])
+
+    traced_T = sorted({shape[2] for shape in sampler.window_trace_shapes})
+    assert traced_T == [64, 96]
+    assert all(shape[1:3] != (4, 192) for shape in sampler.window_trace_shapes)
+
+
+def test_invalid_prompt_length_is_rejected(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params)
+    with pytest.raises(ValueError, match="prompt length 17"):
+        sampler.submit(Request(list(range(17))))

@@ -1,0 +1,47 @@
+"""The sampling filters as pure functions on tiny logits."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshrl.inference.sampling import filter_logits, sample
+
+LOGITS_1xV = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]]))
+
+
+def _kept(filtered_BxV) -> list[int]:
+    return np.flatnonzero(np.asarray(filtered_BxV[0]) > -1e29).tolist()
+
+
+def test_top_k_keeps_the_k_most_likely_tokens():
+    out = filter_logits(LOGITS_1xV, jnp.ones(1), jnp.asarray([2]), jnp.ones(1))
+    assert _kept(out) == [1, 3]
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
+    # Sorted probs 0.4, 0.3, 0.2, 0.1: 0.4 < 0.65 so the 0.3 token is still needed.
+    out = filter_logits(LOGITS_1xV, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.asarray([0.65]))
+    assert _kept(out) == [1, 3]
+    tiny = filter_logits(LOGITS_1xV, jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.asarray([0.0]))
+    assert _kept(tiny) == [1]
+
+
+def test_sampled_logprob_is_under_the_renormalised_distribution():
+    tokens, lp, raw = sample(jnp.repeat(LOGITS_1xV, 64, 0), jnp.ones(64),
+                             jnp.full((64,), 2, jnp.int32), jnp.ones(64),
+                             jnp.arange(64, dtype=jnp.int32), jnp.zeros(64, jnp.int32))
+    tokens = np.asarray(tokens)
+    assert set(tokens.tolist()) == {1, 3}
+    want = np.where(tokens == 1, np.log(0.4 / 0.7), np.log(0.3 / 0.7))
+    np.testing.assert_allclose(np.asarray(lp), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(raw), np.log([0.1, 0.4, 0.2, 0.3])[tokens],
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_temperature_zero_rows_are_greedy_even_in_a_sampled_batch():
+    logits_2xV = jnp.repeat(LOGITS_1xV, 2, 0)
+    tokens, lp, _ = sample(logits_2xV, jnp.asarray([0.0, 1.0]), jnp.zeros(2, jnp.int32),
+                           jnp.ones(2), jnp.asarray([1, 2]), jnp.zeros(2, jnp.int32))
+    assert int(tokens[0]) == 1
+    assert float(lp[0]) == 0.0

@@ -1,0 +1,145 @@
+"""Checkpoints: exact resume after a kill, restore onto another mesh, fallback from a corrupt
+latest step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from meshrl.tests.trainer.tiny import make_loop, make_trainee, mesh_for, tiny_config
+from meshrl.trainer.checkpoint import MANIFEST, Checkpointer, CheckpointMismatchError
+from meshrl.trainer.loop import expand_prefix
+from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.state import abstract_state, init_state, state_shardings
+
+ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+       "JAX_PLATFORMS": "cpu"}
+
+# Phase one of the resume test: train, and die without any shutdown right after the step-3
+# checkpoint is durable (as a preempted or OOM-killed job would).
+_PHASE_ONE = textwrap.dedent("""
+    import os, sys
+    from meshrl.tests.trainer.tiny import make_loop, tiny_config
+    loop = make_loop(tiny_config(), sys.argv[1])
+    def die(step, loop):
+        if step == 3:
+            loop.checkpointer.wait()
+            os._exit(0)
+    loop.run(hooks=[die])
+    os._exit(3)
+""")
+
+
+def _losses(workdir: pathlib.Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows}  # a re-run step keeps its latest value
+
+
+def _run(config, workdir):
+    loop = make_loop(config, workdir)
+    loop.run()
+    params = jax.device_get(loop.state.params)
+    start = loop.start_step
+    loop.close()
+    return params, start
+
+
+def test_resume_after_kill_gives_bitwise_identical_params_and_losses(tmp_path):
+    config = tiny_config()
+    straight, _ = _run(config, tmp_path / "straight")
+
+    resumed_dir = tmp_path / "resumed"
+    out = subprocess.run([sys.executable, "-c", _PHASE_ONE, str(resumed_dir)], env=ENV,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(int(p.name) for p in (resumed_dir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [3]
+    resumed, start = _run(config, resumed_dir)
+
+    assert start == 3
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert _losses(resumed_dir) == _losses(tmp_path / "straight")
+    assert sorted(_losses(resumed_dir)) == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.distributed
+def test_restore_onto_other_mesh_keeps_values(tmp_path):
+    src_cfg = tiny_config(**{"mesh.data": 8, "mesh.fsdp": True})
+    dst_cfg = tiny_config(**{"mesh.data": 2, "mesh.tensor": 4})
+
+    def build(cfg):
+        mesh = mesh_for(cfg)
+        trainee = make_trainee(cfg, mesh)
+        tx, _ = make_optimizer(cfg.optimizer, cfg.trainer.learning_rate, cfg.trainer.steps)
+        sh = state_shardings(expand_prefix(trainee.params_shardings, trainee.params), tx, mesh,
+                             trainee.params)
+        return trainee, tx, sh
+
+    trainee, tx, sh = build(src_cfg)
+    state = jax.jit(lambda p: init_state(p, tx, 7), out_shardings=sh)(trainee.params)
+    ckpt = Checkpointer(tmp_path / "ckpt", src_cfg.checkpoint)
+    ckpt.save(5, state, {"index": 5}, src_cfg.to_dict(), {"step": 5})
+    ckpt.close()
+
+    dst_trainee, dst_tx, dst_sh = build(dst_cfg)
+    target = abstract_state(dst_sh, dst_trainee.params, dst_tx)
+    reader = Checkpointer(tmp_path / "ckpt", dst_cfg.checkpoint)
+    restored = reader.restore_latest(target)
+    reader.close()
+
+    assert restored is not None and restored.step == 5 and restored.data == {"index": 5}
+    assert restored.config["mesh"]["fsdp"] is True
+    for a, b, want in zip(jax.tree.leaves(state), jax.tree.leaves(restored.state),
+                          jax.tree.leaves(dst_sh)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding == want
+    # The layout really changed: FSDP split params over data on the source mesh, not here.
+    specs = {tuple(s.spec) for s in jax.tree.leaves(dst_sh.params)}
+    assert all("data" not in str(s) for s in specs)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "drop_manifest"])
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage):
+    config = tiny_config(**{"trainer.steps": 4, "checkpoint.every_steps": 2})
+    _run(config, tmp_path)
+    step4 = tmp_path / "checkpoints" / "4"
+    if damage == "truncate":
+        victim = max((p for p in (step4 / "state").rglob("*") if p.is_file()),
+                     key=lambda p: p.stat().st_size)
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    else:
+        (step4 / MANIFEST).unlink()
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("meshrl.trainer.checkpoint")
+    logger.addHandler(handler)
+    try:
+        loop = make_loop(config, tmp_path)
+    finally:
+        logger.removeHandler(handler)
+
+    assert loop.start_step == 2
+    assert any("step 4 is unusable" in r.getMessage() for r in records)
+    assert not step4.exists() and list((tmp_path / "checkpoints").glob("corrupt.4.*"))
+    loop.run()  # training continues from step 2 and writes a good step 4 again
+    loop.close()
+    assert (step4 / MANIFEST).exists()
+
+
+def test_intact_checkpoint_of_another_model_raises_instead_of_falling_back(tmp_path):
+    _run(tiny_config(**{"trainer.steps": 1}), tmp_path)
+    with pytest.raises(CheckpointMismatchError, match="step 1 .* intact"):
+        make_loop(tiny_config(**{"trainer.steps": 1, "model.hidden_size": 48}), tmp_path)
+    assert (tmp_path / "checkpoints" / "1" / MANIFEST).exists()  # nothing was discarded

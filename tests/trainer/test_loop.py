@@ -1,0 +1,67 @@
+"""The loop: non-finite raise path, metric sinks, progress line, the SFT job end to end."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
+from meshrl.trainer.loop import NonFiniteLossError
+from meshrl.trainer.progress import Progress
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_nonfinite_loss_raises_with_step_number_and_saves_nothing_after_it(tmp_path):
+    config = tiny_config(**{"trainer.on_nonfinite": "raise", "checkpoint.every_steps": 1})
+    loop = make_loop(config, tmp_path, RandomIterator(8, 16, nan_at=2))
+    with pytest.raises(NonFiniteLossError, match="non-finite loss at step 3"):
+        loop.run()
+    loop.close()
+    # Steps 1 and 2 were checkpointed; the poisoned step 3 never was.
+    assert sorted(loop.checkpointer.all_steps()) == [1, 2]
+
+
+def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
+    config = tiny_config(**{"trainer.steps": 3, "checkpoint.every_steps": 0,
+                            "checkpoint.async_save": False})
+    loop = make_loop(config, tmp_path)
+    history = loop.run()
+    loop.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] == [h["step"] for h in history]
+    for key in ("loss", "grad_norm", "learning_rate", "tokens_per_s", "step_time_s",
+                "model_flops_per_s", "mfu", "token_accuracy", "skipped"):
+        assert key in rows[-1], key
+    assert rows[-1]["mfu"] > 0 and rows[0]["learning_rate"] == 0.0  # warmup starts at 0
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert loop.checkpointer.all_steps() == [3]  # every_steps = 0: only the final save
+
+
+def test_progress_line_shows_step_loss_throughput_and_eta():
+    progress = Progress(100, 0, stream=io.StringIO())
+    line = progress.line(25, 1.23456, 12345.6)
+    assert "step 25/100" in line and "loss 1.2346" in line and "12,346 tok/s" in line
+    assert "ETA" in line and line.startswith("[#####")
+
+
+def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
+                          str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
+                          "--workdir", str(tmp_path), "--config.logging.progress_bar=false"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 6 and summary["devices"] == 2
+    assert summary["final_loss"] < summary["first_loss"]
+    assert summary["tokens_per_s"] > 0 and 0 <= summary["eval_token_accuracy"] <= 1
+    assert summary["eval_sequences"] > 0
+    assert (tmp_path / "checkpoints" / "6").is_dir()

@@ -1,0 +1,186 @@
+"""The RL job end to end (smoke config through main.py in a subprocess, one CPU device), its
+recovery from SIGKILL, and the evaluation helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from meshrl.inference.engine import Completion, Request
+from meshrl.trainer.rl_eval import EvalVersionError, aevaluate, pass_at_k, read_metrics
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop: not the suite's 8 fake ones
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _start(workdir: pathlib.Path, *overrides: str) -> subprocess.Popen:
+    log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115 (closed by the OS)
+    return subprocess.Popen([*SMOKE, f"--workdir={workdir}", *overrides], cwd=ROOT, env=_env(),
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 240) -> None:
+    try:
+        rc = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = (workdir.parent / f"{workdir.name}.log").read_text(errors="replace")
+    assert rc == 0, log[-4000:]
+
+
+def _final_weights(workdir: pathlib.Path, version: int) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    from meshrl.inference.weights import flat_params
+
+    restored = ocp.StandardCheckpointer().restore(workdir / "weights" / str(version))
+    return {k: np.asarray(v) for k, v in flat_params(restored).items()}
+
+
+def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_path):
+    workdir = tmp_path / "run"
+
+    t0 = time.monotonic()
+    _finish(_start(workdir), workdir)
+    wall = time.monotonic() - t0
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    for key in ("accuracy_before", "accuracy_after"):
+        assert 0.0 <= summary[key] <= 1.0, summary
+    assert summary["steps"] == summary["start_step"] + 4 == 4
+    assert summary["tokens_per_s"] > 0
+    # Admission and the hand-over check bound staleness; the histogram reaches the summary.
+    assert 0 <= summary["max_staleness_seen"] <= summary["max_staleness"] == 2
+    assert sum(summary["staleness_hist"].values()) == 4 * 4 * 4  # steps x groups x group size
+    assert list((workdir / "tb").glob("events.out.tfevents.*"))
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [2, 4]
+    assert (workdir / "weights" / "4").is_dir()
+    assert (workdir / "sft" / "checkpoints").is_dir()  # the SFT warm start ran
+    assert (workdir / "rl_curves.png").stat().st_size > 1000
+    metrics = read_metrics(workdir / "metrics.jsonl")
+    assert all("rollout/reward_mean" in metrics[s] for s in range(1, 5))
+    assert "eval/greedy_accuracy" in metrics[0] and "eval/greedy_accuracy" in metrics[4]
+    assert wall < 120, wall
+
+
+@pytest.mark.slow  # three smoke runs, ~90 s on 2 CPU cores
+def test_sigkill_after_first_checkpoint_then_rerun_resumes_and_matches_uninterrupted_run(
+        tmp_path):
+    sync = ["--config.rollout.max_staleness=0", "--config.trainer.steps=6"]
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    _finish(_start(reference, *sync), reference)
+
+    proc = _start(killed, *sync)
+    manifest = killed / "checkpoints" / "2" / "meshrl_manifest.json"
+    deadline = time.monotonic() + 240
+    while not manifest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert manifest.exists()
+    assert not (killed / "summary.json").exists(), "the run finished before it was killed"
+
+    _finish(_start(killed, *sync), killed)
+
+    summary = json.loads((killed / "summary.json").read_text())
+    assert summary["start_step"] >= 2 and summary["steps"] == 6
+    ref, got = _final_weights(reference, 6), _final_weights(killed, 6)
+    assert ref.keys() == got.keys()
+    for name in ref:
+        # Same prompts, seeds and versions: only float summation order could differ.
+        np.testing.assert_allclose(got[name], ref[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    assert pass_at_k(4, 0, 1) == 0.0
+    assert pass_at_k(4, 4, 4) == 1.0
+    np.testing.assert_allclose(pass_at_k(4, 1, 1), 0.25, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(pass_at_k(4, 1, 2), 0.5, rtol=1e-12, atol=0)  # 1 - C(3,2)/C(4,2)
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(2, 3, 1)
+
+
+class _FakeEngine:
+    """Answers ``"7"`` to every prompt; its version may change mid-evaluation."""
+
+    def __init__(self, version: int, drift_after: int | None = None) -> None:
+        self.version, self.calls, self.drift_after = version, 0, drift_after
+
+    async def agenerate(self, request: Request) -> Completion:
+        self.calls += 1
+        v = self.version + (1 if self.drift_after is not None and self.calls > self.drift_after
+                            else 0)
+        return Completion(request, [ord("7")], [0.0], [0.0], [v], "stop")
+
+
+class _ExactPool:
+    names = ["exact"]
+
+    def score_components(self, prompts, completions, answer, **_):
+        return {"exact": [float(c == a) for c, a in zip(completions, answer)]}
+
+
+def _examples() -> list[dict]:
+    return [{"prompt": "3+4=", "prompt_ids": [1, 51], "answer": "7"},
+            {"prompt": "1+1=", "prompt_ids": [1, 49], "answer": "2"}]
+
+
+def _decode(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def test_evaluation_reports_greedy_accuracy_and_pass_at_k_from_the_verifier():
+    out = asyncio.run(aevaluate(_FakeEngine(3), _ExactPool(), _examples(), version=3,
+                                decode=_decode, eos_id=2, max_new_tokens=4, n=4))
+
+    assert out["eval/greedy_accuracy"] == 0.5
+    assert out["eval/pass_at_1"] == 0.5 and out["eval/pass_at_4"] == 0.5
+
+
+def test_evaluation_with_tokens_of_another_version_raises():
+    with pytest.raises(EvalVersionError, match="versions"):
+        asyncio.run(aevaluate(_FakeEngine(3, drift_after=1), _ExactPool(), _examples(),
+                              version=3, decode=_decode, eos_id=2, max_new_tokens=4))
+
+
+def _rl_config(**overrides):
+    from meshrl.configs.loader import base_config, from_config_dict
+
+    cfg = base_config("rl")
+    cfg.data.max_prompt_len = 64
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    return from_config_dict(cfg)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"sampler.temperature": 0.7}, "sampler.temperature = 0.7"),
+    ({"trainer.microbatches": 3}, "trainer.microbatches = 3: must divide"),
+    ({"data.max_prompt_len": 200}, "data.max_prompt_len = 200"),
+])
+def test_rl_config_that_the_job_cannot_run_is_rejected_naming_the_field(overrides, message):
+    from meshrl.configs.fields import ConfigError
+    from meshrl.trainer.rl_loop import check_config
+
+    with pytest.raises(ConfigError, match=message):
+        check_config(_rl_config(**overrides))

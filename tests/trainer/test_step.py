@@ -1,0 +1,113 @@
+"""The jitted train step: accumulation equals one big batch, sharding does not change the math,
+non-finite steps are skipped on the device."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from meshrl.configs.schema import Config
+from meshrl.mesh import rules_for
+from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
+from meshrl.trainer.loop import BATCH_KEYS, expand_prefix, put_batch
+from meshrl.trainer.losses import get_loss
+from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.state import TrainState, init_state, state_shardings
+from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+
+
+def _train(config: Config, batches: list[dict[str, np.ndarray]],
+           devices: list[jax.Device] | None = None) -> tuple[TrainState, list[dict]]:
+    mesh = mesh_for(config, devices)
+    trainee = make_trainee(config, mesh)
+    tx, schedule = make_optimizer(config.optimizer, config.trainer.learning_rate,
+                                  config.trainer.steps)
+    params_sh = expand_prefix(trainee.params_shardings, trainee.params)
+    state_sh = state_shardings(params_sh, tx, mesh, trainee.params)
+    state = jax.jit(lambda p: init_state(p, tx, 0), out_shardings=state_sh)(trainee.params)
+    B, L = batches[0]["input_ids"].shape
+    batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, L, BATCH_KEYS)
+    step = jit_train_step(make_train_step(trainee.forward, get_loss("sft"), tx, schedule,
+                                          microbatches=config.trainer.microbatches),
+                          state_sh, batch_sh, mesh)
+    history = []
+    for b in batches:
+        state, metrics = step(state, put_batch(b, batch_sh))
+        # Host copies of every intermediate state (the next step donates the device buffers).
+        history.append({**jax.device_get(metrics), "state": jax.device_get(state)})
+    return history[-1]["state"], history
+
+
+def _sgd(**overrides: object) -> Config:
+    # SGD keeps updated params linear in the gradients. Adam's first steps are ~lr * sign(g),
+    # which turns last-bit rounding differences of near-zero gradients into +-lr jumps and would
+    # hide (or fake) real mismatches.
+    return tiny_config(**{"optimizer.name": "sgd", "optimizer.momentum": 0.9,
+                          "optimizer.weight_decay": 0.0, "trainer.learning_rate": 0.5,
+                          **overrides})
+
+
+def _assert_same_params(a: TrainState, b: TrainState, rtol: float, atol: float) -> None:
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_accumulating_four_microbatches_equals_one_big_batch():
+    ref_state, ref_hist = _single_device_reference()
+    acc_state, acc_hist = _train(_sgd(**{"trainer.microbatches": 4}), _two_batches(),
+                                 [jax.devices()[0]])
+    # Same math, only the summation order differs (4 partial sums + 1): f32 rounding level.
+    for r, a in zip(ref_hist, acc_hist):
+        np.testing.assert_allclose(a["loss"], r["loss"], rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a["grad_norm"], r["grad_norm"], rtol=1e-5, atol=1e-7)
+        assert a["tokens"] == r["tokens"]
+    _assert_same_params(acc_state, ref_state, rtol=1e-5, atol=1e-6)
+
+
+def _two_batches() -> list[dict[str, np.ndarray]]:
+    data = RandomIterator(8, 16)
+    return [data.batch(0), data.batch(1)]
+
+
+@functools.cache
+def _single_device_reference() -> tuple[TrainState, list[dict]]:
+    return _train(_sgd(), _two_batches(), [jax.devices()[0]])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mesh_overrides", [
+    {"mesh.data": 8},
+    {"mesh.data": 2, "mesh.tensor": 4},
+    {"mesh.data": 8, "mesh.fsdp": True},
+    {"mesh.data": 2, "mesh.tensor": 4, "mesh.fsdp": True, "trainer.microbatches": 2},
+], ids=["data8", "data2_tensor4", "fsdp8", "fsdp2_tensor4_accum2"])
+def test_sharded_step_matches_single_device(mesh_overrides):
+    batches = _two_batches()
+    ref_state, ref_hist = _single_device_reference()
+    state, hist = _train(_sgd(**mesh_overrides), batches)
+    # Sharded matmuls and cross-device reductions add partial sums in another order; the results
+    # agree to f32 rounding (~1e-7 relative per op), amplified a little by two SGD steps.
+    for r, s in zip(ref_hist, hist):
+        np.testing.assert_allclose(s["loss"], r["loss"], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(s["grad_norm"], r["grad_norm"], rtol=1e-4, atol=1e-6)
+    _assert_same_params(state, ref_state, rtol=1e-4, atol=1e-5)
+
+
+def test_nonfinite_loss_skips_update_and_counts_it():
+    data = RandomIterator(8, 16, nan_at=1)
+    config = tiny_config(**{"trainer.on_nonfinite": "skip"})
+    final, hist = _train(config, [data.batch(i) for i in range(3)], [jax.devices()[0]])
+    after_first, after_nan = hist[0]["state"], hist[1]["state"]
+    assert hist[0]["finite"] and not hist[1]["finite"] and not np.isfinite(hist[1]["loss"])
+    assert int(after_nan.skipped) == 1 and int(after_nan.weight_version) == 1
+    assert int(after_nan.step) == 2
+    # The skipped update leaves params and optimizer moments bitwise untouched.
+    for x, y in zip(jax.tree.leaves((after_nan.params, after_nan.opt_state)),
+                    jax.tree.leaves((after_first.params, after_first.opt_state))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert hist[2]["finite"] and np.isfinite(hist[2]["loss"])
+    assert int(final.weight_version) == 2 and int(final.skipped) == 1
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final.params))

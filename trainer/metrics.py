@@ -1,0 +1,89 @@
+"""Metric sinks (tensorboardX + a JSONL file on process 0) and the MFU arithmetic."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from meshrl.utils.log import get_logger
+
+_log = get_logger("trainer.metrics")
+
+# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets (no sparsity).
+_PEAK_BF16: tuple[tuple[str, float], ...] = (
+    ("h200", 989e12), ("h100", 989e12), ("a100", 312e12),
+    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu v5 lite", 197e12),
+    ("tpu v5e", 197e12), ("tpu v5p", 459e12), ("tpu v5", 459e12), ("tpu v4", 275e12),
+)
+
+
+def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float32,
+                        device: jax.Device | None = None) -> float:
+    """Best-of-``repeats`` FLOP/s of one ``n x n`` matmul on ``device``: the practical peak."""
+    device = device or jax.devices()[0]
+    a = jax.device_put(jnp.ones((n, n), dtype), device)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def peak_flops_per_device(configured: float, device: jax.Device | None = None) -> float:
+    """``configured`` if > 0, else the table's bf16 peak for the device kind, else (CPU or an
+    unknown chip) a measured f32 matmul peak."""
+    if configured > 0:
+        return configured
+    device = device or jax.devices()[0]
+    kind = device.device_kind.lower()
+    for name, peak in _PEAK_BF16:
+        if name in kind:
+            return peak
+    peak = measure_matmul_peak(device=device)
+    _log.info("no peak FLOP/s known for device kind %r; measured f32 matmul peak %.1f GFLOP/s "
+              "(set trainer.peak_flops to override)", device.device_kind, peak / 1e9)
+    return peak
+
+
+class MetricsWriter:
+    """Scalars to ``<workdir>/tb`` (tensorboardX) and ``<workdir>/metrics.jsonl``, process 0 only.
+
+    The JSONL copy is flushed per write, so a killed run's log survives up to its last write.
+    """
+
+    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool, process_index: int) -> None:
+        self._enabled = process_index == 0
+        self._tb = None
+        self._jsonl = None
+        if not self._enabled:
+            return
+        workdir = pathlib.Path(workdir)
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(workdir / "tb"))
+        self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if not self._enabled:
+            return
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+        assert self._jsonl is not None
+        self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._jsonl is not None:
+            self._jsonl.close()

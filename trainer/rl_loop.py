@@ -1,0 +1,418 @@
+"""The RL job: asynchronous GRPO/PPO-family training with a colocated sampler.
+
+  python main.py --config configs/default.py --workdir /tmp/meshrl
+
+One process, one event loop. The rollout runner (``workflows``) keeps the sampler busy with
+groups of episodes while the trainer consumes batches; the staleness controller admits new
+groups only while ``(max_staleness + version + 1) * prompts_per_step - (accepted + running) > 0``
+and drops (and counts) any group with a token older than ``version - max_staleness``.
+``rollout.max_staleness = 0`` is synchronous RL.
+
+Per optimizer step ``v -> v + 1``: ``await runner.get_batch(v)`` (the version goes up by exactly
+one per consumed batch, whatever the trainer's non-finite skips), build the ``RolloutBatch``
+(groups in group-id order, so the batch does not depend on completion order), dispatch the
+jitted step, read the previous step's metrics, hand the new params to the sampler in process
+(``update_weights(params, v + 1)``; that copy is the one host wait per step, and it runs off
+the event loop), and every ``checkpoint.publish_every`` steps and at checkpoints publish the
+Orbax weight version ``<workdir>/weights/<v + 1>``.
+
+Proximal logprobs: every rollout batch gets exactly one optimizer step, so the proximal policy
+of decoupled PPO is the current (pre-update) policy, and ``make_rl_loss_fn``'s default
+(stop-gradient of the logprobs being trained) is exactly it: no extra forward pass.
+
+Colocated mode: the sampler mesh is built with ``create_mesh(config.mesh)`` over the trainer's
+devices with the ``sample`` rules (params tensor-parallel, replicated over ``data``).
+TODO(meshrl): split mode (disjoint sampler and trainer device sets in one process) needs a
+schema field naming the split; not built.
+
+Warm start: with ``model.hf_path`` empty the policy starts from a short SFT phase on the same
+data (``<workdir>/sft``, resumable like any SFT run) so that RL starts from a mediocre, not a
+random, policy. It uses the config's model, data, optimizer and trainer sections except for
+its length, ``WARM_START_STEPS_PER_RL_STEP * trainer.steps``, its optimizer (always AdamW) and
+its peak learning rate, ``WARM_START_LEARNING_RATE``: RL needs a far smaller rate than SFT (with Adam every parameter
+moves by about the rate per step, and a policy-gradient step of that size on a 0.1M-param model
+lowers the likelihood of every sampled answer, the rewarded ones included).
+TODO(meshrl): move both into the schema (``rl.warm_start_steps``, ``rl.warm_start_lr``).
+
+Recovery: checkpoints hold the train state, the prompt iterator state and the runner's
+counters (``runner.state_dict()``: version, staleness counters, next group id). A rerun of the
+same command resumes from the newest verified checkpoint; the SFT warm start is skipped then.
+Groups in flight at a kill are lost (their prompts are not replayed), except with
+``max_staleness = 0`` where nothing is in flight at a checkpoint and the resumed run equals an
+uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config, Job
+from meshrl.datasets import eval_examples, make_prompt_iterator, make_sft_iterator
+from meshrl.inference.async_engine import AsyncEngine
+from meshrl.inference.engine import Sampler
+from meshrl.inference.weights import publish_weights, weights_dir
+from meshrl.mesh import create_mesh, initialize_distributed, rules_for
+from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
+from meshrl.models.tokenizer import load_tokenizer
+from meshrl.rewards import RewardPool
+from meshrl.trainer.checkpoint import Checkpointer
+from meshrl.trainer.loop import Loop, NonFiniteLossError, Trainee, expand_prefix, put_batch
+from meshrl.trainer.losses import get_loss
+from meshrl.trainer.metrics import MetricsWriter
+from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.policy_loss import make_rl_loss_fn
+from meshrl.trainer.progress import Progress
+from meshrl.trainer.rl_eval import aevaluate, plot_curves, read_metrics
+from meshrl.trainer.state import abstract_state, init_state, state_shardings
+from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+from meshrl.utils import log as log_lib
+from meshrl.workflows import TRAIN_BATCH_KEYS, make_rollout_batch, make_runner
+
+log = log_lib.get_logger("rl")
+
+WARM_START_STEPS_PER_RL_STEP = 1.0
+WARM_START_LEARNING_RATE = 1e-3
+
+
+def warm_start_steps(config: Config) -> int:
+    """SFT steps before RL: none for a pretrained model (``model.hf_path``)."""
+    if config.model.hf_path:
+        return 0
+    return int(WARM_START_STEPS_PER_RL_STEP * config.trainer.steps)
+
+
+def rl_batch_size(config: Config) -> int:
+    """Sequences per optimizer step: prompts (groups) times samples per prompt."""
+    return config.rollout.prompts_per_step * config.rollout.group_size
+
+
+def check_config(config: Config) -> None:
+    """RL-specific cross-field constraints (the schema validates each section alone)."""
+    B = rl_batch_size(config)
+    if B % config.trainer.microbatches:
+        raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
+                          f"rollout.prompts_per_step * rollout.group_size = {B}")
+    if config.sampler.temperature != 1.0:
+        # TODO(meshrl): behaviour logprobs are raw log_softmax; with T != 1 the trainer must
+        # scale logits by 1/T and use the tempered logprobs (see workflows.arun_episode).
+        raise ConfigError(f"sampler.temperature = {config.sampler.temperature}: the RL job "
+                          f"needs 1.0 until tempered behaviour logprobs are supported")
+    if config.sampler.prompt_buckets and config.sampler.prompt_buckets[-1] < \
+            config.data.max_prompt_len:
+        raise ConfigError(f"sampler.prompt_buckets = {config.sampler.prompt_buckets}: the "
+                          f"largest must be >= data.max_prompt_len = "
+                          f"{config.data.max_prompt_len}")
+
+
+def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
+    """(graphdef, params, model config, tokenizer) on the trainer mesh."""
+    rules = rules_for("train", config.mesh.fsdp)
+    if config.model.hf_path:
+        from meshrl.models.hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(config.model.hf_path, mesh=mesh, rules=rules,
+                                   dtype=config.model.param_dtype)
+        model_cfg = model.cfg
+        tok_spec = config.model.tokenizer
+        if tok_spec == "char" and os.path.isfile(os.path.join(config.model.hf_path,
+                                                               "tokenizer.json")):
+            tok_spec = config.model.hf_path  # the checkpoint ships its own tokenizer
+    else:
+        model = create_model(config.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
+        model_cfg, tok_spec = config.model, config.model.tokenizer
+    tokenizer = load_tokenizer(tok_spec)
+    if tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ConfigError(f"model.vocab_size = {model_cfg.vocab_size}: smaller than the "
+                          f"tokenizer's {tokenizer.vocab_size} ids ({tok_spec!r})")
+    graphdef, params = split_model(model)
+    return graphdef, params, model_cfg, tokenizer
+
+
+def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee,
+                   tokenizer: Any, steps: int) -> Any:
+    """``steps`` of SFT under ``<workdir>/sft`` (resumable); returns the final params."""
+    t = config.trainer
+    sft = dataclasses.replace(
+        config, job=Job.SFT,
+        trainer=dataclasses.replace(t, steps=steps, eval_every=0,
+                                    learning_rate=WARM_START_LEARNING_RATE),
+        optimizer=dataclasses.replace(config.optimizer, name="adamw"))
+    data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
+                             seed=t.seed, process_index=jax.process_index(),
+                             process_count=jax.process_count())
+    (workdir / "sft").mkdir(parents=True, exist_ok=True)
+    log.info("SFT warm start: %d steps of %d x %d tokens under %s", steps, t.batch_size,
+             t.seq_len, workdir / "sft")
+    loop = Loop(sft, workdir / "sft", mesh, trainee, data, get_loss("sft"))
+    try:
+        loop.run()
+        return loop.state.params
+    finally:
+        loop.close()
+
+
+class RLTrainer:
+    """Owns the compiled RL step, the state, checkpoints, metric sinks and the sampler."""
+
+    def __init__(self, config: Config, workdir: str | pathlib.Path) -> None:
+        check_config(config)
+        if jax.process_count() > 1:
+            # TODO(meshrl): multi-host RL (one runner per process, one global batch) is untested.
+            raise NotImplementedError("the RL job runs on one process in this build")
+        self.config, self.workdir = config, pathlib.Path(workdir)
+        t = config.trainer
+        self.mesh = create_mesh(config.mesh)
+        rules = rules_for("train", config.mesh.fsdp)
+        graphdef, params, self.model_cfg, self.tokenizer = _load_model(config, self.mesh)
+        self.forward = functools.partial(forward, graphdef)
+        self.tx, self.schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps)
+        shardings = param_shardings(params, self.mesh, rules)
+        self.state_sh = state_shardings(expand_prefix(shardings, params), self.tx, self.mesh,
+                                        params)
+        self.B, self.L = rl_batch_size(config), t.seq_len
+        self.batch_sh = batch_shardings(self.mesh, rules, self.B, self.L, TRAIN_BATCH_KEYS)
+        # One prompt per ``next``: the runner then never buffers a prompt the iterator has
+        # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
+        self.prompts = make_prompt_iterator(config.data, self.tokenizer,
+                                            batch_size=jax.process_count(), seed=t.seed,
+                                            process_index=jax.process_index(),
+                                            process_count=jax.process_count())
+        self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
+                                         process_index=jax.process_index())
+        target = abstract_state(self.state_sh, params, self.tx, t.seed)
+        self.counters: dict[str, Any] = {}
+        self.warm_start_steps = 0
+        try:  # no orphaned Orbax threads when resume or the warm start fails
+            restored = self.checkpointer.restore_latest(target)
+            if restored is None:
+                self.warm_start_steps = warm_start_steps(config)
+            if self.warm_start_steps:
+                trainee = Trainee(forward=self.forward, params=params, params_shardings=shardings,
+                                  flops_per_token=flops_per_token(self.model_cfg, t.seq_len))
+                params = run_warm_start(config, self.workdir, self.mesh, trainee,
+                                        self.tokenizer, self.warm_start_steps)
+        except BaseException:
+            self.checkpointer.close()
+            raise
+        if restored is None:
+            self.state = jax.jit(lambda p: init_state(p, self.tx, t.seed),
+                                 out_shardings=self.state_sh)(params)
+            self.start_step = 0
+        else:
+            self.state = restored.state
+            self.prompts.set_state(restored.data["prompts"])
+            self.counters = dict(restored.counters)
+            self.start_step = int(self.counters["step"])
+            log.info("resuming RL at step %d (weight version %d)", self.start_step,
+                     self.start_step)
+        del params
+        step_fn = make_train_step(self.forward, make_rl_loss_fn(config.rl), self.tx,
+                                  self.schedule, microbatches=t.microbatches)
+        self.step_fn = jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh)
+        # Colocated: a sampler mesh over the same devices, with the sampler's own rules.
+        sampler_mesh = create_mesh(config.mesh)
+        s = config.sampler
+        self.sampler = Sampler(self.model_cfg, s, sampler_mesh, self.state.params,
+                               version=self.start_step, workdir=str(self.workdir),
+                               rules=rules_for("sample"), insert_buckets=(s.slots,))
+        self.reward_pool = RewardPool.from_config(config.reward)
+        self.examples = eval_examples(config.data, self.tokenizer)
+        self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
+                                     process_index=jax.process_index())
+        self._pending: tuple[int, dict[str, jax.Array], dict[str, float]] | None = None
+        self.history: list[dict[str, float]] = []
+
+    # -- evaluation ------------------------------------------------------------------------
+
+    async def aeval(self, engine: AsyncEngine, version: int) -> dict[str, float]:
+        c = self.config
+        ev = await aevaluate(engine, self.reward_pool, self.examples, version=version,
+                             decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id,
+                             max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
+                             temperature=c.sampler.temperature, seed=c.trainer.seed)
+        if ev:
+            log.info("eval at version %d: %s", version,
+                     ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
+            self.metrics.write(version, ev)
+        return ev
+
+    # -- metrics, one step late ------------------------------------------------------------
+
+    def _flush(self) -> None:
+        if self._pending is None:
+            return
+        step, metrics, host = self._pending
+        self._pending = None
+        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        if not values["finite"]:
+            if self.config.trainer.on_nonfinite == "raise":
+                raise NonFiniteLossError(
+                    f"non-finite RL loss at step {step}: loss={values['loss']}, grad_norm="
+                    f"{values['grad_norm']} (the update was not applied; set "
+                    f"trainer.on_nonfinite='skip' to skip such steps)")
+            log.warning("non-finite RL loss at step %d: update skipped", step)
+        record = {**{f"train/{k}": v for k, v in values.items() if k not in ("step", "finite")},
+                  **host}
+        self.history.append({"step": step, **record})
+        if step % self.config.trainer.log_every == 0 or step == self.config.trainer.steps:
+            self.metrics.write(step, record)
+        self.progress.update(step, values["loss"], host["perf/tokens_per_s"])
+
+    # -- weights and checkpoints -----------------------------------------------------------
+
+    def publish(self, version: int) -> None:
+        """Orbax weight version ``<workdir>/weights/<version>`` (replaces a leftover of a killed
+        run, which may hold different weights of the same version)."""
+        path = weights_dir(self.workdir, version)
+        if path.exists() and jax.process_index() == 0:
+            shutil.rmtree(path)
+        publish_weights(self.state.params, self.workdir, version)
+
+    def save(self, step: int, runner: Any) -> None:
+        self._flush()  # never checkpoint an update whose metrics were not checked
+        counters = {**self.counters, "step": step, "runner": runner.state_dict()}
+        self.checkpointer.save(step, self.state, {"prompts": self.prompts.get_state()},
+                               self.config.to_dict(), counters)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _host_stats(self, groups: list[list[Any]], batch: Any, version: int, t_wait: float,
+                    t_step: float) -> dict[str, float]:
+        generated = float(batch.loss_mask_BxL.sum())
+        lags = [version - t.oldest_version for g in groups for t in g]
+        return {"rollout/reward_mean": float(batch.rewards_B.mean()),
+                "rollout/reward_std": float(batch.rewards_B.std()),
+                "rollout/completion_len": generated / batch.shape[0],
+                "rollout/batch_staleness_mean": float(np.mean(lags)),
+                "rollout/batch_staleness_max": float(np.max(lags)),
+                "perf/rollout_wait_s": t_wait, "perf/step_time_s": t_step,
+                "perf/samples_per_s": batch.shape[0] / max(t_step, 1e-9),
+                "perf/tokens_per_s": generated / max(t_step, 1e-9)}
+
+    async def arun(self, rollout_engine: Callable[[AsyncEngine], Any] | None = None
+                   ) -> dict[str, Any]:
+        """The RL loop; ``rollout_engine`` may wrap the engine the rollouts (not the
+        evaluations) use, e.g. to shape completion lengths in a benchmark."""
+        c, t = self.config, self.config.trainer
+        engine = AsyncEngine(self.sampler)
+        runner = make_runner(c, rollout_engine(engine) if rollout_engine else engine,
+                             self.reward_pool, self.prompts, self.tokenizer,
+                             version=self.start_step)
+        if "runner" in self.counters:
+            runner.load_state_dict(self.counters["runner"])
+        self.progress = Progress(t.steps, self.start_step, enabled=c.logging.progress_bar
+                                 and jax.process_index() == 0)
+        every, publish_every = c.checkpoint.every_steps, c.checkpoint.publish_every
+        generated = samples = 0.0
+        t_rl = None
+        try:
+            if "eval_before" not in self.counters:
+                self.counters["eval_before"] = await self.aeval(engine, self.start_step)
+            runner.start()
+            t_rl = time.perf_counter()
+            last = t_rl
+            for step in range(self.start_step + 1, t.steps + 1):
+                version = step - 1
+                groups = await runner.get_batch(version)
+                t_got = time.perf_counter()
+                groups.sort(key=lambda g: g[0].group_id)  # completion order must not matter
+                rb = make_rollout_batch(c, groups, self.tokenizer.pad_id)
+                batch = put_batch(rb.to_train_batch(), self.batch_sh)
+                with jax.transfer_guard("disallow"):
+                    self.state, metrics = self.step_fn(self.state, batch)
+                self._flush()  # the previous step's metrics
+                # The handoff waits for this step (the sampler needs its result); off the loop.
+                await asyncio.to_thread(engine.update_weights, self.state.params, step)
+                now = time.perf_counter()
+                host = self._host_stats(groups, rb, version, t_got - last, now - last)
+                host.update(runner.metrics())
+                host.update(self.reward_pool.metrics())
+                self._pending = (step, metrics, host)
+                last = now
+                generated += float(rb.loss_mask_BxL.sum())
+                samples += rb.shape[0]
+                is_ckpt = (every and step % every == 0) or step == t.steps
+                if step % publish_every == 0 or is_ckpt:
+                    await asyncio.to_thread(self.publish, step)
+                if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+                    await self.aeval(engine, step)
+                if is_ckpt:
+                    self.save(step, runner)
+                last += time.perf_counter() - now  # host work between steps is not step time
+            self._flush()
+            if t.steps == self.start_step and not self.checkpointer.all_steps():
+                self.save(t.steps, runner)
+            wall = time.perf_counter() - t_rl
+            ev_after = await self.aeval(engine, t.steps)
+        finally:
+            await runner.stop()
+            engine.shutdown()
+        self.checkpointer.wait()
+        self.progress.close()
+        return self._summary(runner, ev_after, generated, samples, wall)
+
+    def _summary(self, runner: Any, ev_after: dict[str, float], generated: float,
+                 samples: float, wall: float) -> dict[str, Any]:
+        c = self.config
+        ev_before = self.counters.get("eval_before", {})
+        hist = runner.controller.staleness_hist
+        summary = {
+            "job": c.job.value, "steps": c.trainer.steps, "start_step": self.start_step,
+            "warm_start_steps": self.warm_start_steps,
+            "accuracy_before": ev_before.get("eval/greedy_accuracy"),
+            "accuracy_after": ev_after.get("eval/greedy_accuracy"),
+            "eval_before": ev_before, "eval_after": ev_after,
+            "tokens_per_s": generated / max(wall, 1e-9),
+            "samples_per_s": samples / max(wall, 1e-9), "rl_wall_s": wall,
+            "max_staleness": c.rollout.max_staleness,
+            "max_staleness_seen": max(hist) if hist else 0,
+            "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
+            "dropped_stale_groups": runner.controller.dropped_stale,
+            "rollout_counters": dict(runner.counters), **self.reward_pool.metrics(),
+            "reward_first": self.history[0]["rollout/reward_mean"] if self.history else None,
+            "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
+            "devices": int(self.mesh.devices.size),
+        }
+        if jax.process_index() == 0:
+            metrics = read_metrics(self.workdir / "metrics.jsonl")
+            plot_curves(metrics, self.workdir / "rl_curves.png")
+            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def close(self) -> None:
+        self.reward_pool.close()
+        self.checkpointer.close()
+        self.metrics.close()
+
+
+def run(config: Config, workdir: str) -> dict[str, Any]:
+    """Warm start (if needed), asynchronous RL, eval before/after, ``summary.json`` + plot."""
+    initialize_distributed(config.distributed)
+    log_lib.set_process_index(jax.process_index())
+    t0 = time.perf_counter()
+    trainer = RLTrainer(config, workdir)
+    try:
+        summary = asyncio.run(trainer.arun())
+    finally:
+        trainer.close()
+    summary["wall_s"] = time.perf_counter() - t0
+    if jax.process_index() == 0:
+        (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("RL summary: accuracy %.3f -> %.3f in %d steps, %.0f generated tokens/s, "
+             "max staleness seen %d, %.0f s", summary["accuracy_before"] or 0.0,
+             summary["accuracy_after"] or 0.0, summary["steps"], summary["tokens_per_s"],
+             summary["max_staleness_seen"], summary["wall_s"])
+    return summary

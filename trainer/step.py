@@ -1,0 +1,114 @@
+"""The pure train step and its one jitted, sharded instance.
+
+``make_train_step`` returns ``train_step(state, batch) -> (state, metrics)``: gradient accumulation
+over microbatches with ``lax.scan`` (token-weighted, so it equals one big batch), global-norm
+clipping and the optax update, and a non-finite guard that keeps the old params and optimizer
+state on the device (no host sync). ``jit_train_step`` compiles it once with explicit shardings and
+donates the state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.mesh import Rules, logical_to_sharding
+from meshrl.trainer.losses import LossFn
+from meshrl.trainer.optimizer import Schedule
+from meshrl.trainer.state import TrainState
+
+Batch = Mapping[str, jax.Array]
+Metrics = dict[str, jax.Array]
+# forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV
+ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], jax.Array]
+StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+BATCH_AXES = ("batch", "length")
+
+
+def _split_microbatches(x_BxL: jax.Array, m: int) -> jax.Array:
+    """[B, ...] -> [M, B/M, ...] with row i in microbatch i % M.
+
+    Strided rather than contiguous: each data shard holds contiguous rows, so the strided split
+    leaves every microbatch spread over all data shards (no resharding, full parallelism).
+    """
+    b = x_BxL.shape[0]
+    assert b % m == 0, f"batch {b} not divisible by microbatches {m}"
+    return x_BxL.reshape(b // m, m, *x_BxL.shape[1:]).swapaxes(0, 1)
+
+
+def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
+                    schedule: Schedule, *, microbatches: int = 1) -> StepFn:
+    """The pure step. Loss and aux metrics are token-weighted over the whole batch."""
+
+    def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
+        logits_BxLxV = forward_fn(params, mb["input_ids"], mb.get("positions"),
+                                  mb.get("segment_ids"))
+        loss_sum, weight, aux = loss_fn(logits_BxLxV, mb)
+        return loss_sum, (weight, aux)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def flat_grads(params: Any, mb: Batch) -> tuple[jax.Array, jax.Array, Metrics, Any]:
+        (loss_sum, (weight, aux)), grads = grad_fn(params, mb)
+        return loss_sum, weight, aux, grads
+
+    def accumulate(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Metrics, Any]:
+        if microbatches == 1:
+            return flat_grads(params, batch)
+        mbs = {k: _split_microbatches(v, microbatches) for k, v in batch.items()}
+
+        def body(carry: Any, mb: Batch) -> tuple[Any, None]:
+            return jax.tree.map(jnp.add, carry, flat_grads(params, mb)), None
+
+        first = jax.tree.map(lambda x: x[0], mbs)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                             jax.eval_shape(flat_grads, params, first))
+        return jax.lax.scan(body, zeros, mbs)[0]
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        loss_sum, weight, aux, grads = accumulate(state.params, batch)
+        # An all-masked batch has no tokens; dividing by 1 keeps loss and grads at exactly 0.
+        denom = jnp.maximum(weight, 1.0)
+        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+        loss = loss_sum / denom
+        grad_norm = optax.tree.norm(grads)
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        updates, new_opt = tx.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        # A non-finite step never reaches the params or moments: the select is fused into the
+        # update, costs no host sync, and protects checkpoints even in on_nonfinite="raise" mode
+        # (where the loop raises when it reads this step's metrics one step later).
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_state = state.replace(
+            step=state.step + 1,
+            params=jax.tree.map(keep, new_params, state.params),
+            opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+            weight_version=state.weight_version + finite.astype(jnp.int32),
+            skipped=state.skipped + (~finite).astype(jnp.int32))
+        # The schedule's own count lives in opt_state and does not advance on a skipped step, so
+        # after k skips the reported rate leads the applied one by k steps (skips are rare).
+        metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+                   "tokens": weight, "finite": finite, "skipped": new_state.skipped,
+                   "step": state.step, **{k: v / denom for k, v in aux.items()}}
+        return new_state, metrics
+
+    return train_step
+
+
+def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
+                    keys: tuple[str, ...]) -> dict[str, NamedSharding]:
+    sh = logical_to_sharding(BATCH_AXES, mesh, rules, (batch_size, seq_len))
+    return {k: sh for k in keys}
+
+
+def jit_train_step(step_fn: StepFn, state_sh: TrainState, batch_sh: Mapping[str, NamedSharding],
+                   mesh: Mesh) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
+    """Compile-once step: explicit in/out shardings, the incoming state's buffers donated."""
+    replicated = NamedSharding(mesh, PartitionSpec())
+    return jax.jit(step_fn, in_shardings=(state_sh, dict(batch_sh)),
+                   out_shardings=(state_sh, replicated), donate_argnames=("state",))
