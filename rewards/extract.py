@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 # A number: optional sign, digits with optional thousands separators, optional decimals, or a
@@ -34,3 +35,14 @@ def last_boxed(text: str) -> str | None:
 def last_number(text: str) -> str | None:
     found = NUMBER.findall(text)
     return found[-1] if found else None
+
+
+def score_final_answers(completions: list[str], golds: list, pred_fn: Callable[[str], str | None],
+                        gold_fn: Callable[[str], str],
+                        equiv: Callable[[str, str], bool]) -> list[float]:
+    """1.0 where the completion's final answer is equivalent to the gold answer, else 0.0."""
+    out = []
+    for completion, gold in zip(completions, golds):
+        pred = pred_fn(completion)
+        out.append(1.0 if pred is not None and equiv(pred, gold_fn(str(gold))) else 0.0)
+    return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from meshrl.rewards.extract import last_boxed, last_number
+from meshrl.rewards.extract import last_boxed, last_number, score_final_answers
 from meshrl.rewards.math_answer import is_equiv
 from meshrl.rewards.registry import register
 
@@ -33,8 +33,4 @@ def final_answer(completion: str) -> str | None:
 @register("gsm8k")
 def gsm8k_reward(prompts: list[str], completions: list[str], *, answer: list[str],
                  **_: Any) -> list[float]:
-    out = []
-    for completion, gold in zip(completions, answer):
-        pred = final_answer(completion)
-        out.append(1.0 if pred is not None and is_equiv(pred, gold_number(str(gold))) else 0.0)
-    return out
+    return score_final_answers(completions, answer, final_answer, gold_number, is_equiv)

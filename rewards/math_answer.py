@@ -17,7 +17,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from meshrl.rewards.extract import last_boxed, last_number
+from meshrl.rewards.extract import last_boxed, last_number, score_final_answers
 from meshrl.rewards.registry import register
 
 MAX_CHARS = 300
@@ -276,8 +276,4 @@ def final_answer(completion: str) -> str | None:
 @register("math")
 def math_reward(prompts: list[str], completions: list[str], *, answer: list[str],
                 **_: Any) -> list[float]:
-    out = []
-    for completion, gold in zip(completions, answer):
-        pred = final_answer(completion)
-        out.append(1.0 if pred is not None and is_equiv(pred, gold_answer(str(gold))) else 0.0)
-    return out
+    return score_final_answers(completions, answer, final_answer, gold_answer, is_equiv)
