@@ -85,6 +85,7 @@ def make_config(max_staleness: int, steps: int) -> Any:
     cfg.rollout.filter_equal_groups = False
     cfg.reward.names = ("meshrl.benchmarks.rl_async:latency_reward",)
     cfg.reward.num_workers = 2
+    cfg.rl.warm_start_steps = 0  # random init: throughput does not need skill
     cfg.checkpoint.every_steps = 0
     cfg.checkpoint.publish_every = 10_000
     cfg.checkpoint.async_save = False
@@ -97,7 +98,6 @@ def make_config(max_staleness: int, steps: int) -> Any:
 def samples_per_s(max_staleness: int, steps: int, warmup: int) -> tuple[float, int]:
     from meshrl.trainer import rl_loop
 
-    rl_loop.WARM_START_STEPS_PER_RL_STEP = 0  # random init: throughput does not need skill
     config = make_config(max_staleness, steps)
     with tempfile.TemporaryDirectory() as workdir:
         trainer = rl_loop.RLTrainer(config, workdir)

@@ -4,11 +4,11 @@ asynchronous GRPO raises its held-out accuracy. Runs on a laptop CPU in a few mi
   python main.py --config configs/default.py --workdir /tmp/meshrl
   python main.py --config configs/default.py:smoke --workdir /tmp/meshrl_smoke   # < 1 minute
 
-The warm start (``<workdir>/sft``, ``WARM_START_STEPS_PER_RL_STEP x trainer.steps`` SFT steps at
-``WARM_START_LEARNING_RATE``, see ``trainer/rl_loop.py``) is deliberately short, so RL starts
-from a mediocre policy. Writes tensorboard events, checkpoints, published weight versions,
-``rl_curves.png`` and ``summary.json`` (accuracy before/after RL) under the workdir; a rerun of
-the same command resumes.
+The warm start (``<workdir>/sft``, ``rl.warm_start_steps`` SFT steps, by default as many as
+``trainer.steps``, at peak rate ``rl.warm_start_lr``, see ``trainer/rl_loop.py``) is
+deliberately short, so RL starts from a mediocre policy. Writes tensorboard events,
+checkpoints, published weight versions, ``rl_curves.png`` and ``summary.json`` (accuracy
+before/after RL) under the workdir; a rerun of the same command resumes.
 
 Measured on 2 CPU cores: 3 minutes wall; held-out greedy accuracy 0.46 after the warm start,
 0.535 after 500 RL steps (pass@1 0.13 -> 0.16). TODO(meshrl): the target is +15 points; higher

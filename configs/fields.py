@@ -27,6 +27,10 @@ def at_least(lo: float) -> Constraint:
     return (f"must be >= {lo}", lambda v: v >= lo)
 
 
+def greater_than(lo: float) -> Constraint:
+    return (f"must be > {lo}", lambda v: v > lo)
+
+
 one_of_or_fill: Constraint = ("must be >= 1, or -1 to fill with the remaining devices",
                               lambda v: v >= 1 or v == -1)
 

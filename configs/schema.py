@@ -13,7 +13,14 @@ import dataclasses
 import enum
 from typing import Any, Literal
 
-from meshrl.configs.fields import ConfigError, Section, at_least, field, one_of_or_fill
+from meshrl.configs.fields import (
+    ConfigError,
+    Section,
+    at_least,
+    field,
+    greater_than,
+    one_of_or_fill,
+)
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -22,7 +29,7 @@ class Job(str, enum.Enum):
     """What ``main.py`` runs."""
 
     SFT = "sft"  # supervised fine-tuning with masked next-token cross-entropy
-    RL = "rl"  # asynchronous RL (GRPO/PPO family) with a colocated sampler
+    RL = "rl"  # asynchronous RL (GRPO/PPO family) with an in-process sampler (rl.placement)
     SAMPLE = "sample"  # generate completions for prompts from a file
 
 
@@ -166,8 +173,17 @@ class SamplerConfig(Section):
     decode_chunk: int = field(8, "Decode steps fused in one jitted call between slot checks.",
                               at_least(1))
     prompt_buckets: tuple[int, ...] = field((32, 64, 128), "Prompt length buckets (no recompiles).")
+    decode_row_buckets: tuple[int, ...] = field(
+        (), "Slot counts a decode chunk may run on: when few sequences are left, the live slots "
+            "are packed into the lowest ones and decode runs on that many rows only. () = "
+            "automatic, (slots // 8, slots) for slots >= 16; (slots,) = always all slots. Used "
+            "only when the slots are not sharded over several devices.")
 
     def validate(self) -> None:
+        if (any(not 1 <= b <= self.slots for b in self.decode_row_buckets)
+                or list(self.decode_row_buckets) != sorted(set(self.decode_row_buckets))):
+            raise ConfigError(f"sampler.decode_row_buckets = {self.decode_row_buckets}: must be "
+                              f"ascending, distinct and in [1, sampler.slots = {self.slots}]")
         if self.top_p > 1.0:
             raise ConfigError(f"sampler.top_p = {self.top_p}: must be in [0, 1]")
         if any(b <= 0 for b in self.prompt_buckets) or list(self.prompt_buckets) != sorted(
@@ -231,8 +247,28 @@ class RLConfig(Section):
                                   at_least(0))
     overlong_penalty: float = field(1.0, "Largest overlong penalty (subtracted from the reward).",
                                     at_least(0.0))
+    placement: Literal["colocated", "split"] = field(
+        "colocated", "Where the sampler runs: colocated (on the trainer's devices) or split (on "
+                     "its own rl.sampler_devices devices, disjoint from the trainer's; one "
+                     "process).")
+    sampler_devices: int = field(0, "split: devices given to the sampler (the last n of "
+                                    "jax.devices()); mesh.* must multiply to the remaining ones. "
+                                    "Must be 0 when colocated.", at_least(0))
+    warm_start_steps: int = field(-1, "SFT warm-start steps before RL when model.hf_path is empty; "
+                                      "-1: as many as trainer.steps, 0: no warm start. Must stay "
+                                      "-1 or 0 with model.hf_path.", at_least(-1))
+    warm_start_lr: float = field(1e-3, "Peak learning rate of the SFT warm start (always AdamW); "
+                                       "RL itself runs at trainer.learning_rate.",
+                                 greater_than(0.0))
 
     def validate(self) -> None:
+        if self.placement == "split" and self.sampler_devices < 1:
+            raise ConfigError(f"rl.sampler_devices = {self.sampler_devices}: must be >= 1 when "
+                              f"rl.placement = 'split'")
+        if self.placement == "colocated" and self.sampler_devices != 0:
+            raise ConfigError(f"rl.sampler_devices = {self.sampler_devices}: must be 0 when "
+                              f"rl.placement = 'colocated' (the sampler shares the trainer's "
+                              f"devices)")
         if self.eps_low >= 1.0:
             raise ConfigError(f"rl.eps_low = {self.eps_low}: must be < 1 (the ratio is clipped "
                               f"at 1 - eps_low > 0)")

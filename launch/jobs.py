@@ -34,13 +34,24 @@ register(Job.RL, "meshrl.trainer.rl_loop:run")
 def dry_run(config: Config) -> str:
     """Validate, start distributed if configured, build the mesh; return what a user checks."""
     initialize_distributed(config.distributed)
-    mesh = create_mesh(config.mesh)
+    if config.job == Job.RL and config.rl.placement == "split":
+        # mesh.* covers only the trainer's share of the devices in split mode.
+        from meshrl.trainer.placement import create_meshes
+
+        mesh, sampler_mesh = create_meshes(config)
+    else:
+        mesh, sampler_mesh = create_mesh(config.mesh), None
     log.set_process_index(jax.process_index())
     lines = [
         "# resolved config",
         render(config),
         f"# mesh ({len(mesh.devices.flat)} devices, {jax.devices()[0].platform})",
         "  " + describe_mesh(mesh),
+    ]
+    if sampler_mesh is not None:
+        lines += [f"# sampler mesh (rl.placement = split, {len(sampler_mesh.devices.flat)} "
+                  f"devices)", "  " + describe_mesh(sampler_mesh)]
+    lines += [
         "# logical -> physical rules: train"
         + (" (fsdp)" if config.mesh.fsdp else ""),
         describe_rules(rules_for("train", config.mesh.fsdp)),

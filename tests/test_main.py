@@ -36,8 +36,19 @@ def test_dry_run_applies_overrides():
     assert "rules: train (fsdp)" in out.stdout
 
 
+def test_dry_run_of_a_split_rl_job_prints_the_trainer_and_the_sampler_mesh():
+    out = _main("--dry_run", "--config.rl.placement=split", "--config.rl.sampler_devices=2",
+                "--config.mesh.data=3", "--config.mesh.tensor=2")
+    assert out.returncode == 0, out.stderr
+    assert "# mesh (6 devices" in out.stdout and "data=3, tensor=2" in out.stdout
+    assert "# sampler mesh (rl.placement = split, 2 devices)" in out.stdout
+    assert "data=1, tensor=2" in out.stdout
+
+
 @pytest.mark.parametrize("args, expected", [
     (("--config.mesh.data=3",), "but 8 devices are available"),
+    (("--config.rl.placement=split", "--config.rl.sampler_devices=2", "--config.mesh.data=4"),
+     "rl.sampler_devices = 2 leaves 6 of the 8 devices to the trainer"),
     (("--config.trainer.lerning_rate=1e-4",), "did you mean 'trainer.learning_rate'"),
     (("--config.model.num_kv_heads=3",), "model.num_kv_heads = 3: must divide"),
 ])

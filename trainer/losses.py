@@ -34,21 +34,49 @@ def get_loss(name: str) -> LossFn:
     return _LOSSES[name]
 
 
-def token_logprobs(logits_BxLxV: jax.Array, targets_BxL: jax.Array) -> jax.Array:
-    """log p(target) per position, in float32 whatever the compute dtype."""
-    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+def token_logprobs(logits_BxLxV: jax.Array, targets_BxL: jax.Array,
+                   temperature: float = 1.0) -> jax.Array:
+    """log p(target) per position under softmax(logits / temperature), in float32 whatever the
+    compute dtype. ``temperature`` is a static Python float; 1 adds no operation at all."""
+    logits_BxLxV = tempered(logits_BxLxV, temperature)
     logz_BxL = jax.nn.logsumexp(logits_BxLxV, axis=-1)
     picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     return picked_BxL - logz_BxL
 
 
+def check_temperature(temperature: float) -> None:
+    """Raise ValueError unless ``temperature > 0``: greedy decoding (0) has no distribution."""
+    if not temperature > 0.0:
+        raise ValueError(f"temperature = {temperature}: must be > 0 (greedy decoding has no "
+                         f"distribution to score)")
+
+
+def tempered(logits_BxLxV: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """float32 ``logits / temperature``: the distribution the sampler draws from at that
+    temperature (``inference.sampling.filter_logits`` casts, then divides, in the same order)."""
+    check_temperature(temperature)
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    if temperature == 1.0:  # no division at all: T = 1 stays bitwise what it always was
+        return logits_BxLxV
+    return logits_BxLxV / temperature
+
+
 @register("sft")
 def sft_cross_entropy(logits_BxLxV: jax.Array, batch: Mapping[str, jax.Array]) -> LossOutput:
-    """Masked next-token cross-entropy; ``targets`` are already shifted by the data pipeline."""
+    """Masked next-token cross-entropy; ``targets`` are already shifted by the data pipeline.
+
+    ``token_accuracy`` counts a position as right when the target's logit is the row maximum
+    (a tie counts as right). It reuses the max that the log-sum-exp needs: an ``argmax`` over
+    the vocab was a separate variadic reduction that cost ~6% of a CPU train step.
+    """
     targets_BxL = batch["targets"]
     mask_BxL = batch["loss_mask"].astype(jnp.float32)
     assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape, targets_BxL.shape)
-    nll_BxL = -token_logprobs(logits_BxLxV, targets_BxL)
-    correct_BxL = (jnp.argmax(logits_BxLxV, axis=-1) == targets_BxL).astype(jnp.float32)
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    max_BxL = jax.lax.stop_gradient(jnp.max(logits_BxLxV, axis=-1))
+    logz_BxL = max_BxL + jnp.log(jnp.sum(jnp.exp(logits_BxLxV - max_BxL[..., None]), axis=-1))
+    picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    nll_BxL = logz_BxL - picked_BxL
+    correct_BxL = (picked_BxL >= max_BxL).astype(jnp.float32)
     return ((nll_BxL * mask_BxL).sum(), mask_BxL.sum(),
-            {"token_accuracy": (correct_BxL * mask_BxL).sum()})
+            {"token_accuracy": jax.lax.stop_gradient(correct_BxL * mask_BxL).sum()})

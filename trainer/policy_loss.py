@@ -16,6 +16,8 @@ a token mean or a mean of per-sequence means; masked tokens contribute neither v
   sequence level; every loss token of a sequence carries the sequence loss.
 
 ``make_rl_loss_fn`` adapts all of it to the trainer's ``LossFn`` contract (sums + weight).
+With a sampling temperature T != 1 the behaviour policy is softmax(logits / T) (as in AReaL and
+verl), so the trainer scores its own tokens with logits / T as well.
 """
 
 from __future__ import annotations
@@ -32,7 +34,13 @@ from meshrl.trainer import advantages as adv_lib
 from meshrl.trainer import kl as kl_lib
 from meshrl.trainer.advantages import Registry
 from meshrl.trainer.kl import entropy_from_logits
-from meshrl.trainer.losses import LossFn, LossOutput, token_logprobs
+from meshrl.trainer.losses import (
+    LossFn,
+    LossOutput,
+    check_temperature,
+    tempered,
+    token_logprobs,
+)
 
 Aggregation = Literal["token_mean", "sequence_mean"]
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough to clip, small enough never to overflow
@@ -218,8 +226,14 @@ def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_
     return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
 
 
-def make_rl_loss_fn(rl: RLConfig) -> LossFn:
+def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     """The trainer's ``LossFn`` for RL: ``(logits_BxLxV, batch) -> (loss_sum, weight, aux)``.
+
+    ``temperature`` is the sampler's (``sampler.temperature``, > 0): the current and the default
+    proximal logprobs and the entropy bonus are those of softmax(logits / temperature), the
+    policy the behaviour logprobs were sampled from. ``proximal_logprobs`` and ``ref_logprobs``
+    given in the batch must be computed at the same temperature. 1 leaves the computation
+    exactly as without tempering.
 
     ``batch`` (target-aligned, all ``[B, L]``; see ``RolloutBatch.to_train_batch``):
     ``targets``, ``loss_mask``, ``behaviour_logprobs``, ``advantages``; optional
@@ -229,6 +243,7 @@ def make_rl_loss_fn(rl: RLConfig) -> LossFn:
     is already in ``advantages`` (``kl_reward_advantages``) and this loss adds none.
     """
     params = LossParams.from_config(rl)
+    check_temperature(temperature)  # fail when the loss is built, not when it is traced
     loss_impl = get(rl.policy_loss)
     kl_fn = kl_lib.get(rl.kl_estimator)
     kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
@@ -237,7 +252,7 @@ def make_rl_loss_fn(rl: RLConfig) -> LossFn:
         targets_BxL = batch["targets"]
         assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape,
                                                               targets_BxL.shape)
-        logp_BxL = token_logprobs(logits_BxLxV, targets_BxL)
+        logp_BxL = token_logprobs(logits_BxLxV, targets_BxL, temperature)
         prox_BxL = batch.get("proximal_logprobs")
         if prox_BxL is None:
             prox_BxL = jax.lax.stop_gradient(logp_BxL)
@@ -252,7 +267,7 @@ def make_rl_loss_fn(rl: RLConfig) -> LossFn:
             loss_BxL = loss_BxL + rl.kl_coef * kl_BxL
             stats["kl_ref"] = jax.lax.stop_gradient(kl_BxL)
         if rl.entropy_coef > 0.0:
-            entropy_BxL = entropy_from_logits(logits_BxLxV)
+            entropy_BxL = entropy_from_logits(tempered(logits_BxLxV, temperature))
             loss_BxL = loss_BxL - rl.entropy_coef * entropy_BxL
             stats["entropy"] = jax.lax.stop_gradient(entropy_BxL)
         loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation)

@@ -1,4 +1,4 @@
-"""The RL job: asynchronous GRPO/PPO-family training with a colocated sampler.
+"""The RL job: asynchronous GRPO/PPO-family training with an in-process sampler.
 
   python main.py --config configs/default.py --workdir /tmp/meshrl
 
@@ -20,23 +20,36 @@ Proximal logprobs: every rollout batch gets exactly one optimizer step, so the p
 of decoupled PPO is the current (pre-update) policy, and ``make_rl_loss_fn``'s default
 (stop-gradient of the logprobs being trained) is exactly it: no extra forward pass.
 
-Colocated mode: the sampler mesh is built with ``create_mesh(config.mesh)`` over the trainer's
-devices with the ``sample`` rules (params tensor-parallel, replicated over ``data``).
-TODO(meshrl): split mode (disjoint sampler and trainer device sets in one process) needs a
-schema field naming the split; not built.
+Sampling temperature: the behaviour policy is softmax(logits / ``sampler.temperature``) and the
+loss scores the current and proximal policies with the same logits / T (AReaL, verl). Greedy
+(T = 0) and top-k/top-p truncated sampling are rejected: the trainer cannot rebuild them.
+
+Placement (``rl.placement``, see ``trainer/placement.py``): colocated, the sampler mesh is
+``create_mesh(config.mesh)`` over the trainer's devices with the ``sample`` rules (params
+tensor-parallel, replicated over ``data``); split, the last ``rl.sampler_devices`` devices form
+the sampler mesh and the others the trainer's (``mesh.*`` must multiply to them). Publication
+and staleness control are the same in both: ``update_weights`` reshards across meshes.
 
 Warm start: with ``model.hf_path`` empty the policy starts from a short SFT phase on the same
 data (``<workdir>/sft``, resumable like any SFT run) so that RL starts from a mediocre, not a
 random, policy. It uses the config's model, data, optimizer and trainer sections except for
-its length, ``WARM_START_STEPS_PER_RL_STEP * trainer.steps``, its optimizer (always AdamW) and
-its peak learning rate, ``WARM_START_LEARNING_RATE``: RL needs a far smaller rate than SFT (with Adam every parameter
-moves by about the rate per step, and a policy-gradient step of that size on a 0.1M-param model
-lowers the likelihood of every sampled answer, the rewarded ones included).
-TODO(meshrl): move both into the schema (``rl.warm_start_steps``, ``rl.warm_start_lr``).
+its length, ``rl.warm_start_steps`` (-1: ``trainer.steps``), its optimizer (always AdamW) and
+its peak learning rate, ``rl.warm_start_lr``: RL needs a far smaller rate than SFT (with Adam
+every parameter moves by about the rate per step, and a policy-gradient step of that size on a
+0.1M-param model lowers the likelihood of every sampled answer, the rewarded ones included).
+
+Reference policy (``rl.kl_coef > 0``, see ``trainer/reference.py``): the policy at RL step 0
+(the ``model.hf_path`` params or the warm start's result), kept frozen in its own buffers on the
+trainer's shardings. Each step scores the batch's targets under it at ``sampler.temperature``
+and puts the KL in the loss (``ref_logprobs``; metric ``train/kl_ref``) or in the reward
+(advantages recomputed); ``train/kl_behaviour_ref`` logs the mean KL of the rollouts to it. On
+resume the reference is rebuilt the same way: the finished warm start is restored from
+``<workdir>/sft`` (``Loop`` runs no step when its checkpoint is at the last step).
 
 Recovery: checkpoints hold the train state, the prompt iterator state and the runner's
 counters (``runner.state_dict()``: version, staleness counters, next group id). A rerun of the
-same command resumes from the newest verified checkpoint; the SFT warm start is skipped then.
+same command resumes from the newest verified checkpoint; the SFT warm start is skipped then
+(only restored, for the KL reference).
 Groups in flight at a kill are lost (their prompts are not replayed), except with
 ``max_staleness = 0`` where nothing is in flight at a checkpoint and the resumed run equals an
 uninterrupted one.
@@ -64,7 +77,7 @@ from meshrl.datasets import eval_examples, make_prompt_iterator, make_sft_iterat
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
 from meshrl.inference.weights import publish_weights, weights_dir
-from meshrl.mesh import create_mesh, initialize_distributed, rules_for
+from meshrl.mesh import initialize_distributed, logical_to_sharding, rules_for
 from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
 from meshrl.models.tokenizer import load_tokenizer
 from meshrl.rewards import RewardPool
@@ -73,8 +86,10 @@ from meshrl.trainer.loop import Loop, NonFiniteLossError, Trainee, expand_prefix
 from meshrl.trainer.losses import get_loss
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.placement import create_meshes
 from meshrl.trainer.policy_loss import make_rl_loss_fn
 from meshrl.trainer.progress import Progress
+from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys
 from meshrl.trainer.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
 from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
@@ -83,15 +98,25 @@ from meshrl.workflows import TRAIN_BATCH_KEYS, make_rollout_batch, make_runner
 
 log = log_lib.get_logger("rl")
 
-WARM_START_STEPS_PER_RL_STEP = 1.0
-WARM_START_LEARNING_RATE = 1e-3
-
 
 def warm_start_steps(config: Config) -> int:
-    """SFT steps before RL: none for a pretrained model (``model.hf_path``)."""
+    """SFT steps before RL: none for a pretrained model (``model.hf_path``), else
+    ``rl.warm_start_steps`` with -1 meaning as many as ``trainer.steps``."""
     if config.model.hf_path:
         return 0
-    return int(WARM_START_STEPS_PER_RL_STEP * config.trainer.steps)
+    n = config.rl.warm_start_steps
+    return config.trainer.steps if n == -1 else n
+
+
+def warm_start_config(config: Config, steps: int) -> Config:
+    """The SFT config of the warm start: ``steps`` steps of AdamW at peak rate
+    ``rl.warm_start_lr``, no held-out evaluation; every other field as in ``config``."""
+    t = config.trainer
+    return dataclasses.replace(
+        config, job=Job.SFT,
+        trainer=dataclasses.replace(t, steps=steps, eval_every=0,
+                                    learning_rate=config.rl.warm_start_lr),
+        optimizer=dataclasses.replace(config.optimizer, name="adamw"))
 
 
 def rl_batch_size(config: Config) -> int:
@@ -105,11 +130,22 @@ def check_config(config: Config) -> None:
     if B % config.trainer.microbatches:
         raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
                           f"rollout.prompts_per_step * rollout.group_size = {B}")
-    if config.sampler.temperature != 1.0:
-        # TODO(meshrl): behaviour logprobs are raw log_softmax; with T != 1 the trainer must
-        # scale logits by 1/T and use the tempered logprobs (see workflows.arun_episode).
-        raise ConfigError(f"sampler.temperature = {config.sampler.temperature}: the RL job "
-                          f"needs 1.0 until tempered behaviour logprobs are supported")
+    s = config.sampler
+    # The behaviour policy is softmax(logits / T) and the trainer rescores with logits / T; a
+    # greedy or truncated (top-k/top-p) sampler has a distribution the trainer cannot rebuild.
+    if s.temperature <= 0.0:
+        raise ConfigError(f"sampler.temperature = {s.temperature}: the RL job needs a "
+                          f"temperature > 0 (greedy decoding has no behaviour distribution)")
+    if s.top_k != 0:
+        raise ConfigError(f"sampler.top_k = {s.top_k}: the RL job needs 0 (the trainer cannot "
+                          f"recompute logprobs of a top-k truncated distribution)")
+    if s.top_p != 1.0:
+        raise ConfigError(f"sampler.top_p = {s.top_p}: the RL job needs 1.0 (the trainer cannot "
+                          f"recompute logprobs of a top-p truncated distribution)")
+    if config.model.hf_path and config.rl.warm_start_steps > 0:
+        raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
+                          f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "
+                          f"gets no SFT warm start)")
     if config.sampler.prompt_buckets and config.sampler.prompt_buckets[-1] < \
             config.data.max_prompt_len:
         raise ConfigError(f"sampler.prompt_buckets = {config.sampler.prompt_buckets}: the "
@@ -145,11 +181,7 @@ def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Tr
                    tokenizer: Any, steps: int) -> Any:
     """``steps`` of SFT under ``<workdir>/sft`` (resumable); returns the final params."""
     t = config.trainer
-    sft = dataclasses.replace(
-        config, job=Job.SFT,
-        trainer=dataclasses.replace(t, steps=steps, eval_every=0,
-                                    learning_rate=WARM_START_LEARNING_RATE),
-        optimizer=dataclasses.replace(config.optimizer, name="adamw"))
+    sft = warm_start_config(config, steps)
     data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                              seed=t.seed, process_index=jax.process_index(),
                              process_count=jax.process_count())
@@ -174,7 +206,7 @@ class RLTrainer:
             raise NotImplementedError("the RL job runs on one process in this build")
         self.config, self.workdir = config, pathlib.Path(workdir)
         t = config.trainer
-        self.mesh = create_mesh(config.mesh)
+        self.mesh, self.sampler_mesh = create_meshes(config)
         rules = rules_for("train", config.mesh.fsdp)
         graphdef, params, self.model_cfg, self.tokenizer = _load_model(config, self.mesh)
         self.forward = functools.partial(forward, graphdef)
@@ -183,7 +215,10 @@ class RLTrainer:
         self.state_sh = state_shardings(expand_prefix(shardings, params), self.tx, self.mesh,
                                         params)
         self.B, self.L = rl_batch_size(config), t.seq_len
-        self.batch_sh = batch_shardings(self.mesh, rules, self.B, self.L, TRAIN_BATCH_KEYS)
+        # The step's batch: the rollout's keys, plus ``ref_logprobs`` with the KL in the loss.
+        self.batch_sh = batch_shardings(self.mesh, rules, self.B, self.L,
+                                        ref_batch_keys(config.rl, TRAIN_BATCH_KEYS))
+        self.host_batch_sh = {k: self.batch_sh[k] for k in TRAIN_BATCH_KEYS}
         # One prompt per ``next``: the runner then never buffers a prompt the iterator has
         # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
         self.prompts = make_prompt_iterator(config.data, self.tokenizer,
@@ -195,18 +230,31 @@ class RLTrainer:
         target = abstract_state(self.state_sh, params, self.tx, t.seed)
         self.counters: dict[str, Any] = {}
         self.warm_start_steps = 0
+        kl = config.rl.kl_coef > 0.0
         try:  # no orphaned Orbax threads when resume or the warm start fails
             restored = self.checkpointer.restore_latest(target)
             if restored is None:
                 self.warm_start_steps = warm_start_steps(config)
-            if self.warm_start_steps:
+            # A resumed run with a KL needs the step-0 policy again: rerunning the finished warm
+            # start restores its last checkpoint and trains nothing.
+            sft_steps = warm_start_steps(config) if restored is None or kl else 0
+            if sft_steps:
+                sft_dir = self.workdir / "sft" / "checkpoints"
+                if restored is not None and not any(p.name.isdigit() for p in sft_dir.glob("*")):
+                    log.warning("no SFT checkpoint under %s: retraining the warm start to "
+                                "rebuild the KL reference policy", sft_dir)
                 trainee = Trainee(forward=self.forward, params=params, params_shardings=shardings,
                                   flops_per_token=flops_per_token(self.model_cfg, t.seq_len))
                 params = run_warm_start(config, self.workdir, self.mesh, trainee,
-                                        self.tokenizer, self.warm_start_steps)
+                                        self.tokenizer, sft_steps)
         except BaseException:
             self.checkpointer.close()
             raise
+        self.reference = None if not kl else ReferencePolicy(
+            config.rl, self.forward, params, self.state_sh.params, self.mesh, self.batch_sh,
+            logical_to_sharding(("batch",), self.mesh, rules, (self.B,)),
+            temperature=config.sampler.temperature, group_size=config.rollout.group_size,
+            microbatches=t.microbatches)
         if restored is None:
             self.state = jax.jit(lambda p: init_state(p, self.tx, t.seed),
                                  out_shardings=self.state_sh)(params)
@@ -219,13 +267,13 @@ class RLTrainer:
             log.info("resuming RL at step %d (weight version %d)", self.start_step,
                      self.start_step)
         del params
-        step_fn = make_train_step(self.forward, make_rl_loss_fn(config.rl), self.tx,
-                                  self.schedule, microbatches=t.microbatches)
+        loss_fn = make_rl_loss_fn(config.rl, temperature=config.sampler.temperature)
+        step_fn = make_train_step(self.forward, loss_fn, self.tx, self.schedule,
+                                  microbatches=t.microbatches)
         self.step_fn = jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh)
-        # Colocated: a sampler mesh over the same devices, with the sampler's own rules.
-        sampler_mesh = create_mesh(config.mesh)
+        # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
         s = config.sampler
-        self.sampler = Sampler(self.model_cfg, s, sampler_mesh, self.state.params,
+        self.sampler = Sampler(self.model_cfg, s, self.sampler_mesh, self.state.params,
                                version=self.start_step, workdir=str(self.workdir),
                                rules=rules_for("sample"), insert_buckets=(s.slots,))
         self.reward_pool = RewardPool.from_config(config.reward)
@@ -330,9 +378,15 @@ class RLTrainer:
                 t_got = time.perf_counter()
                 groups.sort(key=lambda g: g[0].group_id)  # completion order must not matter
                 rb = make_rollout_batch(c, groups, self.tokenizer.pad_id)
-                batch = put_batch(rb.to_train_batch(), self.batch_sh)
+                batch = put_batch(rb.to_train_batch(), self.host_batch_sh)
+                kl_metrics: dict[str, jax.Array] = {}
+                if self.reference is not None:
+                    rewards_B = self.reference.put_rewards(rb.rewards_B)
                 with jax.transfer_guard("disallow"):
+                    if self.reference is not None:
+                        batch, kl_metrics = self.reference.apply(batch, rewards_B)
                     self.state, metrics = self.step_fn(self.state, batch)
+                metrics = {**metrics, **kl_metrics}
                 self._flush()  # the previous step's metrics
                 # The handoff waits for this step (the sampler needs its result); off the loop.
                 await asyncio.to_thread(engine.update_weights, self.state.params, step)
@@ -384,7 +438,8 @@ class RLTrainer:
             "rollout_counters": dict(runner.counters), **self.reward_pool.metrics(),
             "reward_first": self.history[0]["rollout/reward_mean"] if self.history else None,
             "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
-            "devices": int(self.mesh.devices.size),
+            "devices": int(self.mesh.devices.size), "placement": c.rl.placement,
+            "sampler_devices": int(self.sampler_mesh.devices.size),
         }
         if jax.process_index() == 0:
             metrics = read_metrics(self.workdir / "metrics.jsonl")

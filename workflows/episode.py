@@ -107,13 +107,14 @@ async def arun_episode(engine: Engine, item: dict, *, reward_pool: RewardScorer,
                           seed=_seed(settings, group_id, sample_index, turn),
                           id=(group_id, sample_index, turn))
         out = await engine.agenerate(request)
-        assert len(out.tokens) == len(out.raw_logprobs) == len(out.versions), (
-            len(out.tokens), len(out.raw_logprobs), len(out.versions))
+        assert len(out.tokens) == len(out.logprobs) == len(out.versions), (
+            len(out.tokens), len(out.logprobs), len(out.versions))
         completion_ids += list(out.tokens)
-        # The trainer recomputes log_softmax(logits), so the behaviour policy must be the raw
-        # model distribution. TODO(meshrl): with temperature != 1 the sampled distribution is
-        # the tempered one; the trainer must then scale logits by 1/T and use ``out.logprobs``.
-        logprobs += [float(x) for x in out.raw_logprobs]
+        # The behaviour policy is the distribution actually sampled (softmax(logits / T)); the
+        # trainer scores with logits / T to match. At T = 1 without top-k/top-p this is the raw
+        # log_softmax. Truncated (top-k/top-p) or greedy sampling has no counterpart in the
+        # trainer; the RL job rejects it (``trainer.rl_loop.check_config``).
+        logprobs += [float(x) for x in out.logprobs]
         versions += [int(v) for v in out.versions]
         loss_mask += [1] * len(out.tokens)
         finish_reason = out.finish_reason

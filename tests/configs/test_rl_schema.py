@@ -62,6 +62,16 @@ def test_every_choice_names_a_registered_function():
      "rl.overlong_max_len = 8: must be > rl.overlong_buffer = 8"),
     (lambda: RLConfig(overlong_penalty=-1.0), "rl.overlong_penalty = -1.0: must be >= 0"),
     (lambda: RLConfig(eps_low="0.2"), "rl.eps_low = '0.2': must be a number"),
+    (lambda: RLConfig(warm_start_steps=-2), "rl.warm_start_steps = -2: must be >= -1"),
+    (lambda: RLConfig(warm_start_lr=0.0), "rl.warm_start_lr = 0.0: must be > 0"),
+    (lambda: RLConfig(warm_start_lr=-1e-3), "rl.warm_start_lr = -0.001: must be > 0"),
+    (lambda: RLConfig(placement="remote"), "rl.placement = 'remote': must be one of"),
+    (lambda: RLConfig(placement="split"),
+     "rl.sampler_devices = 0: must be >= 1 when rl.placement = 'split'"),
+    (lambda: RLConfig(sampler_devices=2),
+     "rl.sampler_devices = 2: must be 0 when rl.placement = 'colocated'"),
+    (lambda: RLConfig(placement="split", sampler_devices=-1),
+     "rl.sampler_devices = -1: must be >= 0"),
     (lambda: RolloutConfig(max_turns=0), "rollout.max_turns = 0: must be >= 1"),
 ])
 def test_rl_validation_names_field_value_and_rule(make, message):
@@ -83,3 +93,20 @@ def test_overlong_penalty_with_a_valid_window_constructs():
     rl = RLConfig(overlong_buffer=4, overlong_max_len=16, overlong_penalty=0.5)
 
     assert (rl.overlong_buffer, rl.overlong_max_len) == (4, 16)
+
+
+def test_warm_start_overrides_reach_the_typed_config():
+    cfg = base_config("rl")
+    cfg.rl.warm_start_steps = 7
+    cfg.rl.warm_start_lr = 3e-4
+
+    config = from_config_dict(cfg)
+
+    assert (config.rl.warm_start_steps, config.rl.warm_start_lr) == (7, 3e-4)
+
+
+def test_warm_start_defaults_keep_the_previous_behaviour():
+    rl = RLConfig()
+
+    # -1: as many SFT steps as trainer.steps, at the former constant peak rate 1e-3.
+    assert (rl.warm_start_steps, rl.warm_start_lr) == (-1, 1e-3)

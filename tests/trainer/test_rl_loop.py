@@ -174,9 +174,13 @@ def _rl_config(**overrides):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    ({"sampler.temperature": 0.7}, "sampler.temperature = 0.7"),
+    ({"sampler.temperature": 0.0}, "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
+    ({"sampler.top_k": 5}, "sampler.top_k = 5: the RL job needs 0"),
+    ({"sampler.top_p": 0.9}, "sampler.top_p = 0.9: the RL job needs 1.0"),
     ({"trainer.microbatches": 3}, "trainer.microbatches = 3: must divide"),
     ({"data.max_prompt_len": 200}, "data.max_prompt_len = 200"),
+    ({"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
+     "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
 ])
 def test_rl_config_that_the_job_cannot_run_is_rejected_naming_the_field(overrides, message):
     from meshrl.configs.fields import ConfigError
@@ -184,3 +188,39 @@ def test_rl_config_that_the_job_cannot_run_is_rejected_naming_the_field(override
 
     with pytest.raises(ConfigError, match=message):
         check_config(_rl_config(**overrides))
+
+
+def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
+    from meshrl.trainer.rl_loop import check_config
+
+    check_config(_rl_config(**{"sampler.temperature": 0.7}))
+
+
+@pytest.mark.parametrize("overrides, steps", [
+    ({"trainer.steps": 9}, 9),  # rl.warm_start_steps = -1: as many as trainer.steps
+    ({"trainer.steps": 9, "rl.warm_start_steps": 4}, 4),
+    ({"trainer.steps": 9, "rl.warm_start_steps": 0}, 0),
+    ({"trainer.steps": 9, "model.hf_path": "/ckpt/qwen"}, 0),  # pretrained: no warm start
+])
+def test_warm_start_length_follows_rl_warm_start_steps(overrides, steps):
+    from meshrl.trainer.rl_loop import warm_start_steps
+
+    assert warm_start_steps(_rl_config(**overrides)) == steps
+
+
+def test_warm_start_sft_config_runs_adamw_at_rl_warm_start_lr():
+    from meshrl.configs.schema import Job
+    from meshrl.trainer.optimizer import make_optimizer
+    from meshrl.trainer.rl_loop import warm_start_config
+
+    config = _rl_config(**{"rl.warm_start_lr": 3e-4, "trainer.learning_rate": 1e-6,
+                           "trainer.eval_every": 5, "optimizer.name": "sgd",
+                           "optimizer.schedule": "constant"})
+
+    sft = warm_start_config(config, 12)
+    _, schedule = make_optimizer(sft.optimizer, sft.trainer.learning_rate, sft.trainer.steps)
+
+    assert sft.job == Job.SFT and sft.optimizer.name == "adamw"
+    assert (sft.trainer.steps, sft.trainer.eval_every) == (12, 0)
+    np.testing.assert_allclose(float(schedule(0)), 3e-4, rtol=1e-6, atol=0)
+    assert (sft.model, sft.data, sft.mesh) == (config.model, config.data, config.mesh)

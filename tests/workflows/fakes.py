@@ -21,7 +21,8 @@ def decode(ids: Sequence[int]) -> str:
 
 
 class FakeEngine:
-    """Token i of sample s is ``10 + s + i``; logprob ``-0.1 * (i + 1)``; version = the engine's
+    """Token i of sample s is ``10 + s + i``; logprob under the sampled distribution
+    ``-0.1 * (i + 1)`` (raw logprob 0.5 lower); version = the engine's
     version when the token is produced. ``tail_s(request)`` adds latency after the last token
     (a slow reply generated entirely at the old version)."""
 
@@ -46,7 +47,8 @@ class FakeEngine:
             vers.append(self.version)
         if self.tail_s is not None:
             await asyncio.sleep(self.tail_s(request))
-        return Completion(request, toks, [x - 0.5 for x in lps], lps, vers, "length")
+        # The raw logprobs differ from the sampled ones, so recording the wrong field shows.
+        return Completion(request, toks, lps, [x - 0.5 for x in lps], vers, "length")
 
 
 class FakeRewards:

@@ -1,0 +1,273 @@
+"""The KL reference policy of the RL job (``rl.kl_coef > 0``, ``trainer/reference.py``): it is
+the step-0 policy, frozen in its own buffers, its logprobs reach the loss (``kl_where="loss"``)
+or the advantages (``kl_where="reward"``), and a resumed run rebuilds the same reference.
+
+Runs on the suite's 8 fake CPU devices with a data x tensor = 4 x 2 trainer mesh and two
+microbatches, so the reference pass is sharded and microbatched like the train step."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshrl.configs.schema import Config
+from meshrl.tests.trainer.test_rl_placement import _config as tiny_rl_config
+from meshrl.trainer import advantages as adv_lib
+from meshrl.trainer.losses import token_logprobs
+from meshrl.trainer.policy_loss import kl_reward_advantages
+
+T = 0.7  # a temperature != 1: the reference must be scored at the sampler's temperature
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32 logprobs, tensor-parallel vs one-device sums
+
+
+def _kl_config(**overrides: Any) -> Config:
+    """8 rows (4 groups of 2), synchronous, KL on; every step trains on a fresh version."""
+    return tiny_rl_config(**{"mesh.data": 4, "mesh.tensor": 2, "rollout.prompts_per_step": 4,
+                             "rollout.max_staleness": 0, "trainer.microbatches": 2,
+                             "sampler.temperature": T, "rl.kl_coef": 0.5, **overrides})
+
+
+def _informative_rewards(rb: Any, rl: Any) -> Any:
+    # An untrained policy earns 0 everywhere: all advantages 0, no update, and in the reward
+    # mode GRPO would normalise a ~1e-7 KL's float noise. Rewards 0, 1 in every group (and their
+    # advantages) keep the policy moving and the advantages well conditioned.
+    rewards_B = (np.arange(rb.shape[0]) % 2).astype(np.float32)
+    advantages_B = adv_lib.compute(rl.advantage, jnp.asarray(rewards_B), rb.group_size,
+                                   eps=rl.adv_eps)
+    return rb.replace(rewards_B=rewards_B, advantages_B=np.asarray(advantages_B, np.float32))
+
+
+@dataclasses.dataclass
+class Run:
+    trainer: Any
+    summary: dict[str, Any]
+    params0: Any  # host copy of the trainer's params at version 0
+    ref_before: Any  # host copy of the reference params before any step
+    rollouts: list[Any]  # the RolloutBatch of each step
+    batches: list[dict[str, np.ndarray]]  # the batch each train step received
+
+
+def _run(config: Config, workdir: Any) -> Run:
+    from meshrl.trainer import rl_loop
+
+    rollouts: list[Any] = []
+    batches: list[dict[str, np.ndarray]] = []
+    real_make = rl_loop.make_rollout_batch
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        rollouts.append(_informative_rewards(real_make(*args, **kwargs), config.rl))
+        return rollouts[-1]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(rl_loop, "make_rollout_batch", make)
+        trainer = rl_loop.RLTrainer(config, workdir)
+        try:
+            params0 = jax.device_get(trainer.state.params)
+            ref_before = jax.device_get(trainer.reference.params)
+            step_fn = trainer.step_fn
+
+            def spy(state: Any, batch: dict[str, jax.Array]) -> Any:
+                batches.append(jax.device_get(batch))  # explicit: the transfer guard allows it
+                return step_fn(state, batch)
+
+            trainer.step_fn = spy
+            summary = asyncio.run(trainer.arun())
+        finally:
+            trainer.close()
+    return Run(trainer, summary, params0, ref_before, rollouts, batches)
+
+
+def _logprobs(trainer: Any, params: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
+    """Unsharded, unmicrobatched log p(target) at T on one device, 0 off the loss mask."""
+    @jax.jit
+    def fn(p: Any, b: dict[str, jax.Array]) -> jax.Array:
+        logits_BxLxV = trainer.forward(p, b["input_ids"], b["positions"], b["segment_ids"])
+        return jnp.where(b["loss_mask"] > 0, token_logprobs(logits_BxLxV, b["targets"], T), 0.0)
+
+    return np.asarray(fn(params, {k: batch[k] for k in ("input_ids", "positions",
+                                                         "segment_ids", "targets",
+                                                         "loss_mask")}))
+
+
+@pytest.fixture(scope="module")
+def loss_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    return _run(_kl_config(**{"rl.kl_where": "loss"}), tmp_path_factory.mktemp("loss"))
+
+
+@pytest.fixture(scope="module")
+def reward_run(tmp_path_factory: pytest.TempPathFactory) -> Run:
+    # drgrpo: with 2-sample groups GRPO maps any reward pair to +-1 and would hide the KL.
+    return _run(_kl_config(**{"rl.kl_where": "reward", "rl.advantage": "drgrpo"}),
+                tmp_path_factory.mktemp("reward"))
+
+
+@pytest.mark.distributed
+def test_kl_in_loss_scores_every_batch_under_the_step0_policy_and_kl_starts_at_zero(loss_run):
+    run = loss_run
+
+    assert (run.summary["steps"], run.summary["start_step"]) == (2, 0)
+    assert len(run.batches) == 2
+    for step, batch in enumerate(run.batches, start=1):
+        want_BxL = _logprobs(run.trainer, run.params0, batch)
+        # Step 1: the trainer's own version-0 logprobs; step 2: still the step-0 policy.
+        np.testing.assert_allclose(batch["ref_logprobs"], want_BxL, err_msg=f"step {step}",
+                                   **TOL)
+    first, second = run.trainer.history
+    # KL(current || ref) at step 1 is between identical policies: k3 of a ~1e-6 log-ratio.
+    np.testing.assert_allclose(first["train/kl_ref"], 0.0, rtol=0, atol=1e-6)
+    # The sampler drew step 1 with the same version-0 weights: its KL to the reference is ~0.
+    np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(run.batches[0]["ref_logprobs"],
+                               run.batches[0]["behaviour_logprobs"], rtol=0, atol=1e-4)
+    # Step 2 (synchronous): the policy moved away from the reference, and the sampler's policy
+    # is the trainer's, so both KLs are the same positive number.
+    assert second["train/kl_ref"] > 1e-6
+    np.testing.assert_allclose(second["train/kl_behaviour_ref"], second["train/kl_ref"],
+                               rtol=1e-2, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run):
+    run = reward_run
+    rl, group_size = run.trainer.config.rl, run.trainer.config.rollout.group_size
+
+    assert (run.summary["steps"], run.summary["start_step"]) == (2, 0)
+    assert len(run.batches) == 2
+    for step, (batch, rb) in enumerate(zip(run.batches, run.rollouts), start=1):
+        assert "ref_logprobs" not in batch  # the loss adds no KL of its own
+        ref_BxL = _logprobs(run.trainer, run.params0, batch)
+        mask_BxL = batch["loss_mask"]
+        want_B = kl_reward_advantages(rl, jnp.asarray(rb.rewards_B),
+                                      jnp.asarray(batch["behaviour_logprobs"]),
+                                      jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), group_size)
+        np.testing.assert_allclose(batch["advantages"], np.asarray(want_B)[:, None] * mask_BxL,
+                                   err_msg=f"step {step}", **TOL)
+    first, second = run.trainer.history
+    assert "train/kl_ref" not in first
+    # At step 2 the policy has moved: the KL visibly changed the rollout's own advantages.
+    plain_BxL = run.rollouts[1].advantages_B[:, None] * run.batches[1]["loss_mask"]
+    assert np.abs(run.batches[1]["advantages"] - plain_BxL).max() > 1e-5
+    assert second["train/kl_behaviour_ref"] > 1e-6
+    np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_reference_params_survive_donated_train_steps_unchanged_while_the_policy_moves(
+        loss_run):
+    run = loss_run
+    ref_after = jax.device_get(run.trainer.reference.params)
+    policy_after = jax.device_get(run.trainer.state.params)
+
+    assert jax.tree.structure(ref_after) == jax.tree.structure(run.ref_before)
+    for before, after in zip(jax.tree.leaves(run.ref_before), jax.tree.leaves(ref_after)):
+        np.testing.assert_array_equal(after, before)
+    for ref, p0 in zip(jax.tree.leaves(run.ref_before), jax.tree.leaves(run.params0)):
+        np.testing.assert_array_equal(ref, p0)  # the reference is the version-0 policy
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(policy_after),
+                                                      jax.tree.leaves(run.params0))]
+    assert any(moved), "the trainer's params did not move: the test would prove nothing"
+    ref_sh = [x.sharding for x in jax.tree.leaves(run.trainer.reference.params)]
+    state_sh = [x.sharding for x in jax.tree.leaves(run.trainer.state.params)]
+    assert ref_sh == state_sh
+
+
+@pytest.mark.distributed
+def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retraining(
+        tmp_path):
+    from meshrl.trainer import rl_loop
+
+    config = _kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 1})
+    first = rl_loop.RLTrainer(config, tmp_path)
+    try:
+        ref_first = jax.device_get(first.reference.params)
+        asyncio.run(first.arun())  # one RL step, checkpointed at the end
+    finally:
+        first.close()
+    sft = tmp_path / "sft" / "checkpoints"
+    sft_steps = sorted(p.name for p in sft.iterdir() if p.name.isdigit())
+    sft_mtime = (sft / sft_steps[-1]).stat().st_mtime_ns
+
+    resumed = rl_loop.RLTrainer(_kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 2}),
+                                tmp_path)
+    try:
+        ref_resumed = jax.device_get(resumed.reference.params)
+        start_step, warm = resumed.start_step, resumed.warm_start_steps
+    finally:
+        resumed.close()
+
+    assert (start_step, warm) == (1, 0)  # resumed; no warm start run in this invocation
+    assert sft_steps == ["2"]
+    assert sorted(p.name for p in sft.iterdir() if p.name.isdigit()) == sft_steps
+    assert (sft / "2").stat().st_mtime_ns == sft_mtime  # restored, not retrained and resaved
+    for a, b in zip(jax.tree.leaves(ref_first), jax.tree.leaves(ref_resumed)):
+        np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("kl_where", ["loss", "reward"])
+def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_where):
+    from meshrl.mesh import create_mesh, logical_to_sharding, rules_for
+    from meshrl.tests.trainer.tiny import make_trainee
+    from meshrl.trainer import kl as kl_lib
+    from meshrl.trainer.loop import expand_prefix
+    from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys, reference_logprobs
+    from meshrl.trainer.step import batch_shardings
+    from meshrl.workflows import TRAIN_BATCH_KEYS
+
+    # drgrpo (r - group mean): GRPO's std scaling maps every 2-sample group to +-1, KL or not.
+    config = tiny_rl_config(**{"mesh.data": 8, "rl.kl_coef": 0.5, "rl.kl_where": kl_where,
+                               "rl.advantage": "drgrpo"})
+    rl, B, L, G = config.rl, 8, 12, 2
+    mesh, rules = create_mesh(config.mesh), rules_for("train", False)
+    trainee = make_trainee(config, mesh)
+    params_sh = expand_prefix(trainee.params_shardings, trainee.params)
+    batch_sh = batch_shardings(mesh, rules, B, L, ref_batch_keys(rl, TRAIN_BATCH_KEYS))
+    reference = ReferencePolicy(rl, trainee.forward, trainee.params, params_sh, mesh, batch_sh,
+                                logical_to_sharding(("batch",), mesh, rules, (B,)),
+                                temperature=T, group_size=G, microbatches=2)
+    rng = np.random.default_rng(0)
+    mask_BxL = (np.arange(L) >= 6).astype(np.float32)[None].repeat(B, 0)
+    batch = {"input_ids": rng.integers(3, 250, (B, L)).astype(np.int32),
+             "targets": rng.integers(3, 250, (B, L)).astype(np.int32),
+             "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
+             "segment_ids": np.ones((B, L), np.int32), "loss_mask": mask_BxL,
+             "versions": np.zeros((B, L), np.int32), "advantages": np.zeros((B, L), np.float32)}
+    # Unmicrobatched, unsharded reference logprobs; the behaviour policy sits 0.1 (b + 1) nats
+    # below on row b, so the sequence KLs differ within each group.
+    ref_BxL = np.asarray(jax.jit(functools.partial(
+        reference_logprobs, trainee.forward, temperature=T, microbatches=1))(
+            jax.device_get(trainee.params), {k: jnp.asarray(v) for k, v in batch.items()}))
+    shift_Bx1 = 0.1 * (1.0 + np.arange(B, dtype=np.float32))[:, None]
+    batch["behaviour_logprobs"] = (ref_BxL - shift_Bx1) * mask_BxL
+    rewards_B = (np.arange(B) % 2).astype(np.float32)
+    placed = {k: jax.device_put(v, batch_sh[k]) for k, v in batch.items()}
+
+    out, metrics = reference.apply(placed, reference.put_rewards(rewards_B))
+
+    assert set(out) == set(batch_sh)
+    assert np.all(ref_BxL[:, :6] == 0.0) and np.all(ref_BxL[:, 6:] < 0.0)
+    kl_BxL = np.asarray(kl_lib.get(rl.kl_estimator)(jnp.asarray(batch["behaviour_logprobs"]),
+                                                    jnp.asarray(ref_BxL))) * mask_BxL
+    np.testing.assert_allclose(float(metrics["kl_behaviour_ref"]),
+                               kl_BxL.sum() / mask_BxL.sum(), **TOL)
+    if kl_where == "loss":
+        np.testing.assert_allclose(np.asarray(out["ref_logprobs"]), ref_BxL, **TOL)
+        np.testing.assert_array_equal(np.asarray(out["advantages"]), batch["advantages"])
+    else:
+        want_B = kl_reward_advantages(rl, jnp.asarray(rewards_B),
+                                      jnp.asarray(batch["behaviour_logprobs"]),
+                                      jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), G)
+        plain_B = kl_reward_advantages(dataclasses.replace(rl, kl_coef=0.0),
+                                       jnp.asarray(rewards_B),
+                                       jnp.asarray(batch["behaviour_logprobs"]),
+                                       jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), G)
+        got_BxL = np.asarray(out["advantages"])
+        np.testing.assert_allclose(got_BxL, np.asarray(want_B)[:, None] * mask_BxL, **TOL)
+        assert not np.allclose(got_BxL, np.asarray(plain_B)[:, None] * mask_BxL, rtol=1e-3,
+                               atol=1e-3)  # the KL really moved the advantages

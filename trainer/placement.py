@@ -1,0 +1,76 @@
+"""Where the RL job's trainer and sampler run (``rl.placement``), as two meshes in one process.
+
+* ``colocated``: both meshes are ``create_mesh(config.mesh)`` over all devices; the sampler
+  applies its own (``sample``) rules to the same devices.
+* ``split``: the last ``rl.sampler_devices`` devices of ``jax.devices()`` hold the sampler, the
+  others the trainer (device 0, where host-side defaults land, stays with the trainer). The
+  trainer's ``mesh.*`` sizes must multiply to the remaining devices. The sampler mesh keeps the
+  trainer's resolved model-parallel sizes (tensor, expert, expert_tensor), as the colocated
+  sampler does, and puts the rest of its devices on ``data`` (its KV-cache slots).
+
+Weight publication does not depend on the placement: ``Sampler.update_weights`` reshards
+whatever mesh the trainer's params live on onto the sampler's shardings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config, MeshConfig
+from meshrl.mesh import MeshShapeError, create_mesh
+
+_MODEL_AXES = ("tensor", "expert", "expert_tensor")
+
+
+def split_devices(config: Config, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[list[jax.Device], list[jax.Device]]:
+    """``(trainer devices, sampler devices)``: both all devices when colocated, else the first
+    ``total - rl.sampler_devices`` and the last ``rl.sampler_devices``."""
+    devices = list(jax.devices() if devices is None else devices)
+    rl = config.rl
+    if rl.placement == "colocated":
+        return devices, devices
+    n, total = rl.sampler_devices, len(devices)
+    if not 0 < n < total:
+        raise ConfigError(f"rl.sampler_devices = {n}: must be in [1, {total - 1}] with "
+                          f"rl.placement = 'split' on {total} devices (the trainer needs at "
+                          f"least one device of its own)")
+    return devices[:total - n], devices[total - n:]
+
+
+def sampler_mesh_config(config: Config, trainer_mesh: Mesh) -> MeshConfig:
+    """The sampler's mesh config: ``config.mesh`` when colocated; in split mode the trainer's
+    resolved model-parallel sizes with ``data`` filling the sampler's devices."""
+    if config.rl.placement == "colocated":
+        return config.mesh
+    return MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
+
+
+def create_meshes(config: Config, devices: Sequence[jax.Device] | None = None
+                  ) -> tuple[Mesh, Mesh]:
+    """``(trainer mesh, sampler mesh)`` for ``rl.placement``; a split that does not fit the
+    devices raises ConfigError naming ``rl.sampler_devices`` and the mesh sizes."""
+    trainer_devices, sampler_devices = split_devices(config, devices)
+    if config.rl.placement == "colocated":
+        return create_mesh(config.mesh, trainer_devices), create_mesh(config.mesh,
+                                                                       sampler_devices)
+    n, total = config.rl.sampler_devices, len(trainer_devices) + len(sampler_devices)
+    try:
+        trainer_mesh = create_mesh(config.mesh, trainer_devices)
+    except MeshShapeError as e:
+        raise ConfigError(f"{e} -- rl.placement = 'split' with rl.sampler_devices = {n} leaves "
+                          f"{len(trainer_devices)} of the {total} devices to the trainer; set "
+                          f"mesh.* to multiply to {len(trainer_devices)} (or use a -1 fill)"
+                          ) from e
+    sampler_cfg = sampler_mesh_config(config, trainer_mesh)
+    try:
+        sampler_mesh = create_mesh(sampler_cfg, sampler_devices)
+    except MeshShapeError as e:
+        sizes = ", ".join(f"{a}={getattr(sampler_cfg, a)}" for a in _MODEL_AXES)
+        raise ConfigError(f"rl.sampler_devices = {n}: the sampler keeps the trainer's {sizes} "
+                          f"and needs a multiple of their product in devices ({e})") from e
+    return trainer_mesh, sampler_mesh

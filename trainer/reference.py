@@ -1,0 +1,124 @@
+"""The reference policy of the RL job's KL penalty (``rl.kl_coef > 0``), as in verl and AReaL.
+
+The reference is the policy at RL step 0 (the ``model.hf_path`` checkpoint or the SFT warm
+start), frozen: ``ReferencePolicy`` holds its own copy of those params on the trainer's
+shardings (the train step donates the state, so the state's buffers cannot be shared) and one
+jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before the train step:
+
+* scores the batch's targets under the reference at the sampler's temperature
+  (``token_logprobs(forward(ref, ...), targets, T)``, 0 off the loss mask), microbatched like
+  the train step so its logits never outgrow the step's;
+* ``rl.kl_where == "loss"``: adds them to the batch as ``ref_logprobs`` (``make_rl_loss_fn``
+  adds ``kl_coef * KL(current || ref)`` per token and reports it as ``kl_ref``);
+* ``rl.kl_where == "reward"``: replaces ``advantages`` by ``kl_reward_advantages`` (rewards
+  minus ``kl_coef`` times each sequence's summed KL(behaviour || ref), advantages recomputed
+  over the batch's contiguous groups) times the loss mask;
+* returns the token mean of KL(behaviour || ref) (``rl.kl_estimator``) as the metric
+  ``kl_behaviour_ref``, in either mode.
+
+Cost: one more copy of the params (no optimizer state) on the trainer mesh, and one forward
+pass per step without activations kept for a backward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.configs.schema import RLConfig
+from meshrl.trainer import kl as kl_lib
+from meshrl.trainer.losses import check_temperature, token_logprobs
+from meshrl.trainer.policy_loss import kl_reward_advantages
+from meshrl.trainer.step import ForwardFn
+
+Batch = Mapping[str, jax.Array]
+REF_KEY = "ref_logprobs"
+
+
+def ref_batch_keys(rl: RLConfig, keys: tuple[str, ...]) -> tuple[str, ...]:
+    """The train step's batch keys: ``keys`` plus ``ref_logprobs`` when the KL is in the loss."""
+    return keys + (REF_KEY,) if rl.kl_coef > 0.0 and rl.kl_where == "loss" else keys
+
+
+def _by_microbatch(fn: Any, batch: Batch, m: int) -> jax.Array:
+    """``fn`` over ``m`` strided microbatches (row i in microbatch i % m, as the train step
+    splits), results put back in row order."""
+    if m == 1:
+        return fn(batch)
+    b = next(iter(batch.values())).shape[0]
+    assert b % m == 0, f"batch {b} not divisible by microbatches {m}"
+    mbs = {k: v.reshape(b // m, m, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    out_MxbxL = jax.lax.map(fn, mbs)
+    return out_MxbxL.swapaxes(0, 1).reshape(b, *out_MxbxL.shape[2:])
+
+
+def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: Batch, *,
+                       temperature: float, microbatches: int = 1) -> jax.Array:
+    """``[B, L]`` log p_ref(target) under softmax(logits / temperature); 0 off the loss mask."""
+    def one(mb: Batch) -> jax.Array:
+        logits_BxLxV = forward_fn(ref_params, mb["input_ids"], mb["positions"],
+                                  mb["segment_ids"])
+        logp_BxL = token_logprobs(logits_BxLxV, mb["targets"], temperature)
+        return jnp.where(mb["loss_mask"] > 0, logp_BxL, 0.0)
+
+    keys = ("input_ids", "positions", "segment_ids", "targets", "loss_mask")
+    ref_BxL = _by_microbatch(one, {k: batch[k] for k in keys}, microbatches)
+    assert ref_BxL.shape == batch["targets"].shape, (ref_BxL.shape, batch["targets"].shape)
+    return ref_BxL
+
+
+class ReferencePolicy:
+    """Frozen step-0 params and the per-step function that puts the KL into the batch."""
+
+    def __init__(self, rl: RLConfig, forward_fn: ForwardFn, params: Any, params_sh: Any,
+                 mesh: Mesh, batch_sh: Mapping[str, NamedSharding], rewards_sh: NamedSharding,
+                 *, temperature: float, group_size: int, microbatches: int = 1) -> None:
+        if not rl.kl_coef > 0.0:
+            raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
+        check_temperature(temperature)
+        # Own buffers: the caller's params become the train state, which each step donates.
+        self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
+                              out_shardings=params_sh)(params)
+        self.rewards_sh = rewards_sh
+        in_keys = tuple(k for k in batch_sh if k != REF_KEY)
+        kl_fn = kl_lib.get(rl.kl_estimator)
+        in_loss = rl.kl_where == "loss"
+
+        def apply(ref_params: Any, batch: Batch, rewards_B: jax.Array
+                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+            ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
+                                         microbatches=microbatches)
+            mask_BxL = batch["loss_mask"].astype(jnp.float32)
+            behaviour_BxL = jnp.where(mask_BxL > 0, batch["behaviour_logprobs"], 0.0)
+            kl_BxL = kl_fn(behaviour_BxL, ref_BxL) * mask_BxL
+            metrics = {"kl_behaviour_ref": kl_BxL.sum() / jnp.maximum(mask_BxL.sum(), 1.0)}
+            out = dict(batch)
+            if in_loss:
+                out[REF_KEY] = ref_BxL
+            else:
+                adv_B = kl_reward_advantages(rl, rewards_B, batch["behaviour_logprobs"], ref_BxL,
+                                             mask_BxL, group_size)
+                out["advantages"] = (adv_B[:, None] * mask_BxL).astype(
+                    batch["advantages"].dtype)
+            return out, metrics
+
+        replicated = NamedSharding(mesh, PartitionSpec())
+        out_sh = {k: batch_sh[k] for k in (*in_keys, *((REF_KEY,) if in_loss else ()))}
+        self._apply = jax.jit(apply, in_shardings=(params_sh, {k: batch_sh[k] for k in in_keys},
+                                                   rewards_sh),
+                              out_shardings=(out_sh, replicated))
+
+    def put_rewards(self, rewards_B: np.ndarray) -> jax.Array:
+        """Host rewards (this process's rows) -> a global array sharded like the batch rows."""
+        return jax.make_array_from_process_local_data(self.rewards_sh,
+                                                      np.asarray(rewards_B, np.float32))
+
+    def apply(self, batch: Batch, rewards_B: jax.Array
+              ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        """(the train step's batch, ``{"kl_behaviour_ref": scalar}``); no host sync."""
+        return self._apply(self.params, dict(batch), rewards_B)
