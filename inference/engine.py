@@ -110,12 +110,6 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _kv(cache: KVCache) -> tuple[jax.Array, jax.Array]:
-    """(keys, values), each L x B x T x K x H, whatever the KVCache fields are named."""
-    k, v = (getattr(cache, f.name) for f in dataclasses.fields(cache))
-    return k, v
-
-
 def _finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Array,
             max_len: int) -> SlotState:
     """Advance the slots that emitted ``tok_B`` and retire those that hit a stop or a limit."""
@@ -159,6 +153,7 @@ class Sampler:
             S.bit_length() + 1)}))
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
+        self.row_buckets = self._row_buckets()
         self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
                              out_shardings=self._cache_sh)()
         self.state = jax.device_put(SlotState.init(S), self._repl)
@@ -175,6 +170,16 @@ class Sampler:
         if params is not None:
             self.update_weights(params, version)
 
+    def _row_buckets(self) -> tuple[int, ...]:
+        S = self.cfg.slots
+        slots_per_shard = self._cache_sh.k[0].shard_shape(KVCache.shapes(
+            self.model_cfg, S, self.cfg.max_len)[0])[0]
+        if slots_per_shard < S:  # packing rows low would move work onto one shard
+            return (S,)
+        if self.cfg.decode_row_buckets:
+            return tuple(sorted(set(self.cfg.decode_row_buckets) | {S}))
+        return (S // 8, S) if S >= 16 else (S,)
+
     # ---- compiled functions --------------------------------------------------------------
 
     def _build_jits(self) -> None:
@@ -190,8 +195,7 @@ class Sampler:
             tmp = KVCache.init(cfg, N, P, self.cfg.dtype)
             logits_NxPxV, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp)
             # Padding rows use slot index S: every scatter below drops them.
-            cache = KVCache(*(full.at[:, slots_N, :P].set(part, mode="drop")
-                              for full, part in zip(_kv(cache), _kv(tmp))))
+            cache = cache.put_slots(tmp, slots_N)
             if not resample:
                 return cache, st, ()
             last_NxV = jnp.take_along_axis(logits_NxPxV, (lens_N - 1)[:, None, None], axis=1)[:, 0]
@@ -205,11 +209,13 @@ class Sampler:
             st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
             return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
 
-        def decode(params: nnx.State, cache: KVCache, st: SlotState, window: int,
+        def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
                    ) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
-            win = KVCache(*(x[:, :, :window] for x in _kv(cache)))
-            self.window_trace_shapes.append(_kv(win)[0].shape)
-            B = st.token_B.shape[0]
+            # Only slots [0, rows) can be live (the host packs them there); the rest is skipped.
+            win = cache.window(window, rows)
+            self.window_trace_shapes.append(win.k[0].shape)
+            st = jax.tree.map(lambda x: x[:rows], full_st)
+            B = rows
             out0 = (jnp.full((B, chunk), -1, jnp.int32), jnp.zeros((B, chunk), jnp.float32),
                     jnp.zeros((B, chunk), jnp.float32))
 
@@ -226,19 +232,30 @@ class Sampler:
                 return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B))
 
             win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
-            cache = KVCache(*(jax.lax.dynamic_update_slice(full, part, (0,) * 5)
-                              for full, part in zip(_kv(cache), _kv(win))))
-            return cache, st, out + (st.active_B, st.reason_B)
+            cache = cache.put_window(win)
+            full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0),
+                                   full_st, st)
+            return cache, full_st, out + (st.active_B, st.reason_B)
+
+        def move(cache: KVCache, st: SlotState, src_M: jax.Array, dst_M: jax.Array,
+                 ) -> tuple[KVCache, SlotState]:
+            st = jax.tree.map(lambda x: x.at[dst_M].set(x[src_M], mode="drop"), st)
+            # The source slots are free now; a later wider chunk must not decode them again.
+            st = st.replace(active_B=st.active_B.at[jnp.where(dst_M < len(src_M), src_M,
+                                                              len(src_M))].set(False, mode="drop"))
+            return cache.move_slots(src_M, dst_M), st
 
         st_sh, cache_sh = self._repl, self._cache_sh
         self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                                 out_shardings=(cache_sh, st_sh, st_sh))
-        self._decode = jax.jit(decode, static_argnames=("window",), donate_argnums=(1, 2),
+        self._decode = jax.jit(decode, static_argnames=("window", "rows"), donate_argnums=(1, 2),
                                out_shardings=(cache_sh, st_sh, st_sh))
+        self._move = jax.jit(move, donate_argnums=(0, 1), out_shardings=(cache_sh, st_sh))
 
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
-        return self._prefill._cache_size() + self._decode._cache_size()
+        return (self._prefill._cache_size() + self._decode._cache_size()
+                + self._move._cache_size())
 
     def window_for(self, max_pos: int) -> int:
         """Cache window for a chunk whose largest active position is ``max_pos``."""
@@ -381,12 +398,31 @@ class Sampler:
                         finished.append(c)
         return finished
 
+    def _pack_rows(self) -> int:
+        """Rows the next chunk decodes: the smallest row bucket holding every live slot, after
+        moving live slots down into free low slots when that allows a smaller bucket."""
+        live = [s for s, c in enumerate(self._slot_out) if c is not None]
+        rows = _bucket(len(live), self.row_buckets)
+        high = [s for s in live if s >= rows]
+        if high:
+            free = [s for s in range(rows) if self._slot_out[s] is None]
+            S = self.cfg.slots
+            src_M, dst_M = np.zeros((S,), np.int32), np.full((S,), S, np.int32)
+            src_M[:len(high)], dst_M[:len(high)] = high, free[:len(high)]
+            self.cache, self.state = self._move(self.cache, self.state, src_M, dst_M)
+            for src, dst in zip(high, free):
+                self._slot_out[dst], self._slot_out[src] = self._slot_out[src], None
+                if src in self._stale_slots:
+                    self._stale_slots = (self._stale_slots - {src}) | {dst}
+        return rows
+
     def _decode_chunk(self) -> list[Completion]:
+        rows = self._pack_rows()
         live = [(s, c) for s, c in enumerate(self._slot_out) if c is not None]
         max_pos = max(len(c.request.prompt_ids) + len(c.tokens) - 1 for _, c in live)
         window = self.window_for(max_pos)
         self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
-                                                   window=window)
+                                                   window=window, rows=rows)
         tok_BxC, lp_BxC, raw_BxC, active_B, reason_B = jax.device_get(out)
         finished = []
         for s, c in live:
@@ -437,7 +473,13 @@ class Sampler:
                 for p in self.recompute_buckets:
                     self._run_prefill([], [], [], p, self.cfg.slots, False)
             for w in self.window_buckets:
-                self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
-                                                           window=w)
+                for rows in self.row_buckets:
+                    self.cache, self.state, out = self._decode(
+                        self.params, self.cache, self.state, window=w, rows=rows)
+            if len(self.row_buckets) > 1:
+                S = self.cfg.slots
+                self.cache, self.state = self._move(self.cache, self.state,
+                                                    np.zeros((S,), np.int32),
+                                                    np.full((S,), S, np.int32))
             jax.block_until_ready(self.cache)
         log.info("sampler warm: %d compiled variants", self.compile_count())

@@ -18,11 +18,11 @@ from meshrl.models.hf import (
     model_from_config,
     save_hf_checkpoint,
 )
-from meshrl.models.kv_cache import CACHE_AXES, KVCache
+from meshrl.models.kv_cache import K_CACHE_AXES, V_CACHE_AXES, KVCache
 from meshrl.models.sharding import ShardingContext, logical_axes, param_shardings
 
 __all__ = [
-    "CACHE_AXES", "CheckpointError", "Decoder", "KVCache", "ShardingContext", "abstract_model",
+    "CheckpointError", "Decoder", "K_CACHE_AXES", "KVCache", "V_CACHE_AXES", "ShardingContext", "abstract_model",
     "create_model", "flops_per_token", "forward", "hf_config_from_model", "load_hf_checkpoint", "load_hf_config",
     "logical_axes", "model_config_from_hf", "model_from_config", "param_count", "param_shardings", "save_hf_checkpoint",
     "split_model",

@@ -41,10 +41,10 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None = None, layer: int = 0,
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
-        """Without a cache: causal within equal segment ids (packing). With a cache ``(k, v)``
-        stacked over layers: write this layer's k/v at ``positions`` and attend to entries at
+                 cache: kvc.KVCache | None = None, layer: int | jax.Array = 0,
+                 ) -> tuple[jax.Array, kvc.KVCache | None]:
+        """Without a cache: causal within equal segment ids (packing). With a ``KVCache``
+        (stacked over layers): write this layer's k/v at ``positions`` and attend to entries at
         cache index <= the query's position. Returns (output [B, L, D], updated cache or None).
         """
         ctx = self.sharding
@@ -59,25 +59,20 @@ class Attention(nnx.Module):
         k_BxLxKxH = apply_rope(k_BxLxKxH, cos_BxLxH, sin_BxLxH)
 
         if cache is None:
-            keys_BxTxKxH, values_BxTxKxH = k_BxLxKxH, v_BxLxKxH
             L = x_BxLxD.shape[1]
             causal_LxL = jnp.tril(jnp.ones((L, L), bool))
             same_seg_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
             mask_BxLxT = causal_LxL[None] & same_seg_BxLxL
-            new_cache = None
+            out_BxLxNxH = _attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_BxLxT)
         else:
-            k_cache, v_cache = cache
-            k_cache = kvc.write(k_cache, layer, k_BxLxKxH, positions_BxL)
-            v_cache = kvc.write(v_cache, layer, v_BxLxKxH, positions_BxL)
-            new_cache = (k_cache, v_cache)
-            keys_BxTxKxH = k_cache[layer].astype(self.compute_dtype)
-            values_BxTxKxH = v_cache[layer].astype(self.compute_dtype)
-            T = keys_BxTxKxH.shape[1]
+            cache = kvc.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
+            keys_BxKxHxT, values_BxKxTxH = cache.layer(layer)
+            T = keys_BxKxHxT.shape[-1]
             mask_BxLxT = jnp.arange(T)[None, None, :] <= positions_BxL[:, :, None]
-
-        out_BxLxNxH = _attend(q_BxLxNxH, keys_BxTxKxH, values_BxTxKxH, mask_BxLxT)
+            out_BxLxNxH = _attend_cache(q_BxLxNxH, keys_BxKxHxT.astype(self.compute_dtype),
+                                        values_BxKxTxH.astype(self.compute_dtype), mask_BxLxT)
         out_BxLxNxH = constrain(out_BxLxNxH, ("batch", "length", "act_heads", "head_dim"), ctx)
-        return self.o(out_BxLxNxH), new_cache
+        return self.o(out_BxLxNxH), cache
 
 
 def _attend(q_BxLxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
@@ -85,6 +80,12 @@ def _attend(q_BxLxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
     """Softmax attention with GQA; scores and softmax in float32 (as HF eager)."""
     B, L, N, H = q_BxLxNxH.shape
     K = k_BxTxKxH.shape[2]
+    if K == N:  # no GQA: 4-D einsums; the 5-D form's unit group axis cost extra transposes
+        scores_BxNxLxT = jnp.einsum("blnh,btnh->bnlt", q_BxLxNxH, k_BxTxKxH,
+                                    preferred_element_type=jnp.float32) * (H ** -0.5)
+        scores_BxNxLxT = jnp.where(mask_BxLxT[:, None], scores_BxNxLxT, _MASK_VALUE)
+        probs_BxNxLxT = jax.nn.softmax(scores_BxNxLxT, axis=-1).astype(v_BxTxKxH.dtype)
+        return jnp.einsum("bnlt,btnh->blnh", probs_BxNxLxT, v_BxTxKxH)
     q_BxLxKxGxH = q_BxLxNxH.reshape(B, L, K, N // K, H)
     scores_BxKxGxLxT = jnp.einsum("blkgh,btkh->bkglt", q_BxLxKxGxH, k_BxTxKxH,
                                   preferred_element_type=jnp.float32) * (H ** -0.5)
@@ -92,3 +93,21 @@ def _attend(q_BxLxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
     probs = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(v_BxTxKxH.dtype)
     out_BxLxKxGxH = jnp.einsum("bkglt,btkh->blkgh", probs, v_BxTxKxH)
     return out_BxLxKxGxH.reshape(B, L, N, H)
+
+
+def _attend_cache(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKxTxH: jax.Array,
+                  mask_BxLxT: jax.Array) -> jax.Array:
+    """Attention over the cache layout: (B, K) batch dims, canonical matmul operands, so the
+    cache is read in place (only the few queries are transposed)."""
+    B, L, N, H = q_BxLxNxH.shape
+    K, T = k_BxKxHxT.shape[1], k_BxKxHxT.shape[-1]
+    G = N // K
+    q_BxKxQxH = q_BxLxNxH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * L, H)
+    scores_BxKxQxT = jnp.einsum("bkqh,bkht->bkqt", q_BxKxQxH, k_BxKxHxT,
+                                preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores_BxKxGxLxT = scores_BxKxQxT.reshape(B, K, G, L, T)
+    scores_BxKxGxLxT = jnp.where(mask_BxLxT[:, None, None], scores_BxKxGxLxT, _MASK_VALUE)
+    probs_BxKxQxT = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(v_BxKxTxH.dtype).reshape(
+        B, K, G * L, T)
+    out_BxKxQxH = jnp.einsum("bkqt,bkth->bkqh", probs_BxKxQxT, v_BxKxTxH)
+    return out_BxKxQxH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)

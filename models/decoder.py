@@ -42,8 +42,8 @@ class Block(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-                 cache: tuple[jax.Array, jax.Array] | None = None, layer: int = 0,
-                 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+                 cache: KVCache | None = None, layer: int | jax.Array = 0,
+                 ) -> tuple[jax.Array, KVCache | None]:
         h, cache = self.attn(self.attn_norm(x_BxLxD), cos_BxLxH, sin_BxLxH, positions_BxL,
                              segment_ids_BxL, cache, layer)
         x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
@@ -102,7 +102,7 @@ class Decoder(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"), ctx)
         cos_BxLxH, sin_BxLxH = rope_tables(positions_BxL, inv_frequencies(cfg))
 
-        kv = None if cache is None else (cache.k, cache.v)
+        kv = cache
         if cfg.scan_layers:
             x_BxLxD, kv = self._scan(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
                                      segment_ids_BxL, kv)
@@ -117,8 +117,7 @@ class Decoder(nnx.Module):
             for block in self.layers:
                 x_BxLxD = run(block, x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
                               segment_ids_BxL)
-        if kv is not None:
-            cache = KVCache(*kv)
+        cache = kv
 
         x_BxLxD = self.final_norm(x_BxLxD)
         if self.lm_head is None:
@@ -131,11 +130,10 @@ class Decoder(nnx.Module):
 
     def _scan(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
               positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-              kv: tuple[jax.Array, jax.Array] | None,
-              ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+              kv: KVCache | None) -> tuple[jax.Array, KVCache | None]:
         """Layers as a lax.scan over the stacked params. The KV cache rides in the carry (not
         in xs/ys) so each layer's write is an in-place update at a traced layer index."""
-        graphdef, stacked = nnx.split(self.layers)
+        graphdef, layer_params_stack = nnx.split(self.layers)
 
         def body(carry, xs):
             x, kv = carry
@@ -148,7 +146,11 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],
                                   prevent_cse=False)
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x_BxLxD, kv), _ = jax.lax.scan(body, (x_BxLxD, kv), (stacked, layer_ids))
+        # A traced layer index needs the cache stacked; this copies it once per forward.
+        stacked = None if kv is None else kv.stacked()
+        (x_BxLxD, stacked), _ = jax.lax.scan(body, (x_BxLxD, stacked),
+                                             (layer_params_stack, layer_ids))
+        kv = None if stacked is None else stacked.unstacked()
         return x_BxLxD, kv
 
 

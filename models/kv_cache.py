@@ -1,11 +1,24 @@
 """Static-shape KV cache for the sampler.
 
-Layout: ``k``/``v`` of shape [layers, slots B, max_len T, kv_heads K, head_dim H] (stacked over
-layers so one sharding covers the whole cache). Entry ``[l, b, t]`` holds the key/value of the
-token at *position* t of the sequence in slot b: the forward writes each token at its position
-and a query at position p attends to entries t <= p. A new sequence in a slot therefore needs no
-reset as long as it is written from position 0 upward (prompts right-padded; padding positions
-are overwritten by the decoded tokens that take them).
+One array per layer (a tuple over layers), in the canonical batched-matmul layouts for
+``q @ k^T`` and ``p @ v`` with (B, K) as batch dims:
+
+* keys ``k[layer]``:   [slots B, kv_heads K, head_dim H, max_len T]  (stored transposed)
+* values ``v[layer]``: [slots B, kv_heads K, max_len T, head_dim H]
+
+Why this shape: with a [layers, B, T, K, H] stack, XLA on CPU copied every layer's keys and
+values on every decode step, once to slice the layer out of the stack and once to transpose
+it for the matmul. That is a full read and write of the attended cache per step and made
+decode 4-5x slower at long windows. Per-layer arrays in matmul order are read in place.
+
+Entry ``t`` of slot ``b`` holds the key/value of the token at *position* t of the sequence in
+slot b: the forward writes each token at its position and a query at position p attends to
+entries t <= p. A new sequence in a slot therefore needs no reset as long as it is written from
+position 0 upward (prompts right-padded; padding positions are overwritten by the decoded
+tokens that take them).
+
+Inside a layer scan (``scan_layers``) the cache is stacked over a leading layers axis for the
+duration of the forward (see ``stacked``); ``write`` and ``layer`` accept both forms.
 """
 
 from __future__ import annotations
@@ -18,44 +31,102 @@ from jax.sharding import Mesh
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, logical_to_sharding
 
-CACHE_AXES = ("layers", "cache_slots", "cache_len", "kv_heads", "head_dim")
+K_CACHE_AXES = ("cache_slots", "kv_heads", "head_dim", "cache_len")
+V_CACHE_AXES = ("cache_slots", "kv_heads", "cache_len", "head_dim")
+
+Layers = tuple[jax.Array, ...] | jax.Array  # per-layer tuple, or stacked inside a layer scan
 
 
 @struct.dataclass
 class KVCache:
-    """Keys and values, each [layers L, slots B, max_len T, kv_heads K, head_dim H]."""
+    """Per layer: keys [B, K, H, T] and values [B, K, T, H] (see the module docstring)."""
 
-    k: jax.Array  # L x B x T x K x H
-    v: jax.Array  # L x B x T x K x H
+    k: Layers
+    v: Layers
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int,
              dtype: jnp.dtype | str = jnp.float32) -> KVCache:
-        shape = cls.shape(cfg, batch, max_len)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+        return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
+                   tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)))
 
     @staticmethod
-    def shape(cfg: ModelConfig, batch: int, max_len: int) -> tuple[int, ...]:
-        return (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.resolved_head_dim)
+    def shapes(cfg: ModelConfig, batch: int, max_len: int,
+               ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per-layer (key shape, value shape)."""
+        K, H = cfg.num_kv_heads, cfg.resolved_head_dim
+        return (batch, K, H, max_len), (batch, K, max_len, H)
 
     @classmethod
     def shardings(cls, cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh,
                   rules: Rules) -> KVCache:
         """A KVCache of NamedShardings (for jit in/out_shardings)."""
-        s = logical_to_sharding(CACHE_AXES, mesh, rules, cls.shape(cfg, batch, max_len))
-        return cls(s, s)
+        k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+        k_sh = logical_to_sharding(K_CACHE_AXES, mesh, rules, k_shape)
+        v_sh = logical_to_sharding(V_CACHE_AXES, mesh, rules, v_shape)
+        return cls((k_sh,) * cfg.num_layers, (v_sh,) * cfg.num_layers)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[-1]
+
+    def window(self, length: int, rows: int | None = None) -> KVCache:
+        """Entries [0, length) of slots [0, rows) (a copy the decode loop updates in place)."""
+        return KVCache(tuple(k[:rows, ..., :length] for k in self.k),
+                       tuple(v[:rows, :, :length] for v in self.v))
+
+    def put_window(self, window: KVCache) -> KVCache:
+        """Write ``window`` back over its corner: its slots and entries, counted from 0."""
+        def put(full: jax.Array, part: jax.Array) -> jax.Array:
+            return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
+        return KVCache(tuple(map(put, self.k, window.k)), tuple(map(put, self.v, window.v)))
+
+    def put_slots(self, part: KVCache, slots_N: jax.Array) -> KVCache:
+        """Write ``part`` (N slots, P entries) over entries [0, P) of slots ``slots_N``;
+        out-of-range slot indices are dropped (padding rows)."""
+        P = part.max_len
+        return KVCache(
+            tuple(f.at[slots_N, :, :, :P].set(p, mode="drop") for f, p in zip(self.k, part.k)),
+            tuple(f.at[slots_N, :, :P].set(p, mode="drop") for f, p in zip(self.v, part.v)))
+
+    def move_slots(self, src_M: jax.Array, dst_M: jax.Array) -> KVCache:
+        """Copy slot ``src_M[i]`` to ``dst_M[i]``; out-of-range destinations are dropped."""
+        return KVCache(tuple(k.at[dst_M].set(k[src_M], mode="drop") for k in self.k),
+                       tuple(v.at[dst_M].set(v[src_M], mode="drop") for v in self.v))
+
+    def stacked(self) -> KVCache:
+        """Layers stacked on a leading axis (for a scan over layers)."""
+        return KVCache(jnp.stack(self.k), jnp.stack(self.v))
+
+    def unstacked(self) -> KVCache:
+        return KVCache(tuple(self.k), tuple(self.v))
+
+    def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(keys B x K x H x T, values B x K x T x H) of one layer."""
+        return self.k[layer], self.v[layer]
 
 
-def write(cache_LxBxTxKxH: jax.Array, layer: int, new_BxLxKxH: jax.Array,
-          positions_BxL: jax.Array) -> jax.Array:
-    """Scatter new entries of one layer at their positions (in place under jit + donation).
+def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
+          positions_BxL: jax.Array) -> KVCache:
+    """Scatter one layer's new keys/values at their positions (in place under jit + donation).
 
     Positions outside [0, T) are dropped, so padding tokens past the cache end are harmless.
     """
-    b_BxL = jnp.broadcast_to(jnp.arange(new_BxLxKxH.shape[0])[:, None], positions_BxL.shape)
-    return cache_LxBxTxKxH.at[layer, b_BxL, positions_BxL].set(
-        new_BxLxKxH.astype(cache_LxBxTxKxH.dtype), mode="drop")
+    b_BxL = jnp.broadcast_to(jnp.arange(k_BxLxKxH.shape[0])[:, None], positions_BxL.shape)
+    # Advanced indices split by slices: numpy puts their (B, L) dims first, so each update is
+    # [B, L, K, H] whatever the layout.
+    if isinstance(cache.k, tuple):
+        k_l, v_l = cache.k[layer], cache.v[layer]
+        k_l = k_l.at[b_BxL, :, :, positions_BxL].set(k_BxLxKxH.astype(k_l.dtype), mode="drop")
+        v_l = v_l.at[b_BxL, :, positions_BxL].set(v_BxLxKxH.astype(v_l.dtype), mode="drop")
+        return KVCache(_replace(cache.k, layer, k_l), _replace(cache.v, layer, v_l))
+    k = cache.k.at[layer, b_BxL, :, :, positions_BxL].set(
+        k_BxLxKxH.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[layer, b_BxL, :, positions_BxL].set(
+        v_BxLxKxH.astype(cache.v.dtype), mode="drop")
+    return KVCache(k, v)
+
+
+def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:
+    return layers[:i] + (x,) + layers[i + 1:]

@@ -49,6 +49,35 @@ def test_continuous_batching_more_requests_than_slots_matches_solo_generation(ti
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params):
+    _, params = tiny_params
+    prompts = _prompts(7, seed=4)
+    budgets = [2, 30, 3, 25, 4, 5, 6]  # two long requests outlive the rest, in high slots
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=48)
+    solo = make_sampler(params, slots=8, decode_row_buckets=(8,), max_len=48)
+    assert sampler.row_buckets == (2, 8)
+    sampler.warmup()
+    compiled = sampler.compile_count()
+
+    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
+
+    assert {shape[0] for shape in sampler.window_trace_shapes} == {2, 8}
+    assert sampler.compile_count() == compiled  # packed chunks reuse warm variants
+    for p, b, out in zip(prompts, budgets, outs):
+        alone = solo.generate([Request(p, max_new_tokens=b)])[0]
+        assert out.tokens == alone.tokens
+        np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
+    assert all(c is None for c in sampler._slot_out)
+    assert not np.asarray(sampler.state.active_B).any()  # moved-from slots were retired
+
+
+def test_slots_sharded_over_devices_decode_all_rows(tiny_params):
+    from meshrl.configs.schema import MeshConfig
+    _, params = tiny_params
+    sampler = make_sampler(params, slots=16, mesh_cfg=MeshConfig(data=2, tensor=1))
+    assert sampler.row_buckets == (16,)
+
+
 def test_stop_token_ends_sequence_with_reason_stop(tiny_params):
     graphdef, params = tiny_params
     prompt = _prompts(1, seed=3)[0]
@@ -129,9 +158,9 @@ def test_decode_window_covers_chunk_and_compiled_input_is_window_shape(tiny_para
     assert sampler.window_for(190) == 192  # capped at max_len
     sampler.generate([Request(list(range(3, 50)), max_new_tokens=30)])
 
-    traced_T = sorted({shape[2] for shape in sampler.window_trace_shapes})
+    traced_T = sorted({shape[-1] for shape in sampler.window_trace_shapes})  # keys: B K H T
     assert traced_T == [64, 96]
-    assert all(shape[1:3] != (4, 192) for shape in sampler.window_trace_shapes)
+    assert all(shape[-1] != 192 for shape in sampler.window_trace_shapes)
 
 
 def test_invalid_prompt_length_is_rejected(tiny_params):

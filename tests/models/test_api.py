@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 from meshrl.configs.schema import MeshConfig, ModelConfig
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import (
-    CACHE_AXES,
+    K_CACHE_AXES,
+    V_CACHE_AXES,
     KVCache,
     create_model,
     forward,
@@ -80,8 +81,11 @@ def test_sharded_kv_cache_decode_matches_unsharded_full_forward():
         outputs.append(np.asarray(logits_Bx1xV)[:, 0])
 
     np.testing.assert_allclose(np.stack(outputs, 1), full_BxLxV, rtol=1e-5, atol=1e-5)
-    assert CACHE_AXES == ("layers", "cache_slots", "cache_len", "kv_heads", "head_dim")
-    assert cache.k.sharding.spec == P(None, "data", None, None, None)
+    assert K_CACHE_AXES == ("cache_slots", "kv_heads", "head_dim", "cache_len")
+    assert V_CACHE_AXES == ("cache_slots", "kv_heads", "cache_len", "head_dim")
+    assert len(cache.k) == len(cache.v) == CFG.num_layers
+    assert all(k.sharding.spec == P("data", None, None, None) for k in cache.k)
+    assert all(v.sharding.spec == P("data", None, None, None) for v in cache.v)
 
 
 def test_bfloat16_params_load_and_export(hf_checkpoint, tmp_path):

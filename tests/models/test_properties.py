@@ -137,7 +137,9 @@ def test_kv_cache_prefill_then_token_by_token_decode_equals_full_forward(name):
                 np.testing.assert_allclose(np.asarray(logits_Bx1xV)[b, 0],
                                            full_BxLxV[b, pos_B[b]], rtol=RTOL, atol=ATOL)
         pos_B = pos_B + 1
-    assert cache.k.shape == (cfg.num_layers, 2, T, cfg.num_kv_heads, cfg.resolved_head_dim)
+    assert len(cache.k) == cfg.num_layers
+    assert cache.k[0].shape == (2, cfg.num_kv_heads, cfg.resolved_head_dim, T)
+    assert cache.v[0].shape == (2, cfg.num_kv_heads, T, cfg.resolved_head_dim)
 
 
 def _loss(params: nnx.State, graphdef: nnx.GraphDef, ids_BxL: jax.Array) -> jax.Array:
