@@ -447,10 +447,12 @@ class Sampler:
         for s, c in live:
             prefix = list(c.request.prompt_ids) + c.tokens[:-1]
             by_bucket[_bucket(len(prefix), self.recompute_buckets)].append((s, prefix))
+        step = self.insert_buckets[-1]
         for bucket, group in by_bucket.items():
-            # Always all slots wide: one compiled variant per bucket.
-            self._run_prefill([p for _, p in group], [s for s, _ in group], [], bucket,
-                              self.cfg.slots, False)
+            for lo in range(0, len(group), step):
+                part = group[lo:lo + step]
+                self._run_prefill([p for _, p in part], [s for s, _ in part], [], bucket,
+                                  _bucket(len(part), self.insert_buckets), False)
 
     @property
     def recompute_buckets(self) -> tuple[int, ...]:
@@ -471,7 +473,8 @@ class Sampler:
                     self._run_prefill([], [], [], p, n, True)
             if recompute:
                 for p in self.recompute_buckets:
-                    self._run_prefill([], [], [], p, self.cfg.slots, False)
+                    for n in self.insert_buckets:
+                        self._run_prefill([], [], [], p, n, False)
             for w in self.window_buckets:
                 for rows in self.row_buckets:
                     self.cache, self.state, out = self._decode(

@@ -37,6 +37,23 @@ class NonFiniteLossError(FloatingPointError):
     """A step produced a non-finite loss or gradient norm with ``trainer.on_nonfinite="raise"``."""
 
 
+def read_step_metrics(metrics: dict[str, jax.Array], step: int, on_nonfinite: str,
+                      what: str = "loss") -> dict[str, float]:
+    """Fetch a finished step's metrics to the host and act on a non-finite step: raise
+    ``NonFiniteLossError`` (``on_nonfinite == "raise"``) or log that the update was skipped.
+    The step itself never applied a non-finite update (see ``trainer.step``)."""
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if not values["finite"]:
+        if on_nonfinite == "raise":
+            raise NonFiniteLossError(
+                f"non-finite {what} at step {step}: loss={values['loss']}, "
+                f"grad_norm={values['grad_norm']} (the update was not applied; set "
+                f"trainer.on_nonfinite='skip' to skip such steps)")
+        _log.warning("non-finite %s at step %d: update skipped (%d skipped so far)", what, step,
+                     int(values["skipped"]))
+    return values
+
+
 class DataIterator(Protocol):
     def __next__(self) -> dict[str, np.ndarray]: ...
     def get_state(self) -> dict[str, Any]: ...
@@ -131,7 +148,7 @@ class Loop:
             return
         step, metrics, dispatched = self._pending
         self._pending = None
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        values = read_step_metrics(metrics, step, self.config.trainer.on_nonfinite)
         now = time.perf_counter()
         # Steady-state step time is the gap between completions; the first step after (re)start
         # is timed from its dispatch and includes compilation.
@@ -139,14 +156,6 @@ class Loop:
         # Host work between steps (checkpoint starts, eval hooks) is not the step's time.
         step_time = max(step_time - self._excluded, 1e-9)
         self._last_done, self._excluded = now, 0.0
-        if not values["finite"]:
-            if self.config.trainer.on_nonfinite == "raise":
-                raise NonFiniteLossError(
-                    f"non-finite loss at step {step}: loss={values['loss']}, "
-                    f"grad_norm={values['grad_norm']} (the update was not applied; set "
-                    f"trainer.on_nonfinite='skip' to skip such steps)")
-            _log.warning("non-finite loss at step %d: update skipped (%d skipped so far)",
-                         step, int(values["skipped"]))
         tok_s = self._tokens_per_step / max(step_time, 1e-9)
         flops_s = self.trainee.flops_per_token * tok_s
         mfu = flops_s / (self._peak * self.mesh.devices.size) if self._peak else 0.0

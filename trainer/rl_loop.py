@@ -82,7 +82,7 @@ from meshrl.models import create_model, flops_per_token, forward, param_sharding
 from meshrl.models.tokenizer import load_tokenizer
 from meshrl.rewards import RewardPool
 from meshrl.trainer.checkpoint import Checkpointer
-from meshrl.trainer.loop import Loop, NonFiniteLossError, Trainee, expand_prefix, put_batch
+from meshrl.trainer.loop import Loop, Trainee, expand_prefix, put_batch, read_step_metrics
 from meshrl.trainer.losses import get_loss
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
@@ -275,7 +275,7 @@ class RLTrainer:
         s = config.sampler
         self.sampler = Sampler(self.model_cfg, s, self.sampler_mesh, self.state.params,
                                version=self.start_step, workdir=str(self.workdir),
-                               rules=rules_for("sample"), insert_buckets=(s.slots,))
+                               rules=rules_for("sample"))
         self.reward_pool = RewardPool.from_config(config.reward)
         self.examples = eval_examples(config.data, self.tokenizer)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
@@ -304,14 +304,7 @@ class RLTrainer:
             return
         step, metrics, host = self._pending
         self._pending = None
-        values = {k: float(v) for k, v in jax.device_get(metrics).items()}
-        if not values["finite"]:
-            if self.config.trainer.on_nonfinite == "raise":
-                raise NonFiniteLossError(
-                    f"non-finite RL loss at step {step}: loss={values['loss']}, grad_norm="
-                    f"{values['grad_norm']} (the update was not applied; set "
-                    f"trainer.on_nonfinite='skip' to skip such steps)")
-            log.warning("non-finite RL loss at step %d: update skipped", step)
+        values = read_step_metrics(metrics, step, self.config.trainer.on_nonfinite, "RL loss")
         record = {**{f"train/{k}": v for k, v in values.items() if k not in ("step", "finite")},
                   **host}
         self.history.append({"step": step, **record})
