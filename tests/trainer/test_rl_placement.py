@@ -12,52 +12,14 @@ import numpy as np
 import pytest
 
 from meshrl.configs.fields import ConfigError
-from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import Config
 from meshrl.inference.weights import flat_params
+from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.trainer.placement import create_meshes
 
 
-def _config(**overrides: Any) -> Config:
-    """A tiny RL job: 2 steps, 3 groups of 2 samples, 4 new tokens, no warm start."""
-    cfg = base_config("rl")
-    cfg.model.vocab_size = 256  # the char tokenizer's byte vocabulary
-    cfg.model.hidden_size = 32
-    cfg.model.intermediate_size = 64
-    cfg.model.num_layers = 1
-    cfg.model.num_heads = 4
-    cfg.model.num_kv_heads = 2
-    cfg.data.max_prompt_len = 16
-    cfg.data.num_examples = 50
-    cfg.data.eval_examples = 2
-    cfg.trainer.steps = 2
-    cfg.trainer.seq_len = 32
-    cfg.trainer.learning_rate = 1e-3
-    cfg.trainer.log_every = 1
-    cfg.trainer.peak_flops = 1e11
-    cfg.sampler.max_len = 32
-    cfg.sampler.max_new_tokens = 4
-    cfg.sampler.prompt_buckets = (16,)
-    cfg.sampler.slots = 8
-    cfg.sampler.decode_chunk = 4
-    cfg.rollout.group_size = 2
-    cfg.rollout.prompts_per_step = 3
-    cfg.rollout.max_staleness = 1
-    cfg.rollout.filter_equal_groups = False  # an untrained policy: keep every group
-    cfg.reward.num_workers = 1
-    cfg.rl.warm_start_steps = 0
-    cfg.checkpoint.every_steps = 0
-    cfg.checkpoint.async_save = False
-    cfg.logging.tensorboard = False
-    cfg.logging.progress_bar = False
-    for key, value in overrides.items():
-        section, name = key.split(".")
-        cfg[section][name] = value
-    return from_config_dict(cfg)
-
-
 def _split(**overrides: Any) -> Config:
-    return _config(**{"rl.placement": "split", **overrides})
+    return tiny_rl_config(**{"rl.placement": "split", **overrides})
 
 
 def _devices(tree: Any) -> set[jax.Device]:
@@ -65,7 +27,8 @@ def _devices(tree: Any) -> set[jax.Device]:
 
 
 def test_colocated_trainer_and_sampler_meshes_span_every_device_with_the_config_shape():
-    trainer_mesh, sampler_mesh = create_meshes(_config(**{"mesh.data": 4, "mesh.tensor": 2}))
+    config = tiny_rl_config(**{"mesh.data": 4, "mesh.tensor": 2})
+    trainer_mesh, sampler_mesh = create_meshes(config)
 
     for mesh in (trainer_mesh, sampler_mesh):
         assert set(mesh.devices.flat) == set(jax.devices())

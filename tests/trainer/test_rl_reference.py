@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import Config
-from meshrl.tests.trainer.test_rl_placement import _config as tiny_rl_config
+from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.trainer import advantages as adv_lib
 from meshrl.trainer.losses import token_logprobs
 from meshrl.trainer.policy_loss import kl_reward_advantages

@@ -38,6 +38,45 @@ def tiny_config(**overrides: Any) -> Config:
     cfg.checkpoint.every_steps = 3
     cfg.checkpoint.async_save = True
     cfg.logging.progress_bar = False
+    return _with_overrides(cfg, overrides)
+
+
+def tiny_rl_config(**overrides: Any) -> Config:
+    """A tiny RL job: 2 steps, 3 groups of 2 samples, 4 new tokens, no warm start."""
+    cfg = base_config("rl")
+    cfg.model.vocab_size = 256  # the char tokenizer's byte vocabulary
+    cfg.model.hidden_size = 32
+    cfg.model.intermediate_size = 64
+    cfg.model.num_layers = 1
+    cfg.model.num_heads = 4
+    cfg.model.num_kv_heads = 2
+    cfg.data.max_prompt_len = 16
+    cfg.data.num_examples = 50
+    cfg.data.eval_examples = 2
+    cfg.trainer.steps = 2
+    cfg.trainer.seq_len = 32
+    cfg.trainer.learning_rate = 1e-3
+    cfg.trainer.log_every = 1
+    cfg.trainer.peak_flops = 1e11
+    cfg.sampler.max_len = 32
+    cfg.sampler.max_new_tokens = 4
+    cfg.sampler.prompt_buckets = (16,)
+    cfg.sampler.slots = 8
+    cfg.sampler.decode_chunk = 4
+    cfg.rollout.group_size = 2
+    cfg.rollout.prompts_per_step = 3
+    cfg.rollout.max_staleness = 1
+    cfg.rollout.filter_equal_groups = False  # an untrained policy: keep every group
+    cfg.reward.num_workers = 1
+    cfg.rl.warm_start_steps = 0
+    cfg.checkpoint.every_steps = 0
+    cfg.checkpoint.async_save = False
+    cfg.logging.tensorboard = False
+    cfg.logging.progress_bar = False
+    return _with_overrides(cfg, overrides)
+
+
+def _with_overrides(cfg: Any, overrides: dict[str, Any]) -> Config:
     for key, value in overrides.items():
         section, name = key.split(".")
         cfg[section][name] = value
