@@ -68,10 +68,15 @@ class AsyncEngine:
             self._cv.notify_all()
 
     def update_weights(self, params: Any, version: int) -> None:
-        """Pause, hand the weights over (in-flight sequences are re-prefilled), resume."""
+        """Copy and cast the weights while decoding goes on, then pause, swap them in
+        (in-flight sequences are re-prefilled) and resume.
+
+        The copy waits for the computation producing ``params`` (the trainer's step); pausing
+        only for the swap keeps the sampler decoding with the old version meanwhile."""
+        flat = self.sampler.prepare_weights(params)
         self.pause()
         try:
-            self.sampler.update_weights(params, version)
+            self.sampler.install_weights(flat, version)
         finally:
             self.resume()
 

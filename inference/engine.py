@@ -275,7 +275,17 @@ class Sampler:
     def update_weights(self, params: Any, version: int) -> None:
         """In-process handoff: validate, reshard to the sampler, cast, copy; lands between
         chunks (in-flight sequences are re-prefilled under the new weights)."""
-        flat = wts.reshard_cast(params, self._expected, self._shardings, self._copy_cast)
+        self.install_weights(self.prepare_weights(params), version)
+
+    def prepare_weights(self, params: Any) -> dict[str, jax.Array]:
+        """The first half of ``update_weights``: validated, resharded, cast copies of
+        ``params``, ready once this returns (it waits for whatever computes them, e.g. the
+        train step). Decoding may go on meanwhile: nothing of the sampler's is touched."""
+        return wts.reshard_cast(params, self._expected, self._shardings, self._copy_cast)
+
+    def install_weights(self, flat: dict[str, jax.Array], version: int) -> None:
+        """The second half of ``update_weights``: swap in ``prepare_weights``' result (between
+        chunks) and mark every sequence in flight for re-prefill."""
         self._install(flat, version)
         log.info("sampler weights -> version %d (in-process)", version)
 
@@ -424,14 +434,20 @@ class Sampler:
         self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
                                                    window=window, rows=rows)
         tok_BxC, lp_BxC, raw_BxC, active_B, reason_B = jax.device_get(out)
+        # A slot emits while active and never reactivates within a chunk, so its tokens are a
+        # prefix of its row: one count per row and plain list slicing (no per-row numpy ops,
+        # which cost more host time than the chunk's compute on small models).
+        n_B = (tok_BxC >= 0).sum(axis=1).tolist()
+        toks, lps, raws, active = tok_BxC.tolist(), lp_BxC.tolist(), raw_BxC.tolist(), \
+            active_B.tolist()
         finished = []
         for s, c in live:
-            emitted = tok_BxC[s] >= 0
-            c.tokens += tok_BxC[s][emitted].tolist()
-            c.logprobs += lp_BxC[s][emitted].tolist()
-            c.raw_logprobs += raw_BxC[s][emitted].tolist()
-            c.versions += [self.version] * int(emitted.sum())
-            if not active_B[s]:
+            n = n_B[s]
+            c.tokens += toks[s][:n]
+            c.logprobs += lps[s][:n]
+            c.raw_logprobs += raws[s][:n]
+            c.versions += [self.version] * n
+            if not active[s]:
                 c.finish_reason = _REASONS[int(reason_B[s])]
                 self._slot_out[s] = None
                 finished.append(c)

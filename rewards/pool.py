@@ -5,6 +5,10 @@ value, outlives ``timeout_s`` or kills its worker scores 0.0 and increments ``er
 ``timeouts``; a hung worker is killed and replaced, so the RL loop never stalls on one bad
 completion. Workers come from a forkserver (spawn where unavailable), never a fork of the JAX
 process, whose threads and device handles must not be duplicated.
+
+Concurrent callers share the workers: every call's (reward, completion) pairs join one queue that
+a dispatcher thread feeds to whichever worker is free, so the groups of an async RL run are scored
+side by side instead of one group after another. The dispatcher runs only while there is work.
 """
 
 from __future__ import annotations
@@ -48,6 +52,26 @@ def _worker_main(conn: Connection) -> None:
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
 
 
+class _Call:
+    """One ``score_components`` call: its results, how many are still out, and its waiter."""
+
+    def __init__(self, num_rewards: int, n: int) -> None:
+        self.results = [[0.0] * n for _ in range(num_rewards)]
+        self.left = num_rewards * n
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def put(self, r: int, i: int, value: float) -> None:
+        self.results[r][i] = value
+        self.left -= 1
+        if self.left == 0:
+            self.done.set()
+
+
+# One queued pair: (its call, reward index, example index, the message a worker receives).
+_Task = tuple[_Call, int, int, tuple[str, str, str, dict[str, Any]]]
+
+
 class _Worker:
     def __init__(self, ctx: Any) -> None:
         self.conn, child = ctx.Pipe()
@@ -56,7 +80,7 @@ class _Worker:
         child.close()
         self.ready = False
         self.started = time.monotonic()
-        self.task: tuple[int, int] | None = None  # (reward index, example index)
+        self.task: _Task | None = None
         self.sent_at = 0.0
 
     def kill(self) -> None:
@@ -80,8 +104,8 @@ def _shutdown(workers: list[_Worker]) -> None:
 class RewardPool:
     """Scores completions with ``sum_i weights[i] * reward_i`` computed in worker processes.
 
-    ``score`` is synchronous; ``ascore`` runs it in a thread so an event loop keeps running.
-    Calls are serialised (one batch at a time); ``metrics()`` returns the counters.
+    ``score`` is synchronous and thread-safe (concurrent calls share the workers); ``ascore``
+    runs it in a thread so an event loop keeps running. ``metrics()`` returns the counters.
     """
 
     def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None, *,
@@ -105,6 +129,11 @@ class RewardPool:
             self._ctx.set_forkserver_preload(["meshrl.rewards"])
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
+        self._pending: deque[_Task] = deque()
+        self._dispatcher: threading.Thread | None = None
+        self._broken: BaseException | None = None
+        # A caller queueing work wakes the dispatcher out of its wait on the worker pipes.
+        self._wake_r, self._wake_w = mp.Pipe(duplex=False)
         self._finalizer = weakref.finalize(self, _shutdown, self._workers)
 
     @classmethod
@@ -117,6 +146,14 @@ class RewardPool:
         return {f"reward/{k}": float(v) for k, v in self.counters.items()}
 
     def close(self) -> None:
+        """Fail calls still waiting, stop the dispatcher and the workers."""
+        with self._lock:
+            if self._broken is None:
+                self._broken = RuntimeError("the reward pool is closed")
+            dispatcher = self._dispatcher
+        if dispatcher is not None:
+            self._wake_w.send_bytes(b"")
+            dispatcher.join(timeout=10)
         self._finalizer()
 
     def __enter__(self) -> RewardPool:
@@ -124,11 +161,6 @@ class RewardPool:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    def _replace(self, worker: _Worker) -> None:
-        worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx)
-        self.counters["worker_restarts"] += 1
 
     def score_components(self, prompts: Sequence[str], completions: Sequence[str],
                          **fields: Sequence[Any]) -> dict[str, list[float]]:
@@ -138,8 +170,23 @@ class RewardPool:
             raise ValueError(f"prompts, completions and every field need {n} entries")
         if n == 0:
             return {name: [] for name in self.names}
+        call = _Call(len(self.names), n)
+        tasks = [(call, r, i, (name, prompts[i], completions[i],
+                               {**self.constants, **{k: v[i] for k, v in fields.items()}}))
+                 for r, name in enumerate(self.names) for i in range(n)]
         with self._lock:
-            return self._run(list(prompts), list(completions), fields)
+            if self._broken is not None:
+                raise RuntimeError("the reward pool is broken") from self._broken
+            self._pending.extend(tasks)
+            if self._dispatcher is None:
+                self._dispatcher = threading.Thread(target=self._dispatch, daemon=True,
+                                                    name="meshrl-rewards")
+                self._dispatcher.start()
+        self._wake_w.send_bytes(b"")
+        call.done.wait()
+        if call.error is not None:
+            raise call.error
+        return {name: call.results[r] for r, name in enumerate(self.names)}
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
               **fields: Sequence[Any]) -> list[float]:
@@ -151,71 +198,103 @@ class RewardPool:
                      **fields: Sequence[Any]) -> list[float]:
         return await asyncio.to_thread(self.score, prompts, completions, **fields)
 
-    def _run(self, prompts: list[str], completions: list[str],
-             fields: dict[str, Sequence[Any]]) -> dict[str, list[float]]:
-        while len(self._workers) < self.num_workers:
-            self._workers.append(_Worker(self._ctx))
-        results = [[0.0] * len(completions) for _ in self.names]
-        pending = deque((r, i) for r in range(len(self.names)) for i in range(len(completions)))
-        running = 0
-        while pending or running:
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.ready and w.task is None and pending:
-                    w.task = pending.popleft()
-                    r, i = w.task
-                    example = {k: v[i] for k, v in fields.items()}
-                    try:
-                        w.conn.send((self.names[r], prompts[i], completions[i],
-                                     {**self.constants, **example}))
-                    except (OSError, ValueError):  # worker died while idle
-                        pending.appendleft(w.task)
-                        w.task = None
-                        self._replace(w)
-                        continue
-                    w.sent_at, running = now, running + 1
-            deadlines = [w.sent_at + self.timeout_s if w.task else w.started + STARTUP_TIMEOUT_S
-                         for w in self._workers if w.task or not w.ready]
-            wait_s = max(0.0, min(deadlines) - now) if deadlines else 0.0
-            for conn in wait([w.conn for w in self._workers], timeout=wait_s):
-                w = next(w for w in self._workers if w.conn is conn)
-                try:
-                    kind, payload = conn.recv()
-                except (EOFError, OSError):
-                    kind, payload = "error", "worker exited"
-                if kind == "ready":
-                    w.ready = True
-                    continue
-                if w.task is None:  # a dead idle worker
-                    if not w.ready:
-                        # Dying before "ready" is an import/config bug; restarting would loop.
-                        raise RuntimeError(f"reward worker exited during start-up "
-                                           f"(exit code {w.process.exitcode}); check that "
-                                           f"{self.names} import in a fresh process")
-                    self._replace(w)
-                    continue
-                r, i = w.task
-                w.task, running = None, running - 1
+    # ---- the dispatcher thread (the only one touching workers) ---------------------------
+
+    def _dispatch(self) -> None:
+        try:
+            while self._step():
+                pass
+        except BaseException as e:  # noqa: BLE001  (every waiting caller gets the error)
+            with self._lock:
+                self._broken, self._dispatcher = e, None
+                calls = {t[0] for t in self._pending} | {w.task[0] for w in self._workers
+                                                        if w.task is not None}
+                self._pending.clear()
+            for call in calls:
+                call.error = e
+                call.done.set()
+
+    def _step(self) -> bool:
+        """Hand queued pairs to free workers, then wait for a result, a timeout or new work.
+        Returns False (and the thread ends) once nothing is queued or running."""
+        with self._lock:
+            if self._broken is not None:  # closed: _dispatch fails whatever is still waiting
+                raise self._broken
+            running = any(w.task is not None for w in self._workers)
+            if not self._pending and not running:
+                self._dispatcher = None
+                return False
+            while len(self._workers) < self.num_workers:
+                self._workers.append(_Worker(self._ctx))
+            for w in self._workers:
+                if w.ready and w.task is None and self._pending:
+                    self._send(w, self._pending.popleft())
+        now = time.monotonic()
+        deadlines = [w.sent_at + self.timeout_s if w.task else w.started + STARTUP_TIMEOUT_S
+                     for w in self._workers if w.task or not w.ready]
+        wait_s = max(0.0, min(deadlines) - now) if deadlines else None
+        for conn in wait([w.conn for w in self._workers] + [self._wake_r], timeout=wait_s):
+            if conn is self._wake_r:
+                while self._wake_r.poll():
+                    self._wake_r.recv_bytes()
+                continue
+            self._receive(next(w for w in self._workers if w.conn is conn))
+        self._expire(time.monotonic())
+        return True
+
+    def _send(self, w: _Worker, task: _Task) -> None:
+        try:
+            w.conn.send(task[3])
+        except (OSError, ValueError):  # worker died while idle
+            self._pending.appendleft(task)
+            self._replace(w)
+            return
+        w.task, w.sent_at = task, time.monotonic()
+
+    def _receive(self, w: _Worker) -> None:
+        try:
+            kind, payload = w.conn.recv()
+        except (EOFError, OSError):
+            kind, payload = "error", "worker exited"
+        if kind == "ready":
+            w.ready = True
+            return
+        if w.task is None:  # a dead idle worker
+            if not w.ready:
+                # Dying before "ready" is an import/config bug; restarting would loop.
+                raise RuntimeError(f"reward worker exited during start-up "
+                                   f"(exit code {w.process.exitcode}); check that "
+                                   f"{self.names} import in a fresh process")
+            self._replace(w)
+            return
+        call, r, i, _ = w.task
+        w.task = None
+        self.counters["calls"] += 1
+        if kind == "ok" and math.isfinite(payload):
+            call.put(r, i, payload)
+        else:
+            self.counters["errors"] += 1
+            log.warning("reward %s raised on example %d: %s", self.names[r], i,
+                        payload if kind != "ok" else f"non-finite {payload}")
+            call.put(r, i, 0.0)
+        if payload == "worker exited":
+            self._replace(w)
+
+    def _expire(self, now: float) -> None:
+        for w in list(self._workers):
+            if w.task is not None and now - w.sent_at > self.timeout_s:
+                call, r, i, _ = w.task
+                w.task = None
                 self.counters["calls"] += 1
-                if kind == "ok" and math.isfinite(payload):
-                    results[r][i] = payload
-                else:
-                    self.counters["errors"] += 1
-                    log.warning("reward %s raised on example %d: %s", self.names[r], i,
-                                payload if kind != "ok" else f"non-finite {payload}")
-                if payload == "worker exited":
-                    self._replace(w)
-            now = time.monotonic()
-            for w in list(self._workers):
-                if w.task is not None and now - w.sent_at > self.timeout_s:
-                    r, i = w.task
-                    running -= 1
-                    self.counters["calls"] += 1
-                    self.counters["timeouts"] += 1
-                    log.warning("reward %s timed out after %.2fs on example %d; replacing its "
-                                "worker", self.names[r], self.timeout_s, i)
-                    self._replace(w)  # results[r][i] stays 0.0
-                elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
-                    raise RuntimeError(f"reward worker did not start within "
-                                       f"{STARTUP_TIMEOUT_S}s")
-        return {name: results[r] for r, name in enumerate(self.names)}
+                self.counters["timeouts"] += 1
+                log.warning("reward %s timed out after %.2fs on example %d; replacing its "
+                            "worker", self.names[r], self.timeout_s, i)
+                self._replace(w)
+                call.put(r, i, 0.0)
+            elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
+                raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S}s")
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx)
+        self.counters["worker_restarts"] += 1

@@ -1,8 +1,10 @@
 """Advantage estimators, chosen by name (``rl.advantage``): small pure functions in a registry.
 
 Every estimator maps group rewards ``[G, N]`` (G prompts, N samples each) to advantages of the same
-shape. They are pure and jit-able; ``token_advantages`` broadcasts per-sequence advantages onto the
-loss tokens. Reward shaping that happens before the estimator (the DAPO overlong penalty) lives
+shape. They are pure and written with array methods only, so they are jit-able on jax arrays and
+run in plain numpy on numpy arrays: the rollout side computes advantages on the host without
+queueing work behind the sampler and the train step on a shared device. ``token_advantages``
+broadcasts per-sequence advantages onto the loss tokens. Reward shaping that happens before the estimator (the DAPO overlong penalty) lives
 here too, so the rollout side and the trainer side share one definition.
 """
 
@@ -74,7 +76,7 @@ def rloo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     rewards_GxN = rewards_GxN.astype(jnp.float32)
     n = rewards_GxN.shape[-1]
     if n == 1:
-        return jnp.zeros_like(rewards_GxN)
+        return rewards_GxN * 0.0
     return (rewards_GxN - rewards_GxN.mean(-1, keepdims=True)) * (n / (n - 1))
 
 
@@ -106,8 +108,9 @@ def overlong_penalty(lengths_B: jax.Array, *, max_len: int, buffer: int,
     to each reward: 0 up to ``max_len - buffer`` generated tokens, then linear down to
     ``-penalty`` at ``max_len``, and ``-penalty`` beyond. Truncated answers are penalised softly
     instead of being rewarded or zeroed abruptly, which DAPO found reduces reward noise."""
+    lengths_B = lengths_B.astype(jnp.float32)
     if buffer <= 0:
-        return jnp.zeros(lengths_B.shape, jnp.float32)
+        return lengths_B * 0.0
     assert max_len > buffer, f"max_len {max_len} must exceed buffer {buffer}"
-    over_B = lengths_B.astype(jnp.float32) - (max_len - buffer)
-    return -penalty * jnp.clip(over_B / buffer, 0.0, 1.0)
+    over_B = lengths_B - (max_len - buffer)
+    return -penalty * (over_B / buffer).clip(0.0, 1.0)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
-import jax.numpy as jnp
 import numpy as np
 
 from meshrl.trainer import advantages as adv_lib
@@ -148,10 +147,12 @@ def build_rollout_batch(groups: Sequence[Sequence[Trajectory]], *, length_bucket
     rewards_B = np.asarray([t.reward for t in trajs], np.float32)
     if overlong_buffer > 0:
         lengths_B = np.asarray([t.num_generated for t in trajs], np.float32)
-        rewards_B = rewards_B + np.asarray(adv_lib.overlong_penalty(
-            jnp.asarray(lengths_B), max_len=overlong_max_len, buffer=overlong_buffer,
-            penalty=overlong_penalty))
-    advantages_B = np.asarray(adv_lib.compute(advantage, jnp.asarray(rewards_B), n, eps=adv_eps))
+        rewards_B = rewards_B + adv_lib.overlong_penalty(
+            lengths_B, max_len=overlong_max_len, buffer=overlong_buffer,
+            penalty=overlong_penalty)
+    # numpy in, numpy out: no device dispatch, which would queue behind the sampler's decode and
+    # the train step and stall the event loop that runs this.
+    advantages_B = np.asarray(adv_lib.compute(advantage, rewards_B, n, eps=adv_eps))
     group_ids_B = np.asarray([t.group_id for t in trajs], np.int32)
     batch = RolloutBatch(tokens_BxL, loss_mask_BxL, logprobs_BxL, versions_BxL, positions_BxL,
                          segment_ids_BxL, rewards_B, advantages_B.astype(np.float32), group_ids_B,

@@ -9,7 +9,7 @@ where ``version`` is the trainer's current weight version, ``accepted`` counts g
 so far (consumed or waiting; groups dropped as stale are taken back out) and ``running`` counts
 groups in flight. So at most ``max_staleness + 1`` batches are ever generated ahead of the
 trainer; ``max_staleness = 0`` is synchronous RL. The caller must advance ``version`` by one per
-consumed batch, otherwise the capacity shrinks (see TODO in ``set_version``).
+consumed batch (also for a skipped non-finite step), otherwise the capacity shrinks.
 
 Admission control bounds staleness only on average: a slow group admitted early can finish late.
 ``consume`` is the hard guarantee: a group with any generated token older than
@@ -65,9 +65,9 @@ class StalenessController:
         self.rejected += 1
 
     def set_version(self, version: int) -> None:
-        # TODO(meshrl): a non-finite step that is skipped keeps trainer weight_version while a
-        # batch was consumed; the loop should pass batches-consumed-based versions or the
-        # capacity shrinks by one batch per skip (and max_staleness = 0 would stall).
+        # The RL loop passes the number of batches consumed (``step - 1``), not the train
+        # state's weight_version, which stays put on a skipped non-finite step: a skip must not
+        # shrink the capacity (with max_staleness = 0 it would stall the run).
         if version < self.version:
             raise ValueError(f"weight version went backwards: {self.version} -> {version}")
         self.version = version

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -70,3 +71,41 @@ def test_shutdown_fails_pending_requests_and_rejects_new_ones(tiny_params):
         with pytest.raises(EngineShutdownError):
             await engine.agenerate(Request([5, 6, 7]))
     asyncio.run(main())
+
+
+def test_decoding_goes_on_while_an_update_waits_for_its_weights(tiny_params, monkeypatch):
+    # The trainer's step computes the new params while update_weights waits for them; the
+    # sampler must keep decoding with the old version meanwhile and pause only for the swap.
+    _, params = tiny_params
+    new = split_model(create_model(TINY, seed=1))[1]
+    engine = AsyncEngine(make_sampler(params, max_len=64, decode_chunk=2))
+    sampler = engine.sampler
+    release, chunks = threading.Event(), []
+    prepare, decode = sampler.prepare_weights, sampler._decode_chunk
+
+    def slow_prepare(p):
+        release.wait(timeout=30)
+        return prepare(p)
+
+    def counting_decode():
+        chunks.append(sampler.version)
+        return decode()
+    monkeypatch.setattr(sampler, "prepare_weights", slow_prepare)
+    monkeypatch.setattr(sampler, "_decode_chunk", counting_decode)
+
+    async def main():
+        task = asyncio.create_task(engine.agenerate(Request(PROMPTS[0], max_new_tokens=40)))
+        update = asyncio.create_task(asyncio.to_thread(engine.update_weights, new, 1))
+        while len(chunks) < 4:  # decoding continues while the update waits for its weights
+            await asyncio.sleep(0.001)
+        before = len(chunks)
+        release.set()
+        await update
+        return await task, before
+    try:
+        out, before = asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+    assert before >= 4 and chunks[:before] == [0] * before
+    assert out.versions[0] == 0 and out.versions[-1] == 1

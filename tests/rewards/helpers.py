@@ -29,3 +29,18 @@ def hangs_on_marker(prompts: list[str], completions: list[str], **_: Any) -> lis
     if any("HANG" in c for c in completions):
         sleep_forever(prompts, completions)
     return [float(len(c)) for c in completions]
+
+
+def meets_the_others(prompts: list[str], completions: list[str], barrier_dir: list[str],
+                     parties: list[int], **_: Any) -> list[float]:
+    """A cross-process barrier: leave a marker, then 1.0 if ``parties`` markers appear within
+    5 s (the calls ran side by side), else 0.0 (they ran one after another)."""
+    os.makedirs(barrier_dir[0], exist_ok=True)
+    with open(os.path.join(barrier_dir[0], f"{os.getpid()}-{time.monotonic_ns()}"), "w"):
+        pass
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        if len(os.listdir(barrier_dir[0])) >= parties[0]:
+            return [1.0] * len(completions)
+        time.sleep(0.01)
+    return [0.0] * len(completions)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 
 import pytest
@@ -84,6 +85,31 @@ def test_ascore_does_not_block_the_event_loop(make_pool):
 
     rewards, ticks = asyncio.run(main())
     assert rewards == [0.0] and ticks >= 5
+
+
+def test_concurrent_calls_share_the_workers_and_are_scored_side_by_side(make_pool, tmp_path):
+    # Each call holds one completion whose reward waits (in its worker) for the other call's:
+    # scored one call after the other, the first would give up and score 0.
+    pool = make_pool([H + "meets_the_others"], timeout_s=30.0, num_workers=2)
+    fields = {"barrier_dir": [str(tmp_path / "barrier")], "parties": [2]}
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        futures = [ex.submit(pool.score, ["p"], [c], **fields) for c in ("a", "b")]
+        rewards = [f.result(timeout=60) for f in futures]
+    assert rewards == [[1.0], [1.0]]
+    assert pool.counters["calls"] == 2 and pool.counters["timeouts"] == 0
+
+
+def test_close_fails_a_waiting_call_instead_of_hanging_it(make_pool):
+    pool = make_pool([H + "sleep_forever"], timeout_s=60.0, num_workers=1)
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        future = ex.submit(pool.score, ["p"], ["a"])
+        while not any(w.task is not None for w in pool._workers):  # the call is running
+            time.sleep(0.01)
+        pool.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            future.result(timeout=30)
+    with pytest.raises(RuntimeError, match="broken"):
+        pool.score(["p"], ["a"])
 
 
 def test_unknown_reward_or_mismatched_fields_fail_fast():

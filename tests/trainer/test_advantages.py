@@ -101,3 +101,28 @@ def test_overlong_penalty_is_zero_then_linear_then_capped():
     assert pen_B.shape == (5,)
     np.testing.assert_allclose(pen_B, [0, 0, -0.5, -1, -1], rtol=0, atol=1e-6)
     np.testing.assert_array_equal(advantages.overlong_penalty(lengths_B, max_len=10, buffer=0), 0)
+
+
+@pytest.mark.parametrize("name", advantages.names())
+@pytest.mark.parametrize("group_size", [1, 4])
+def test_estimators_on_numpy_stay_on_the_host_and_match_the_jax_result(name, group_size):
+    # The rollout side calls them on numpy arrays so that no device work is queued.
+    rewards_B = np.array([0.0, 1.0, 1.0, 0.5, 0.25, 0.0, 1.0, 0.75], np.float32)
+
+    host_B = advantages.compute(name, rewards_B, group_size)
+    device_B = advantages.compute(name, jnp.asarray(rewards_B), group_size)
+
+    assert isinstance(host_B, np.ndarray) and host_B.dtype == np.float32
+    np.testing.assert_allclose(host_B, np.asarray(device_B), rtol=1e-6, atol=1e-6)
+
+
+def test_overlong_penalty_on_numpy_matches_the_jax_result():
+    lengths_B = np.array([0, 10, 14, 16, 30], np.int32)
+
+    host_B = advantages.overlong_penalty(lengths_B, max_len=16, buffer=4, penalty=0.5)
+    device_B = advantages.overlong_penalty(jnp.asarray(lengths_B), max_len=16, buffer=4,
+                                           penalty=0.5)
+
+    assert isinstance(host_B, np.ndarray)
+    np.testing.assert_allclose(host_B, np.asarray(device_B), rtol=0, atol=1e-7)
+    assert isinstance(advantages.overlong_penalty(lengths_B, max_len=16, buffer=0), np.ndarray)
