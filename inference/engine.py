@@ -278,14 +278,12 @@ class Sampler:
         self.install_weights(self.prepare_weights(params), version)
 
     def prepare_weights(self, params: Any) -> dict[str, jax.Array]:
-        """The first half of ``update_weights``: validated, resharded, cast copies of
-        ``params``, ready once this returns (it waits for whatever computes them, e.g. the
-        train step). Decoding may go on meanwhile: nothing of the sampler's is touched."""
+        """``update_weights``' first half: validated, resharded, cast copies of ``params``
+        (waits for whatever computes them); touches no sampler state, so decoding may go on."""
         return wts.reshard_cast(params, self._expected, self._shardings, self._copy_cast)
 
     def install_weights(self, flat: dict[str, jax.Array], version: int) -> None:
-        """The second half of ``update_weights``: swap in ``prepare_weights``' result (between
-        chunks) and mark every sequence in flight for re-prefill."""
+        """``update_weights``' second half: swap in the copies; in-flight slots re-prefill."""
         self._install(flat, version)
         log.info("sampler weights -> version %d (in-process)", version)
 
@@ -434,9 +432,8 @@ class Sampler:
         self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
                                                    window=window, rows=rows)
         tok_BxC, lp_BxC, raw_BxC, active_B, reason_B = jax.device_get(out)
-        # A slot emits while active and never reactivates within a chunk, so its tokens are a
-        # prefix of its row: one count per row and plain list slicing (no per-row numpy ops,
-        # which cost more host time than the chunk's compute on small models).
+        # A slot's tokens are a prefix of its row (it never reactivates within a chunk): list
+        # slicing, since per-row numpy ops cost more host time than a small model's chunk.
         n_B = (tok_BxC >= 0).sum(axis=1).tolist()
         toks, lps, raws, active = tok_BxC.tolist(), lp_BxC.tolist(), raw_BxC.tolist(), \
             active_B.tolist()
