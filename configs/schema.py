@@ -178,6 +178,11 @@ class SamplerConfig(Section):
             "are packed into the lowest ones and decode runs on that many rows only. () = "
             "automatic, (slots // 8, slots) for slots >= 16; (slots,) = always all slots. Used "
             "only when the slots are not sharded over several devices.")
+    decode_split_windows: bool = field(
+        True, "With two or more row buckets: when the longest live sequences (as many as the "
+              "smallest row bucket) need a much longer cache window than the rest, decode them "
+              "in a call of their own, so the rest attends over a shorter window. Taken only "
+              "when the cache reads saved outweigh one more pass over the weights.")
 
     def validate(self) -> None:
         if (any(not 1 <= b <= self.slots for b in self.decode_row_buckets)

@@ -8,7 +8,9 @@ each chunk's outputs once after the chunk: one device->host transfer per ``decod
 Decode cost follows the attended length: the model's cache path attends over every entry of the
 cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the smallest window
 bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^n, so at most
-~1.5x of the attended length is wasted.
+~1.5x of the attended length is wasted. When a few long sequences would set a long window for
+every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``).
+The device programs themselves live in ``programs``.
 """
 
 from __future__ import annotations
@@ -16,29 +18,27 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
+from meshrl.inference import programs
 from meshrl.inference import weights as wts
-from meshrl.inference.sampling import sample
+from meshrl.inference.programs import MAX_STOP_IDS, SlotState
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
-from meshrl.models.decoder import forward
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
 
-MAX_STOP_IDS = 8  # static width of the per-slot stop-id table
-_RUNNING, _STOP, _LENGTH = 0, 1, 2
-_REASONS = {_STOP: "stop", _LENGTH: "length"}
+_REASONS = {programs.STOP: "stop", programs.LENGTH: "length"}
 
 
 @dataclasses.dataclass
@@ -70,30 +70,6 @@ class Completion:
         return [-1] * len(self.request.prompt_ids) + self.versions
 
 
-@struct.dataclass
-class SlotState:
-    token_B: jax.Array  # noqa: N815 -- last sampled token, fed at pos_B by the next decode step
-    pos_B: jax.Array  # noqa: N815
-    active_B: jax.Array  # noqa: N815
-    reason_B: jax.Array  # noqa: N815
-    n_gen_B: jax.Array  # noqa: N815
-    max_new_B: jax.Array  # noqa: N815
-    stop_BxS: jax.Array  # noqa: N815
-    temperature_B: jax.Array  # noqa: N815
-    top_k_B: jax.Array  # noqa: N815
-    top_p_B: jax.Array  # noqa: N815
-    seed_B: jax.Array  # noqa: N815
-
-    @classmethod
-    def init(cls, slots: int) -> SlotState:
-        # Distinct buffers per field: the decode/prefill jits donate the whole state.
-        def i() -> jax.Array:
-            return jnp.zeros((slots,), jnp.int32)
-        return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(),
-                   jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
-                   jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i())
-
-
 def _buckets_up_to(n: int, start: int) -> tuple[int, ...]:
     out = {n}
     b = start
@@ -108,20 +84,6 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
-
-
-def _finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Array,
-            max_len: int) -> SlotState:
-    """Advance the slots that emitted ``tok_B`` and retire those that hit a stop or a limit."""
-    n_gen_B = st.n_gen_B + emit_B
-    stop_B = jnp.any(tok_B[:, None] == st.stop_BxS, axis=-1)
-    # prompt + generated never exceeds max_len (the last token is never fed back).
-    length_B = (n_gen_B >= st.max_new_B) | (new_pos_B >= max_len - 1)
-    done_B = emit_B & (stop_B | length_B)
-    reason_B = jnp.where(done_B, jnp.where(stop_B, _STOP, _LENGTH), st.reason_B)
-    return st.replace(token_B=jnp.where(emit_B, tok_B, st.token_B),
-                      pos_B=jnp.where(emit_B, new_pos_B, st.pos_B),
-                      active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
 
 
 class Sampler:
@@ -149,11 +111,22 @@ class Sampler:
         S, T = cfg.slots, cfg.max_len
         self.prompt_buckets = tuple(cfg.prompt_buckets) or _buckets_up_to(T - 1, 16)
         self.window_buckets = _buckets_up_to(T, 32)
-        self.insert_buckets = tuple(insert_buckets or sorted({min(2 ** i, S) for i in range(
-            S.bit_length() + 1)}))
+        pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
+        # Prefill cost grows with the padded batch: 1.5x steps keep the padding under 50%.
+        self.insert_buckets = tuple(insert_buckets or sorted(
+            {min(x, S) for b in pow2 for x in (b, b * 3 // 2)}))
+        self.swap_buckets = pow2
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
         self.row_buckets = self._row_buckets()
+        # A chunk may split into a long-window call on the lowest slots and a short-window one.
+        self._split = cfg.decode_split_windows and len(self.row_buckets) > 1
+        a = self.row_buckets[0]
+        self.decode_shapes = tuple((0, r) for r in self.row_buckets) + (
+            ((a, S - a),) if self._split else ())  # (lo, rows) of the decode calls
+        self._weights_size = sum(math.prod(v.shape) for v in self._expected.values())
+        self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
+            self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
         self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
                              out_shardings=self._cache_sh)()
         self.state = jax.device_put(SlotState.init(S), self._repl)
@@ -183,79 +156,21 @@ class Sampler:
     # ---- compiled functions --------------------------------------------------------------
 
     def _build_jits(self) -> None:
-        T = self.cfg.max_len
-        graphdef, cfg = self.graphdef, self.model_cfg
-        chunk = self.cfg.decode_chunk
-
-        def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
-                    lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
-                    resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
-            N, P = tokens_NxP.shape
-            pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
-            tmp = KVCache.init(cfg, N, P, self.cfg.dtype)
-            logits_NxPxV, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp)
-            # Padding rows use slot index S: every scatter below drops them.
-            cache = cache.put_slots(tmp, slots_N)
-            if not resample:
-                return cache, st, ()
-            last_NxV = jnp.take_along_axis(logits_NxPxV, (lens_N - 1)[:, None, None], axis=1)[:, 0]
-            sub = st.replace(
-                pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
-                reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
-            tok_N, lp_N, raw_N = sample(last_NxV, sub.temperature_B, sub.top_k_B, sub.top_p_B,
-                                        sub.seed_B, lens_N)
-            sub = _finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
-                          T)
-            st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
-            return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
-
-        def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
-                   ) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
-            # Only slots [0, rows) can be live (the host packs them there); the rest is skipped.
-            win = cache.window(window, rows)
-            self.window_trace_shapes.append(win.k[0].shape)
-            st = jax.tree.map(lambda x: x[:rows], full_st)
-            B = rows
-            out0 = (jnp.full((B, chunk), -1, jnp.int32), jnp.zeros((B, chunk), jnp.float32),
-                    jnp.zeros((B, chunk), jnp.float32))
-
-            def step(i: jax.Array, carry: tuple) -> tuple:
-                win, st, (tok_BxC, lp_BxC, raw_BxC) = carry
-                logits_Bx1xV, win = forward(graphdef, params, st.token_B[:, None],
-                                            st.pos_B[:, None], None, win)
-                new_pos_B = st.pos_B + 1
-                tok_B, lp_B, raw_B = sample(logits_Bx1xV[:, 0], st.temperature_B, st.top_k_B,
-                                            st.top_p_B, st.seed_B, new_pos_B)
-                emit_B = st.active_B
-                st = _finish(st, emit_B, tok_B, new_pos_B, T)
-                tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
-                return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B))
-
-            win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
-            cache = cache.put_window(win)
-            full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, 0, 0),
-                                   full_st, st)
-            return cache, full_st, out + (st.active_B, st.reason_B)
-
-        def move(cache: KVCache, st: SlotState, src_M: jax.Array, dst_M: jax.Array,
-                 ) -> tuple[KVCache, SlotState]:
-            st = jax.tree.map(lambda x: x.at[dst_M].set(x[src_M], mode="drop"), st)
-            # The source slots are free now; a later wider chunk must not decode them again.
-            st = st.replace(active_B=st.active_B.at[jnp.where(dst_M < len(src_M), src_M,
-                                                              len(src_M))].set(False, mode="drop"))
-            return cache.move_slots(src_M, dst_M), st
-
+        T, chunk = self.cfg.max_len, self.cfg.decode_chunk
+        prefill = programs.make_prefill(self.graphdef, self.model_cfg, T)
+        decode = programs.make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append)
         st_sh, cache_sh = self._repl, self._cache_sh
         self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                                 out_shardings=(cache_sh, st_sh, st_sh))
-        self._decode = jax.jit(decode, static_argnames=("window", "rows"), donate_argnums=(1, 2),
-                               out_shardings=(cache_sh, st_sh, st_sh))
-        self._move = jax.jit(move, donate_argnums=(0, 1), out_shardings=(cache_sh, st_sh))
+        self._decode = jax.jit(decode, static_argnames=("window", "rows", "lo"),
+                               donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
+        self._swap = jax.jit(programs.swap, donate_argnums=(0, 1),
+                             out_shardings=(cache_sh, st_sh))
 
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
-                + self._move._cache_size())
+                + self._swap._cache_size())
 
     def window_for(self, max_pos: int) -> int:
         """Cache window for a chunk whose largest active position is ``max_pos``."""
@@ -406,47 +321,97 @@ class Sampler:
                         finished.append(c)
         return finished
 
-    def _pack_rows(self) -> int:
-        """Rows the next chunk decodes: the smallest row bucket holding every live slot, after
-        moving live slots down into free low slots when that allows a smaller bucket."""
+    def _pos(self, slot: int) -> int:
+        """Position of the token slot ``slot`` feeds next (its last sampled one)."""
+        c = self._slot_out[slot]
+        return len(c.request.prompt_ids) + len(c.tokens) - 1
+
+    def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Exchange cache, device state and host records of each (a, b) slot pair."""
+        S = self.cfg.slots
+        # Padding pairs (index S) still gather a whole slot each: pad only to a bucket.
+        m = _bucket(max(len(pairs), 1), self.swap_buckets)
+        a_M, b_M = np.full((m,), S, np.int32), np.full((m,), S, np.int32)
+        for i, (x, y) in enumerate(pairs):
+            a_M[i], b_M[i] = x, y
+        self.cache, self.state = self._swap(self.cache, self.state, a_M, b_M)
+        for x, y in pairs:
+            self._slot_out[x], self._slot_out[y] = self._slot_out[y], self._slot_out[x]
+            if (x in self._stale_slots) != (y in self._stale_slots):
+                self._stale_slots ^= {x, y}
+
+    def _gather_low(self, keep: Sequence[int], rows: int) -> None:
+        """Swap the slots ``keep`` into slots [0, rows), displacing slots not in ``keep``."""
+        keep_set = set(keep)
+        incoming = [s for s in keep if s >= rows]
+        if incoming:
+            outgoing = [s for s in range(rows) if s not in keep_set]
+            self._swap_slots(list(zip(incoming, outgoing)))
+
+    def _plan_chunk(self) -> list[tuple[int, int, int]]:
+        """(lo, rows, window) of each decode call of the next chunk.
+
+        Few live sequences: one call on the smallest row bucket holding them, packed low. Else,
+        when the longest ``row_buckets[0]`` sequences need a much longer cache window than the
+        rest, they move to the lowest slots and decode in a call of their own, so the rest
+        attends over their own, shorter window (see ``_split_pays``).
+        """
+        S = self.cfg.slots
         live = [s for s, c in enumerate(self._slot_out) if c is not None]
+        pos = {s: self._pos(s) for s in live}
         rows = _bucket(len(live), self.row_buckets)
-        high = [s for s in live if s >= rows]
-        if high:
-            free = [s for s in range(rows) if self._slot_out[s] is None]
-            S = self.cfg.slots
-            src_M, dst_M = np.zeros((S,), np.int32), np.full((S,), S, np.int32)
-            src_M[:len(high)], dst_M[:len(high)] = high, free[:len(high)]
-            self.cache, self.state = self._move(self.cache, self.state, src_M, dst_M)
-            for src, dst in zip(high, free):
-                self._slot_out[dst], self._slot_out[src] = self._slot_out[src], None
-                if src in self._stale_slots:
-                    self._stale_slots = (self._stale_slots - {src}) | {dst}
-        return rows
+        if rows < S:
+            self._gather_low(live, rows)
+            return [(0, rows, self.window_for(max(pos.values())))]
+        if not self._split:
+            return [(0, S, self.window_for(max(pos.values())))]
+        a = self.row_buckets[0]
+        top = sorted(live, key=lambda s: (-pos[s], s))[:a]  # ties: keep slots already low
+        w_long = self.window_for(pos[top[0]])
+        w_rest = self.window_for(max(pos[s] for s in live if s not in set(top)))
+        if not self._split_pays(w_long, w_rest):
+            return [(0, S, w_long)]
+        self._gather_low(top, a)
+        return [(0, a, w_long), (a, S - a, w_rest)]
+
+    def _split_pays(self, w_long: int, w_rest: int) -> bool:
+        """Decode is memory-bound: a second call reads the weights once more per step, and
+        saves reading (S - a) x (w_long - w_rest) cache entries per step."""
+        saved_rows = self.cfg.slots - self.row_buckets[0]
+        return saved_rows * (w_long - w_rest) * self._entry_size > self._weights_size
 
     def _decode_chunk(self) -> list[Completion]:
-        rows = self._pack_rows()
-        live = [(s, c) for s, c in enumerate(self._slot_out) if c is not None]
-        max_pos = max(len(c.request.prompt_ids) + len(c.tokens) - 1 for _, c in live)
-        window = self.window_for(max_pos)
-        self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
-                                                   window=window, rows=rows)
-        tok_BxC, lp_BxC, raw_BxC, active_B, reason_B = jax.device_get(out)
+        calls = self._plan_chunk()
+        outs = []
+        for lo, rows, window in calls:
+            self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
+                                                       window=window, rows=rows, lo=lo)
+            outs.append(out)
+        finished = []
+        for (lo, _, _), out in zip(calls, jax.device_get(outs)):
+            finished += self._collect(lo, *out)
+        return finished
+
+    def _collect(self, lo: int, tok_BxC: np.ndarray, lp_BxC: np.ndarray, raw_BxC: np.ndarray,
+                 active_B: np.ndarray, reason_B: np.ndarray) -> list[Completion]:
+        """Append one decode call's outputs (rows = slots lo, lo + 1, ...) to the completions."""
         # A slot's tokens are a prefix of its row (it never reactivates within a chunk): list
         # slicing, since per-row numpy ops cost more host time than a small model's chunk.
         n_B = (tok_BxC >= 0).sum(axis=1).tolist()
         toks, lps, raws, active = tok_BxC.tolist(), lp_BxC.tolist(), raw_BxC.tolist(), \
             active_B.tolist()
         finished = []
-        for s, c in live:
-            n = n_B[s]
-            c.tokens += toks[s][:n]
-            c.logprobs += lps[s][:n]
-            c.raw_logprobs += raws[s][:n]
+        for r, n in enumerate(n_B):
+            c = self._slot_out[lo + r]
+            if c is None:
+                continue
+            c.tokens += toks[r][:n]
+            c.logprobs += lps[r][:n]
+            c.raw_logprobs += raws[r][:n]
             c.versions += [self.version] * n
-            if not active[s]:
-                c.finish_reason = _REASONS[int(reason_B[s])]
-                self._slot_out[s] = None
+            if not active[r]:
+                c.finish_reason = _REASONS[int(reason_B[r])]
+                self._slot_out[lo + r] = None
                 finished.append(c)
         return finished
 
@@ -489,13 +454,12 @@ class Sampler:
                     for n in self.insert_buckets:
                         self._run_prefill([], [], [], p, n, False)
             for w in self.window_buckets:
-                for rows in self.row_buckets:
+                for lo, rows in self.decode_shapes:
                     self.cache, self.state, out = self._decode(
-                        self.params, self.cache, self.state, window=w, rows=rows)
+                        self.params, self.cache, self.state, window=w, rows=rows, lo=lo)
             if len(self.row_buckets) > 1:
-                S = self.cfg.slots
-                self.cache, self.state = self._move(self.cache, self.state,
-                                                    np.zeros((S,), np.int32),
-                                                    np.full((S,), S, np.int32))
+                for m in self.swap_buckets:
+                    pad_M = np.full((m,), self.cfg.slots, np.int32)
+                    self.cache, self.state = self._swap(self.cache, self.state, pad_M, pad_M)
             jax.block_until_ready(self.cache)
         log.info("sampler warm: %d compiled variants", self.compile_count())

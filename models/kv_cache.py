@@ -71,16 +71,31 @@ class KVCache:
     def max_len(self) -> int:
         return self.k[0].shape[-1]
 
-    def window(self, length: int, rows: int | None = None) -> KVCache:
-        """Entries [0, length) of slots [0, rows) (a copy the decode loop updates in place)."""
-        return KVCache(tuple(k[:rows, ..., :length] for k in self.k),
-                       tuple(v[:rows, :, :length] for v in self.v))
+    def window(self, length: int, rows: int | None = None, lo: int = 0) -> KVCache:
+        """Entries [0, length) of slots [lo, lo + rows) (a copy the decode loop updates in place)."""
+        hi = None if rows is None else lo + rows
+        return KVCache(tuple(k[lo:hi, ..., :length] for k in self.k),
+                       tuple(v[lo:hi, :, :length] for v in self.v))
 
-    def put_window(self, window: KVCache) -> KVCache:
-        """Write ``window`` back over its corner: its slots and entries, counted from 0."""
-        def put(full: jax.Array, part: jax.Array) -> jax.Array:
-            return jax.lax.dynamic_update_slice(full, part, (0,) * full.ndim)
-        return KVCache(tuple(map(put, self.k, window.k)), tuple(map(put, self.v, window.v)))
+    def put_band(self, window: KVCache, start_B: jax.Array, width: int, lo: int = 0) -> KVCache:
+        """Write back entries [start_B[b], start_B[b] + width) of each window row b into slot
+        lo + b, the only entries a ``width``-step decode chunk changes. Bands reaching past the
+        window's end are shifted left to fit (their extra entries are unchanged copies)."""
+        B, W = window.k[0].shape[0], window.max_len
+        width = min(width, W)
+        idx_BxC = jnp.clip(start_B, 0, W - width)[:, None] + jnp.arange(width)
+        b_BxC = jnp.broadcast_to(lo + jnp.arange(B)[:, None], idx_BxC.shape)
+
+        # Advanced indices split by slices: the updates are [B, C, K, H] (see ``write``).
+        def put_k(full: jax.Array, part: jax.Array) -> jax.Array:
+            band_BxKxHxC = jnp.take_along_axis(part, idx_BxC[:, None, None, :], axis=3)
+            return full.at[b_BxC, :, :, idx_BxC].set(band_BxKxHxC.transpose(0, 3, 1, 2))
+
+        def put_v(full: jax.Array, part: jax.Array) -> jax.Array:
+            band_BxKxCxH = jnp.take_along_axis(part, idx_BxC[:, None, :, None], axis=2)
+            return full.at[b_BxC, :, idx_BxC].set(band_BxKxCxH.transpose(0, 2, 1, 3))
+
+        return KVCache(tuple(map(put_k, self.k, window.k)), tuple(map(put_v, self.v, window.v)))
 
     def put_slots(self, part: KVCache, slots_N: jax.Array) -> KVCache:
         """Write ``part`` (N slots, P entries) over entries [0, P) of slots ``slots_N``;

@@ -53,7 +53,8 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     _, params = tiny_params
     prompts = _prompts(7, seed=4)
     budgets = [2, 30, 3, 25, 4, 5, 6]  # two long requests outlive the rest, in high slots
-    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=48)
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=48,
+                           decode_split_windows=False)
     solo = make_sampler(params, slots=8, decode_row_buckets=(8,), max_len=48)
     assert sampler.row_buckets == (2, 8)
     sampler.warmup()
@@ -69,6 +70,47 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
     assert all(c is None for c in sampler._slot_out)
     assert not np.asarray(sampler.state.active_B).any()  # moved-from slots were retired
+
+
+def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tiny_params):
+    _, params = tiny_params
+    prompts = _prompts(30, seed=5)
+    # Two long requests, admitted into high slots, outlive many short ones: their window
+    # outgrows the rest's and they are swapped into slots [0, 2) to decode on their own.
+    budgets = [13, 25, 14, 110, 26, 12, 100] + [10 + 7 * i % 19 for i in range(23)]
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=128,
+                           max_new_tokens=110, prompt_buckets=(16,))
+    assert sampler.decode_shapes == ((0, 2), (0, 8), (2, 6))
+    sampler.warmup()
+    compiled = sampler.compile_count()
+    plans = []
+    plan_chunk = sampler._plan_chunk
+    sampler._plan_chunk = lambda: plans.append(plan_chunk()) or plans[-1]
+
+    outs = sampler.generate(requests)
+    sampler._split = False  # reference: every 8-row chunk decodes over one window
+    refs = sampler.generate(requests)
+
+    split = [p for p in plans if len(p) == 2]
+    assert split, plans
+    assert all(p[0][:2] == (0, 2) and p[1][:2] == (2, 6) and p[0][2] > p[1][2] for p in split)
+    assert sampler.compile_count() == compiled
+    for out, ref in zip(outs, refs):
+        assert out.tokens == ref.tokens
+        np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
+
+
+def test_split_is_skipped_when_one_more_weight_pass_costs_more_than_it_saves(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=256)
+    # 6 rows x (window difference) x 2 layers x 2 kv heads x 8 dims (keys and values) of cache
+    # reads saved per step, against the tiny model's weights read once more.
+    assert sampler._entry_size == 2 * 2 * 2 * 8
+    per_position = 6 * sampler._entry_size
+    needed = sampler._weights_size // per_position + 1
+    assert sampler._split_pays(32 + needed, 32)
+    assert not sampler._split_pays(32 + needed - 1, 32)
 
 
 def test_slots_sharded_over_devices_decode_all_rows(tiny_params):

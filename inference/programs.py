@@ -1,0 +1,137 @@
+"""The sampler's device programs: per-slot state, prefill, chunked windowed decode, slot swaps.
+
+Pure functions over (params, KV cache, ``SlotState``); ``Sampler`` jits them with donation and
+decides from host-side lengths which compiled variant runs next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from meshrl.configs.schema import ModelConfig
+from meshrl.inference.sampling import sample
+from meshrl.models import KVCache
+from meshrl.models.decoder import forward
+
+MAX_STOP_IDS = 8  # static width of the per-slot stop-id table
+RUNNING, STOP, LENGTH = 0, 1, 2
+
+
+@struct.dataclass
+class SlotState:
+    token_B: jax.Array  # noqa: N815 -- last sampled token, fed at pos_B by the next decode step
+    pos_B: jax.Array  # noqa: N815
+    active_B: jax.Array  # noqa: N815
+    reason_B: jax.Array  # noqa: N815
+    n_gen_B: jax.Array  # noqa: N815
+    max_new_B: jax.Array  # noqa: N815
+    stop_BxS: jax.Array  # noqa: N815
+    temperature_B: jax.Array  # noqa: N815
+    top_k_B: jax.Array  # noqa: N815
+    top_p_B: jax.Array  # noqa: N815
+    seed_B: jax.Array  # noqa: N815
+
+    @classmethod
+    def init(cls, slots: int) -> SlotState:
+        # Distinct buffers per field: the decode/prefill jits donate the whole state.
+        def i() -> jax.Array:
+            return jnp.zeros((slots,), jnp.int32)
+        return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(),
+                   jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
+                   jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i())
+
+
+def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Array,
+           max_len: int) -> SlotState:
+    """Advance the slots that emitted ``tok_B`` and retire those that hit a stop or a limit."""
+    n_gen_B = st.n_gen_B + emit_B
+    stop_B = jnp.any(tok_B[:, None] == st.stop_BxS, axis=-1)
+    # prompt + generated never exceeds max_len (the last token is never fed back).
+    length_B = (n_gen_B >= st.max_new_B) | (new_pos_B >= max_len - 1)
+    done_B = emit_B & (stop_B | length_B)
+    reason_B = jnp.where(done_B, jnp.where(stop_B, STOP, LENGTH), st.reason_B)
+    return st.replace(token_B=jnp.where(emit_B, tok_B, st.token_B),
+                      pos_B=jnp.where(emit_B, new_pos_B, st.pos_B),
+                      active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
+
+
+def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int) -> Callable:
+    """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample)."""
+
+    def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
+                lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
+                resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+        N, P = tokens_NxP.shape
+        pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
+        tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
+        logits_NxPxV, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp)
+        # Padding rows use slot index S: every scatter below drops them.
+        cache = cache.put_slots(tmp, slots_N)
+        if not resample:
+            return cache, st, ()
+        last_NxV = jnp.take_along_axis(logits_NxPxV, (lens_N - 1)[:, None, None], axis=1)[:, 0]
+        sub = st.replace(
+            pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
+            reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
+        tok_N, lp_N, raw_N = sample(last_NxV, sub.temperature_B, sub.top_k_B, sub.top_p_B,
+                                    sub.seed_B, lens_N)
+        sub = finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
+                     max_len)
+        st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
+        return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
+
+    return prefill
+
+
+def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
+                on_trace: Callable[[tuple[int, ...]], Any]) -> Callable:
+    """decode(params, cache, st, window, rows, lo): ``chunk`` steps of slots [lo, lo + rows)
+    over cache entries [0, window); ``on_trace`` sees each traced window's key shape."""
+
+    def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
+               lo: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+        # Only slots [lo, lo + rows) can be live (the host packs them there); the rest is skipped.
+        win = cache.window(window, rows, lo)
+        on_trace(win.k[0].shape)
+        st = jax.tree.map(lambda x: x[lo:lo + rows], full_st)
+        start_B = st.pos_B
+        out0 = (jnp.full((rows, chunk), -1, jnp.int32), jnp.zeros((rows, chunk), jnp.float32),
+                jnp.zeros((rows, chunk), jnp.float32))
+
+        def step(i: jax.Array, carry: tuple) -> tuple:
+            win, st, (tok_BxC, lp_BxC, raw_BxC) = carry
+            logits_Bx1xV, win = forward(graphdef, params, st.token_B[:, None],
+                                        st.pos_B[:, None], None, win)
+            new_pos_B = st.pos_B + 1
+            tok_B, lp_B, raw_B = sample(logits_Bx1xV[:, 0], st.temperature_B, st.top_k_B,
+                                        st.top_p_B, st.seed_B, new_pos_B)
+            emit_B = st.active_B
+            st = finish(st, emit_B, tok_B, new_pos_B, max_len)
+            tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
+            return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B))
+
+        win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
+        # A row writes only at positions [start, start + chunk): copying back that band instead
+        # of the whole window halves the cache traffic of a long-window chunk.
+        cache = cache.put_band(win, start_B, chunk, lo)
+        full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, lo, 0),
+                               full_st, st)
+        return cache, full_st, out + (st.active_B, st.reason_B)
+
+    return decode
+
+
+def swap(cache: KVCache, st: SlotState, a_M: jax.Array, b_M: jax.Array,
+         ) -> tuple[KVCache, SlotState]:
+    """Exchange slots ``a_M[i]`` and ``b_M[i]`` (cache and state); pairs holding the
+    out-of-range index S are padding. Swapping a live slot with a free one moves the free
+    slot's inactive state along, so a later wider chunk never decodes the vacated slot."""
+    src_M = jnp.concatenate([a_M, b_M])
+    dst_M = jnp.concatenate([b_M, a_M])
+    st = jax.tree.map(lambda x: x.at[dst_M].set(x[src_M], mode="drop"), st)
+    return cache.move_slots(src_M, dst_M), st
