@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.inference.engine import Request
+from meshrl.inference.engine import SPLIT_CALL_OVERHEAD, Request
 from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 
@@ -82,6 +82,7 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=128,
                            max_new_tokens=110, prompt_buckets=(16,))
     assert sampler.decode_shapes == ((0, 2), (0, 8), (2, 6))
+    sampler.split_call_overhead = 0  # the tiny model's windows are too short to beat it
     sampler.warmup()
     compiled = sampler.compile_count()
     plans = []
@@ -105,12 +106,16 @@ def test_split_is_skipped_when_one_more_weight_pass_costs_more_than_it_saves(tin
     _, params = tiny_params
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=256)
     # 6 rows x (window difference) x 2 layers x 2 kv heads x 8 dims (keys and values) of cache
-    # reads saved per step, against the tiny model's weights read once more.
+    # reads saved per step, against the weights read once more plus the call's fixed cost.
     assert sampler._entry_size == 2 * 2 * 2 * 8
     per_position = 6 * sampler._entry_size
-    needed = sampler._weights_size // per_position + 1
-    assert sampler._split_pays(32 + needed, 32)
-    assert not sampler._split_pays(32 + needed - 1, 32)
+    for overhead in (0, 10_000):
+        sampler.split_call_overhead = overhead
+        needed = (sampler._weights_size + overhead) // per_position + 1
+        assert sampler._split_pays(32 + needed, 32)
+        assert not sampler._split_pays(32 + needed - 1, 32)
+    sampler.split_call_overhead = SPLIT_CALL_OVERHEAD
+    assert not sampler._split_pays(256, 32)  # a tiny model never splits by default
 
 
 def test_slots_sharded_over_devices_decode_all_rows(tiny_params):
