@@ -105,7 +105,9 @@ def make_config(max_staleness: int, steps: int, reward_workers: int = 2) -> Any:
 
 
 def samples_per_s(max_staleness: int, steps: int, warmup: int, reward_workers: int
-                  ) -> tuple[float, int]:
+                  ) -> tuple[float, int, float, float]:
+    """(samples/s, max staleness seen, mean ms per step waiting for the batch, mean ms per step
+    on the trainer's path: batch build, train step, weight handoff)."""
     from meshrl.trainer import rl_loop
 
     config = make_config(max_staleness, steps, reward_workers)
@@ -120,8 +122,10 @@ def samples_per_s(max_staleness: int, steps: int, warmup: int, reward_workers: i
             trainer.close()
     hist = trainer.history[warmup:]
     batch = rl_loop.rl_batch_size(config)
-    return batch * len(hist) / sum(h["perf/step_time_s"] for h in hist), \
-        int(summary["max_staleness_seen"])
+    step_s = [h["perf/step_time_s"] for h in hist]
+    wait_s = [h["perf/rollout_wait_s"] for h in hist]
+    return (batch * len(hist) / sum(step_s), int(summary["max_staleness_seen"]),
+            1e3 * sum(wait_s) / len(hist), 1e3 * (sum(step_s) - sum(wait_s)) / len(hist))
 
 
 def main() -> None:
@@ -139,17 +143,28 @@ def main() -> None:
 
     log.setup("WARNING")
     sync, asyn = [], []
+    split: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
     for r in range(repeats):
         for ms, out in ((0, sync), (2, asyn)):
-            value, seen = samples_per_s(ms, steps, args.warmup, args.reward_workers)
+            value, seen, wait_ms, train_ms = samples_per_s(ms, steps, args.warmup,
+                                                           args.reward_workers)
             out.append(value)
+            split[ms].append((wait_ms, train_ms))
             print(f"repeat {r}: max_staleness={ms}: {value:.1f} samples/s, max staleness seen "
-                  f"{seen}", flush=True)
+                  f"{seen}; per step {wait_ms:.1f} ms waiting for the batch, {train_ms:.1f} ms "
+                  f"on the trainer's path", flush=True)
     ratios = [a / s for a, s in zip(asyn, sync)]
     print(json.dumps({"benchmark": "rl_async", "async_samples_s": round(median(asyn), 2),
                       "sync_samples_s": round(median(sync), 2),
                       "ratio": round(median(ratios), 3), "ratio_min": round(min(ratios), 3),
-                      "ratio_max": round(max(ratios), 3), "repeats": repeats, "steps": steps,
+                      "ratio_max": round(max(ratios), 3),
+                      # Where a step's time goes (medians): async is trainer-bound when its
+                      # wait is ~0, and can then gain at most what sync spends waiting.
+                      "sync_wait_ms": round(median(w for w, _ in split[0]), 1),
+                      "sync_train_ms": round(median(t for _, t in split[0]), 1),
+                      "async_wait_ms": round(median(w for w, _ in split[2]), 1),
+                      "async_train_ms": round(median(t for _, t in split[2]), 1),
+                      "repeats": repeats, "steps": steps,
                       "warmup_steps": args.warmup,
                       "reward_latency_ms": args.reward_latency_ms,
                       "reward_workers": args.reward_workers}))

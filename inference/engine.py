@@ -372,7 +372,8 @@ class Sampler:
         a = self.row_buckets[0]
         top = sorted(live, key=lambda s: (-pos[s], s))[:a]  # ties: keep slots already low
         w_long = self.window_for(pos[top[0]])
-        w_rest = self.window_for(max(pos[s] for s in live if s not in set(top)))
+        top_set = set(top)
+        w_rest = self.window_for(max(pos[s] for s in live if s not in top_set))
         if not self._split_pays(w_long, w_rest):
             return [(0, S, w_long)]
         self._gather_low(top, a)
