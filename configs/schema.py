@@ -182,7 +182,8 @@ class SamplerConfig(Section):
         True, "With two or more row buckets: when the longest live sequences (as many as the "
               "smallest row bucket) need a much longer cache window than the rest, decode them "
               "in a call of their own, so the rest attends over a shorter window. Taken only "
-              "when the cache reads saved outweigh one more pass over the weights.")
+              "when the cache reads saved outweigh one more pass over the weights plus a "
+              "fixed per-call cost (Sampler.split_call_overhead).")
 
     def validate(self) -> None:
         if (any(not 1 <= b <= self.slots for b in self.decode_row_buckets)
