@@ -18,7 +18,11 @@ the spread beside it. ``--reward-latency-ms`` and ``--reward-workers`` set the r
   python benchmarks/rl_async.py --quick    # one pair, 12 steps
 
 Last line: {"benchmark": "rl_async", "async_samples_s", "sync_samples_s", "ratio", "ratio_min",
-"ratio_max", ...} (samples/s are medians over the repeats).
+"ratio_max", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", ...} (medians over the
+repeats). ``*_cpu_cores`` is the job's process CPU time over its wall time in the measured steps
+(reward worker processes not included); ``ratio_cpu_bound = cores / sync_cpu_cores`` is the
+ratio an async run would reach doing sync's work with every core busy: on a small CPU host it,
+not the scheduling, caps the ratio.
 """
 
 from __future__ import annotations
@@ -104,10 +108,11 @@ def make_config(max_staleness: int, steps: int, reward_workers: int = 2) -> Any:
     return from_config_dict(cfg)
 
 
-def samples_per_s(max_staleness: int, steps: int, warmup: int, reward_workers: int
-                  ) -> tuple[float, int, float, float]:
-    """(samples/s, max staleness seen, mean ms per step waiting for the batch, mean ms per step
-    on the trainer's path: batch build, train step, weight handoff)."""
+def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int
+             ) -> dict[str, float]:
+    """One RL run; steady-state figures over the steps after ``warmup``: samples/s, the max
+    staleness seen, mean ms per step waiting for the batch and on the trainer's path (batch
+    build, train step, weight handoff), and the CPU cores the process kept busy."""
     from meshrl.trainer import rl_loop
 
     config = make_config(max_staleness, steps, reward_workers)
@@ -121,11 +126,14 @@ def samples_per_s(max_staleness: int, steps: int, warmup: int, reward_workers: i
         finally:
             trainer.close()
     hist = trainer.history[warmup:]
-    batch = rl_loop.rl_batch_size(config)
-    step_s = [h["perf/step_time_s"] for h in hist]
-    wait_s = [h["perf/rollout_wait_s"] for h in hist]
-    return (batch * len(hist) / sum(step_s), int(summary["max_staleness_seen"]),
-            1e3 * sum(wait_s) / len(hist), 1e3 * (sum(step_s) - sum(wait_s)) / len(hist))
+    total = {k: sum(h[f"perf/{k}"] for h in hist)
+             for k in ("step_time_s", "rollout_wait_s", "process_cpu_s")}
+    n = len(hist)
+    return {"samples_s": rl_loop.rl_batch_size(config) * n / total["step_time_s"],
+            "staleness_seen": int(summary["max_staleness_seen"]),
+            "wait_ms": 1e3 * total["rollout_wait_s"] / n,
+            "train_ms": 1e3 * (total["step_time_s"] - total["rollout_wait_s"]) / n,
+            "cpu_cores": total["process_cpu_s"] / total["step_time_s"]}
 
 
 def main() -> None:
@@ -142,28 +150,35 @@ def main() -> None:
     from meshrl.utils import log
 
     log.setup("WARNING")
-    sync, asyn = [], []
-    split: dict[int, list[tuple[float, float]]] = {0: [], 2: []}
+    runs: dict[int, list[dict[str, float]]] = {0: [], 2: []}
     for r in range(repeats):
-        for ms, out in ((0, sync), (2, asyn)):
-            value, seen, wait_ms, train_ms = samples_per_s(ms, steps, args.warmup,
-                                                           args.reward_workers)
-            out.append(value)
-            split[ms].append((wait_ms, train_ms))
-            print(f"repeat {r}: max_staleness={ms}: {value:.1f} samples/s, max staleness seen "
-                  f"{seen}; per step {wait_ms:.1f} ms waiting for the batch, {train_ms:.1f} ms "
-                  f"on the trainer's path", flush=True)
-    ratios = [a / s for a, s in zip(asyn, sync)]
-    print(json.dumps({"benchmark": "rl_async", "async_samples_s": round(median(asyn), 2),
-                      "sync_samples_s": round(median(sync), 2),
+        for ms in (0, 2):
+            out = run_mode(ms, steps, args.warmup, args.reward_workers)
+            runs[ms].append(out)
+            print(f"repeat {r}: max_staleness={ms}: {out['samples_s']:.1f} samples/s, max "
+                  f"staleness seen {out['staleness_seen']}; per step {out['wait_ms']:.1f} ms "
+                  f"waiting for the batch, {out['train_ms']:.1f} ms on the trainer's path; "
+                  f"{out['cpu_cores']:.2f} CPU cores busy", flush=True)
+    ratios = [a["samples_s"] / s["samples_s"] for a, s in zip(runs[2], runs[0])]
+    cores = len(os.sched_getaffinity(0))
+
+    def med(ms: int, key: str, digits: int = 1) -> float:
+        return round(median(x[key] for x in runs[ms]), digits)
+
+    print(json.dumps({"benchmark": "rl_async", "async_samples_s": med(2, "samples_s", 2),
+                      "sync_samples_s": med(0, "samples_s", 2),
                       "ratio": round(median(ratios), 3), "ratio_min": round(min(ratios), 3),
                       "ratio_max": round(max(ratios), 3),
                       # Where a step's time goes (medians): async is trainer-bound when its
                       # wait is ~0, and can then gain at most what sync spends waiting.
-                      "sync_wait_ms": round(median(w for w, _ in split[0]), 1),
-                      "sync_train_ms": round(median(t for _, t in split[0]), 1),
-                      "async_wait_ms": round(median(w for w, _ in split[2]), 1),
-                      "async_train_ms": round(median(t for _, t in split[2]), 1),
+                      "sync_wait_ms": med(0, "wait_ms"), "sync_train_ms": med(0, "train_ms"),
+                      "async_wait_ms": med(2, "wait_ms"), "async_train_ms": med(2, "train_ms"),
+                      # Async overlaps the work sync does one phase at a time; on a CPU host it
+                      # cannot beat sync by more than the cores sync leaves idle:
+                      # ratio_cpu_bound = cores / sync_cpu_cores (same work, every core busy).
+                      "sync_cpu_cores": med(0, "cpu_cores", 2),
+                      "async_cpu_cores": med(2, "cpu_cores", 2), "cores": cores,
+                      "ratio_cpu_bound": round(cores / med(0, "cpu_cores", 3), 3),
                       "repeats": repeats, "steps": steps,
                       "warmup_steps": args.warmup,
                       "reward_latency_ms": args.reward_latency_ms,

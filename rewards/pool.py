@@ -20,7 +20,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -53,19 +53,34 @@ def _worker_main(conn: Connection) -> None:
 
 
 class _Call:
-    """One ``score_components`` call: its results, how many are still out, and its waiter."""
+    """One scoring call: its results, how many are still out, and how its waiter is told.
 
-    def __init__(self, num_rewards: int, n: int) -> None:
+    ``notify`` (if given) runs once, on the dispatcher thread, when the call is done or has
+    failed: ``ascore`` uses it to wake its event loop directly instead of parking a thread on
+    ``done``."""
+
+    def __init__(self, num_rewards: int, n: int,
+                 notify: Callable[[], None] | None = None) -> None:
         self.results = [[0.0] * n for _ in range(num_rewards)]
         self.left = num_rewards * n
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self._notify = notify
 
     def put(self, r: int, i: int, value: float) -> None:
         self.results[r][i] = value
         self.left -= 1
         if self.left == 0:
-            self.done.set()
+            self.finish()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.finish()
+
+    def finish(self) -> None:
+        self.done.set()
+        if self._notify is not None:
+            self._notify()
 
 
 # One queued pair: (its call, reward index, example index, the message a worker receives).
@@ -90,6 +105,11 @@ class _Worker:
         self.conn.close()
 
 
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():  # the awaiting task may have been cancelled meanwhile
+        fut.set_result(None)
+
+
 def _shutdown(workers: list[_Worker]) -> None:
     for w in workers:
         try:
@@ -105,7 +125,8 @@ class RewardPool:
     """Scores completions with ``sum_i weights[i] * reward_i`` computed in worker processes.
 
     ``score`` is synchronous and thread-safe (concurrent calls share the workers); ``ascore``
-    runs it in a thread so an event loop keeps running. ``metrics()`` returns the counters.
+    awaits the same work without blocking its event loop or holding a thread while it waits.
+    ``metrics()`` returns the counters.
     """
 
     def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None, *,
@@ -165,12 +186,38 @@ class RewardPool:
     def score_components(self, prompts: Sequence[str], completions: Sequence[str],
                          **fields: Sequence[Any]) -> dict[str, list[float]]:
         """Unweighted reward per name, each aligned with ``completions``."""
+        call = self._submit(prompts, completions, fields)
+        call.done.wait()
+        return self._components(call)
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str],
+              **fields: Sequence[Any]) -> list[float]:
+        return self._weighted(self.score_components(prompts, completions, **fields),
+                              len(completions))
+
+    async def ascore(self, prompts: Sequence[str], completions: Sequence[str],
+                     **fields: Sequence[Any]) -> list[float]:
+        """``score`` for asyncio code. The dispatcher thread resolves the awaited future
+        itself: an RL run awaits one call per sample, and a thread per waiting call would cap
+        the calls in flight at the event loop's executor size (min(32, cores + 4))."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        call = self._submit(prompts, completions, fields,
+                            lambda: loop.call_soon_threadsafe(_resolve, fut))
+        await fut
+        return self._weighted(self._components(call), len(completions))
+
+    def _submit(self, prompts: Sequence[str], completions: Sequence[str],
+                fields: dict[str, Sequence[Any]],
+                notify: Callable[[], None] | None = None) -> _Call:
+        """Queue every (reward, completion) pair of one call for the workers."""
         n = len(completions)
         if len(prompts) != n or any(len(v) != n for v in fields.values()):
             raise ValueError(f"prompts, completions and every field need {n} entries")
+        call = _Call(len(self.names), n, notify)
         if n == 0:
-            return {name: [] for name in self.names}
-        call = _Call(len(self.names), n)
+            call.finish()
+            return call
         tasks = [(call, r, i, (name, prompts[i], completions[i],
                                {**self.constants, **{k: v[i] for k, v in fields.items()}}))
                  for r, name in enumerate(self.names) for i in range(n)]
@@ -183,20 +230,16 @@ class RewardPool:
                                                     name="meshrl-rewards")
                 self._dispatcher.start()
         self._wake_w.send_bytes(b"")
-        call.done.wait()
+        return call
+
+    def _components(self, call: _Call) -> dict[str, list[float]]:
         if call.error is not None:
             raise call.error
         return {name: call.results[r] for r, name in enumerate(self.names)}
 
-    def score(self, prompts: Sequence[str], completions: Sequence[str],
-              **fields: Sequence[Any]) -> list[float]:
-        components = self.score_components(prompts, completions, **fields)
+    def _weighted(self, components: dict[str, list[float]], n: int) -> list[float]:
         return [sum(w * components[name][i] for name, w in zip(self.names, self.weights))
-                for i in range(len(completions))]
-
-    async def ascore(self, prompts: Sequence[str], completions: Sequence[str],
-                     **fields: Sequence[Any]) -> list[float]:
-        return await asyncio.to_thread(self.score, prompts, completions, **fields)
+                for i in range(n)]
 
     # ---- the dispatcher thread (the only one touching workers) ---------------------------
 
@@ -211,8 +254,7 @@ class RewardPool:
                                                         if w.task is not None}
                 self._pending.clear()
             for call in calls:
-                call.error = e
-                call.done.set()
+                call.fail(e)
 
     def _step(self) -> bool:
         """Hand queued pairs to free workers, then wait for a result, a timeout or new work.

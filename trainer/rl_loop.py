@@ -331,7 +331,7 @@ class RLTrainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def _host_stats(self, groups: list[list[Any]], batch: Any, version: int, t_wait: float,
-                    t_step: float) -> dict[str, float]:
+                    t_step: float, cpu_step: float) -> dict[str, float]:
         generated = float(batch.loss_mask_BxL.sum())
         lags = [version - t.oldest_version for g in groups for t in g]
         return {"rollout/reward_mean": float(batch.rewards_B.mean()),
@@ -340,6 +340,9 @@ class RLTrainer:
                 "rollout/batch_staleness_mean": float(np.mean(lags)),
                 "rollout/batch_staleness_max": float(np.max(lags)),
                 "perf/rollout_wait_s": t_wait, "perf/step_time_s": t_step,
+                # CPU seconds of this process (all threads, XLA's included) over the step: on a
+                # CPU host, cpu / step time is how many cores the job kept busy.
+                "perf/process_cpu_s": cpu_step,
                 "perf/samples_per_s": batch.shape[0] / max(t_step, 1e-9),
                 "perf/tokens_per_s": generated / max(t_step, 1e-9)}
 
@@ -364,7 +367,7 @@ class RLTrainer:
                 self.counters["eval_before"] = await self.aeval(engine, self.start_step)
             runner.start()
             t_rl = time.perf_counter()
-            last = t_rl
+            last, cpu_last = t_rl, time.process_time()
             for step in range(self.start_step + 1, t.steps + 1):
                 version = step - 1
                 groups = await runner.get_batch(version)
@@ -383,12 +386,13 @@ class RLTrainer:
                 self._flush()  # the previous step's metrics
                 # The handoff waits for this step (the sampler needs its result); off the loop.
                 await asyncio.to_thread(engine.update_weights, self.state.params, step)
-                now = time.perf_counter()
-                host = self._host_stats(groups, rb, version, t_got - last, now - last)
+                now, cpu_now = time.perf_counter(), time.process_time()
+                host = self._host_stats(groups, rb, version, t_got - last, now - last,
+                                        cpu_now - cpu_last)
                 host.update(runner.metrics())
                 host.update(self.reward_pool.metrics())
                 self._pending = (step, metrics, host)
-                last = now
+                last, cpu_last = now, cpu_now
                 generated += float(rb.loss_mask_BxL.sum())
                 samples += rb.shape[0]
                 is_ckpt = (every and step % every == 0) or step == t.steps
@@ -398,7 +402,9 @@ class RLTrainer:
                     await self.aeval(engine, step)
                 if is_ckpt:
                     self.save(step, runner)
-                last += time.perf_counter() - now  # host work between steps is not step time
+                # Host work between steps (publish, eval, checkpoint) is not step time.
+                last += time.perf_counter() - now
+                cpu_last += time.process_time() - cpu_now
             self._flush()
             if t.steps == self.start_step and not self.checkpointer.all_steps():
                 self.save(t.steps, runner)

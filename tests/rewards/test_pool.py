@@ -99,6 +99,41 @@ def test_concurrent_calls_share_the_workers_and_are_scored_side_by_side(make_poo
     assert pool.counters["calls"] == 2 and pool.counters["timeouts"] == 0
 
 
+class _RefusingExecutor(concurrent.futures.ThreadPoolExecutor):
+    def submit(self, *args, **kwargs):
+        raise AssertionError("ascore used a thread of the event loop's executor")
+
+
+def test_concurrent_ascore_calls_are_scored_side_by_side_without_executor_threads(
+        make_pool, tmp_path):
+    # A thread per waiting call would cap the calls in flight at the executor's size; here
+    # the executor refuses all work, and the two calls must still meet inside the workers.
+    pool = make_pool([H + "meets_the_others"], timeout_s=30.0, num_workers=2)
+    fields = {"barrier_dir": [str(tmp_path / "barrier")], "parties": [2]}
+
+    async def main() -> list[list[float]]:
+        asyncio.get_running_loop().set_default_executor(_RefusingExecutor(1))
+        return list(await asyncio.gather(*(pool.ascore(["p"], [c], **fields)
+                                           for c in ("a", "b"))))
+
+    assert asyncio.run(main()) == [[1.0], [1.0]]
+    assert pool.counters["calls"] == 2 and pool.counters["timeouts"] == 0
+
+
+def test_close_fails_an_awaiting_ascore_call_instead_of_hanging_it(make_pool):
+    pool = make_pool([H + "sleep_forever"], timeout_s=60.0, num_workers=1)
+
+    async def main() -> None:
+        call = asyncio.ensure_future(pool.ascore(["p"], ["a"]))
+        while not any(w.task is not None for w in pool._workers):  # the call is running
+            await asyncio.sleep(0.01)
+        pool.close()
+        await asyncio.wait_for(call, timeout=30)
+
+    with pytest.raises(RuntimeError, match="closed"):
+        asyncio.run(main())
+
+
 def test_close_fails_a_waiting_call_instead_of_hanging_it(make_pool):
     pool = make_pool([H + "sleep_forever"], timeout_s=60.0, num_workers=1)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
@@ -126,6 +161,7 @@ def test_unknown_reward_or_mismatched_fields_fail_fast():
 def test_empty_batch_scores_nothing_without_starting_workers():
     pool = RewardPool(["math"])
     assert pool.score([], [], answer=[]) == [] and pool._workers == []
+    assert asyncio.run(pool.ascore([], [], answer=[])) == [] and pool._workers == []
     pool.close()
 
 

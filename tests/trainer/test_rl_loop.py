@@ -78,6 +78,9 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
     assert (workdir / "rl_curves.png").stat().st_size > 1000
     metrics = read_metrics(workdir / "metrics.jsonl")
     assert all("rollout/reward_mean" in metrics[s] for s in range(1, 5))
+    for s in range(1, 5):  # the process's CPU time over each step: some, and at most all cores
+        m = metrics[s]
+        assert 0.0 < m["perf/process_cpu_s"] <= m["perf/step_time_s"] * os.cpu_count() + 0.05, m
     assert "eval/greedy_accuracy" in metrics[0] and "eval/greedy_accuracy" in metrics[4]
     assert wall < 120, wall
 
