@@ -110,6 +110,16 @@ def _resolve(fut: asyncio.Future[None]) -> None:
         fut.set_result(None)
 
 
+def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
+    """Resolve ``fut`` on its loop, from the dispatcher thread."""
+    try:
+        loop.call_soon_threadsafe(_resolve, fut)
+    except RuntimeError:
+        # The loop closed after its awaiting task was cancelled: nobody waits for the result,
+        # and raising here would mark the whole pool broken.
+        pass
+
+
 def _shutdown(workers: list[_Worker]) -> None:
     for w in workers:
         try:
@@ -202,8 +212,7 @@ class RewardPool:
         the calls in flight at the event loop's executor size (min(32, cores + 4))."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
-        call = self._submit(prompts, completions, fields,
-                            lambda: loop.call_soon_threadsafe(_resolve, fut))
+        call = self._submit(prompts, completions, fields, lambda: _wake(loop, fut))
         await fut
         return self._weighted(self._components(call), len(completions))
 

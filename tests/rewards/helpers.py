@@ -24,6 +24,12 @@ def kills_worker(prompts: list[str], completions: list[str], **_: Any) -> list[f
     os._exit(3)
 
 
+def sleeps_then_scores(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Scores each completion's length after 0.3 s."""
+    time.sleep(0.3)
+    return [float(len(c)) for c in completions]
+
+
 def hangs_on_marker(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     """Hangs only on completions containing HANG; others score their length."""
     if any("HANG" in c for c in completions):

@@ -134,6 +134,20 @@ def test_close_fails_an_awaiting_ascore_call_instead_of_hanging_it(make_pool):
         asyncio.run(main())
 
 
+def test_ascore_cancelled_before_its_loop_closed_leaves_the_pool_working(make_pool):
+    pool = make_pool([H + "sleeps_then_scores"], timeout_s=30.0, num_workers=1)
+
+    async def cancel_a_running_call() -> None:
+        call = asyncio.ensure_future(pool.ascore(["p"], ["abc"]))
+        while not any(w.task is not None for w in pool._workers):  # the call is running
+            await asyncio.sleep(0.01)
+        call.cancel()
+
+    asyncio.run(cancel_a_running_call())  # the loop is closed before the worker answers
+    assert pool.score(["p"], ["four"]) == [4.0]
+    assert pool.counters["calls"] == 2 and pool.counters["errors"] == 0
+
+
 def test_close_fails_a_waiting_call_instead_of_hanging_it(make_pool):
     pool = make_pool([H + "sleep_forever"], timeout_s=60.0, num_workers=1)
     with concurrent.futures.ThreadPoolExecutor(1) as ex:
