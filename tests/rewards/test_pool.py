@@ -120,13 +120,19 @@ def test_concurrent_ascore_calls_are_scored_side_by_side_without_executor_thread
     assert pool.counters["calls"] == 2 and pool.counters["timeouts"] == 0
 
 
+async def _running_ascore(pool: RewardPool, completion: str) -> asyncio.Future:
+    """An ``ascore`` call, returned once a worker runs it."""
+    call = asyncio.ensure_future(pool.ascore(["p"], [completion]))
+    while not any(w.task is not None for w in pool._workers):
+        await asyncio.sleep(0.01)
+    return call
+
+
 def test_close_fails_an_awaiting_ascore_call_instead_of_hanging_it(make_pool):
     pool = make_pool([H + "sleep_forever"], timeout_s=60.0, num_workers=1)
 
     async def main() -> None:
-        call = asyncio.ensure_future(pool.ascore(["p"], ["a"]))
-        while not any(w.task is not None for w in pool._workers):  # the call is running
-            await asyncio.sleep(0.01)
+        call = await _running_ascore(pool, "a")
         pool.close()
         await asyncio.wait_for(call, timeout=30)
 
@@ -138,10 +144,7 @@ def test_ascore_cancelled_before_its_loop_closed_leaves_the_pool_working(make_po
     pool = make_pool([H + "sleeps_then_scores"], timeout_s=30.0, num_workers=1)
 
     async def cancel_a_running_call() -> None:
-        call = asyncio.ensure_future(pool.ascore(["p"], ["abc"]))
-        while not any(w.task is not None for w in pool._workers):  # the call is running
-            await asyncio.sleep(0.01)
-        call.cancel()
+        (await _running_ascore(pool, "abc")).cancel()
 
     asyncio.run(cancel_a_running_call())  # the loop is closed before the worker answers
     assert pool.score(["p"], ["four"]) == [4.0]
