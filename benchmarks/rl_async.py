@@ -21,8 +21,9 @@ Last line: {"benchmark": "rl_async", "async_samples_s", "sync_samples_s", "ratio
 "ratio_max", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", ...} (medians over the
 repeats). ``*_cpu_cores`` is the job's process CPU time over its wall time in the measured steps
 (reward worker processes not included); ``ratio_cpu_bound = cores / sync_cpu_cores`` is the
-ratio an async run would reach doing sync's work with every core busy: on a small CPU host it,
-not the scheduling, caps the ratio.
+ratio an async run would reach doing sync's work with every core busy. On a small CPU host it
+estimates the ceiling; it is not a hard one (a run slowed by the host without using more CPU,
+or an async run doing less work than sync, can pass it).
 """
 
 from __future__ import annotations
@@ -173,8 +174,8 @@ def main() -> None:
                       # wait is ~0, and can then gain at most what sync spends waiting.
                       "sync_wait_ms": med(0, "wait_ms"), "sync_train_ms": med(0, "train_ms"),
                       "async_wait_ms": med(2, "wait_ms"), "async_train_ms": med(2, "train_ms"),
-                      # Async overlaps the work sync does one phase at a time; on a CPU host it
-                      # cannot beat sync by more than the cores sync leaves idle:
+                      # Async overlaps the work sync does one phase at a time; on a CPU host,
+                      # doing the same work, it gains about the cores sync leaves idle:
                       # ratio_cpu_bound = cores / sync_cpu_cores (same work, every core busy).
                       "sync_cpu_cores": med(0, "cpu_cores", 2),
                       "async_cpu_cores": med(2, "cpu_cores", 2), "cores": cores,
