@@ -121,8 +121,10 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int
         trainer = rl_loop.RLTrainer(config, workdir)
         try:
             # Compile every sampler variant first (re-prefill after a mid-generation weight
-            # update included), so neither mode pays compiles inside the measured steps.
+            # update included) and the train step of every row count, so neither mode pays
+            # compiles inside the measured steps.
             trainer.sampler.warmup(recompute=True)
+            trainer.precompile()  # the train step of every packed row count
             summary = asyncio.run(trainer.arun(rollout_engine=LongTailEngine))
         finally:
             trainer.close()

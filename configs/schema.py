@@ -253,6 +253,11 @@ class RLConfig(Section):
                                   at_least(0))
     overlong_penalty: float = field(1.0, "Largest overlong penalty (subtracted from the reward).",
                                     at_least(0.0))
+    pack_sequences: bool = field(
+        True, "Pack each step's sequences into as few rows of trainer.seq_len as they fit "
+              "(first-fit decreasing; the row count rounded up to a quarter of the batch, one "
+              "compiled step per quarter). The loss is the same; the step then costs the tokens "
+              "it trains on, not the padded batch.")
     placement: Literal["colocated", "split"] = field(
         "colocated", "Where the sampler runs: colocated (on the trainer's devices) or split (on "
                      "its own rl.sampler_devices devices, disjoint from the trainer's; one "

@@ -43,11 +43,18 @@ def k3(logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array) -> jax.Array:
 
 
 def kl_in_reward(rewards_B: jax.Array, logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array,
-                 loss_mask_BxL: jax.Array, *, coef: float, estimator: str = "k1") -> jax.Array:
+                 loss_mask_BxL: jax.Array, *, coef: float, estimator: str = "k1",
+                 sample_ids_BxL: jax.Array | None = None) -> jax.Array:
     """Rewards minus ``coef`` times each sequence's summed per-token KL (masked tokens: 0).
-    The KL is a constant of the reward, so it carries no gradient."""
+    The KL is a constant of the reward, so it carries no gradient. Row b is sample b, or with
+    ``sample_ids_BxL`` (packed rows) each token belongs to sample ``sample_ids_BxL`` (-1: none)."""
     kl_BxL = get(estimator)(logprobs_BxL, ref_logprobs_BxL) * loss_mask_BxL
-    return rewards_B - coef * jax.lax.stop_gradient(kl_BxL.sum(-1))
+    if sample_ids_BxL is None:
+        kl_B = kl_BxL.sum(-1)
+    else:  # out-of-range ids (padding's -1) are dropped by the scatter
+        kl_B = jax.ops.segment_sum(kl_BxL.reshape(-1), sample_ids_BxL.reshape(-1),
+                                   num_segments=rewards_B.shape[0])
+    return rewards_B - coef * jax.lax.stop_gradient(kl_B)
 
 
 def entropy_from_logits(logits_BxLxV: jax.Array) -> jax.Array:

@@ -67,6 +67,8 @@ class PolicyInputs(NamedTuple):
     behaviour_logprobs_BxL: jax.Array  # noqa: N815 -- recorded by the sampler
     advantages_BxL: jax.Array  # noqa: N815
     loss_mask_BxL: jax.Array  # noqa: N815
+    # Packed rows: the sequence of each token within its row (0: padding). None: one per row.
+    segment_ids_BxL: jax.Array | None = None  # noqa: N815
 
 
 class PolicyTerms(NamedTuple):
@@ -85,7 +87,22 @@ names = _LOSSES.names
 def _check(inputs: PolicyInputs) -> None:
     shape = inputs.loss_mask_BxL.shape
     for name, x in zip(PolicyInputs._fields, inputs):
-        assert x.shape == shape, f"{name} has shape {x.shape}, expected {shape}"
+        assert x is None or x.shape == shape, f"{name} has shape {x.shape}, expected {shape}"
+
+
+def sequence_ids(segment_ids_BxL: jax.Array | None, shape: tuple[int, int]
+                 ) -> tuple[jax.Array, int]:
+    """(id of each token's sequence, number of ids): one id per (row, segment id) pair, so
+    sequences packed into one row stay apart; ``None`` segment ids mean one sequence per row."""
+    B, L = shape
+    if segment_ids_BxL is None:
+        return jnp.broadcast_to(jnp.arange(B)[:, None], shape), B
+    return jnp.arange(B)[:, None] * (L + 1) + segment_ids_BxL, B * (L + 1)
+
+
+def sequence_sum(x_BxL: jax.Array, ids_BxL: jax.Array, num: int) -> jax.Array:
+    """Per-sequence sums ``[num]`` of ``x`` (ids from ``sequence_ids``)."""
+    return jax.ops.segment_sum(x_BxL.reshape(-1), ids_BxL.reshape(-1), num_segments=num)
 
 
 def _masked_log_ratio(logp_BxL: jax.Array, old_BxL: jax.Array, mask_BxL: jax.Array) -> jax.Array:
@@ -160,37 +177,43 @@ def gspo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
     the sequence advantage (mean of its token advantages)."""
     _check(inputs)
     mask_BxL = inputs.loss_mask_BxL.astype(jnp.float32)
-    n_B = jnp.maximum(mask_BxL.sum(-1), 1.0)
+    ids_BxL, num = sequence_ids(inputs.segment_ids_BxL, mask_BxL.shape)
+    n_S = jnp.maximum(sequence_sum(mask_BxL, ids_BxL, num), 1.0)
     log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.behaviour_logprobs_BxL, mask_BxL)
-    seq_log_ratio_B = jnp.clip(log_ratio_BxL.sum(-1) / n_B, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-    ratio_B = jnp.exp(seq_log_ratio_B)
-    adv_B = jnp.where(mask_BxL > 0, inputs.advantages_BxL, 0.0).sum(-1) / n_B
-    loss_B, clipped_B, dual_B = clipped_surrogate(ratio_B, adv_B, p)
-    ones_BxL = jnp.ones_like(mask_BxL)
-    approx_kl_B = jax.lax.stop_gradient(ratio_B - 1.0 - seq_log_ratio_B)
-    stats = {"clip_frac": clipped_B[:, None] * ones_BxL,
-             "dual_clip_frac": dual_B[:, None] * ones_BxL,
-             "ratio_mean": jax.lax.stop_gradient(ratio_B)[:, None] * ones_BxL,
-             "approx_kl": approx_kl_B[:, None] * ones_BxL}
-    return PolicyTerms(loss_B[:, None] * ones_BxL, mask_BxL, stats)
+    seq_log_ratio_S = jnp.clip(sequence_sum(log_ratio_BxL, ids_BxL, num) / n_S,
+                               -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    ratio_S = jnp.exp(seq_log_ratio_S)
+    adv_S = sequence_sum(jnp.where(mask_BxL > 0, inputs.advantages_BxL, 0.0), ids_BxL, num) / n_S
+    loss_S, clipped_S, dual_S = clipped_surrogate(ratio_S, adv_S, p)
+    approx_kl_S = jax.lax.stop_gradient(ratio_S - 1.0 - seq_log_ratio_S)
+    # Every token of a sequence carries its sequence's value (token_mean then weighs sequences
+    # by length, as GSPO's token-level variant; sequence_mean weighs them equally).
+    stats = {"clip_frac": clipped_S[ids_BxL], "dual_clip_frac": dual_S[ids_BxL],
+             "ratio_mean": jax.lax.stop_gradient(ratio_S)[ids_BxL],
+             "approx_kl": approx_kl_S[ids_BxL]}
+    return PolicyTerms(loss_S[ids_BxL], mask_BxL, stats)
 
 
-def aggregate(x_BxL: jax.Array, mask_BxL: jax.Array, mode: Aggregation
-              ) -> tuple[jax.Array, jax.Array]:
-    """(sum, weight) with sum / weight the requested mean; sums add over microbatches.
+def aggregate(x_BxL: jax.Array, mask_BxL: jax.Array, mode: Aggregation,
+              segment_ids_BxL: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """(sum, weight) with sum / weight the requested mean; sums add over microbatches (a
+    sequence never spans two rows, so never two microbatches).
 
     token_mean: every loss token weighs the same (long sequences weigh more).
     sequence_mean: mean over sequences with at least one loss token of their token means
-    (GRPO's original 1/|o_i| normalisation).
+    (GRPO's original 1/|o_i| normalisation); sequences are rows, or with ``segment_ids_BxL``
+    (packed rows) the segments of each row.
     """
     mask_BxL = mask_BxL.astype(jnp.float32)
     masked_BxL = jnp.where(mask_BxL > 0, x_BxL, 0.0) * mask_BxL
     if mode == "token_mean":
         return masked_BxL.sum(), mask_BxL.sum()
     if mode == "sequence_mean":
-        n_B = mask_BxL.sum(-1)
-        has_B = (n_B > 0).astype(jnp.float32)
-        return (masked_BxL.sum(-1) / jnp.maximum(n_B, 1.0) * has_B).sum(), has_B.sum()
+        ids_BxL, num = sequence_ids(segment_ids_BxL, mask_BxL.shape)
+        n_S = sequence_sum(mask_BxL, ids_BxL, num)
+        has_S = (n_S > 0).astype(jnp.float32)
+        return (sequence_sum(masked_BxL, ids_BxL, num) / jnp.maximum(n_S, 1.0) * has_S).sum(), \
+            has_S.sum()
     raise ValueError(f"unknown aggregation {mode!r}; expected token_mean or sequence_mean")
 
 
@@ -203,26 +226,28 @@ def policy_loss(name: str, inputs: PolicyInputs, params: LossParams, *,
     """(loss scalar, metrics): the registered loss, aggregated; metrics averaged the same way
     over the input loss mask."""
     terms = get(name)(inputs, params)
-    loss = _mean(aggregate(terms.loss_BxL, terms.mask_BxL, aggregation))
-    metrics = {k: _mean(aggregate(v, inputs.loss_mask_BxL, aggregation))
+    seg = inputs.segment_ids_BxL
+    loss = _mean(aggregate(terms.loss_BxL, terms.mask_BxL, aggregation, seg))
+    metrics = {k: _mean(aggregate(v, inputs.loss_mask_BxL, aggregation, seg))
                for k, v in terms.stats.items()}
     return loss, metrics
 
 
 def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_BxL: jax.Array,
                          ref_logprobs_BxL: jax.Array, loss_mask_BxL: jax.Array,
-                         group_size: int) -> jax.Array:
+                         group_size: int, sample_ids_BxL: jax.Array | None = None) -> jax.Array:
     """Advantages for ``rl.kl_where == "reward"``: subtract ``rl.kl_coef`` times each sequence's
     summed KL(behaviour || reference) from its reward, then rerun ``rl.advantage``. Run it once
     per batch before the train step (it needs whole groups; the step's microbatches are strided
-    rows, not groups) and put the result in the batch's ``advantages``."""
+    rows, not groups) and put the result in the batch's ``advantages``. Token arrays may be
+    packed rows: ``sample_ids_BxL`` then names each token's sample (index into ``rewards_B``)."""
     rewards_B = rewards_B.astype(jnp.float32)
     if rl.kl_coef > 0.0 and rl.kl_where == "reward":
         mask_BxL = loss_mask_BxL.astype(jnp.float32)
         rewards_B = kl_lib.kl_in_reward(
             rewards_B, jnp.where(mask_BxL > 0, behaviour_logprobs_BxL, 0.0),
             jnp.where(mask_BxL > 0, ref_logprobs_BxL, 0.0), mask_BxL, coef=rl.kl_coef,
-            estimator=rl.kl_estimator)
+            estimator=rl.kl_estimator, sample_ids_BxL=sample_ids_BxL)
     return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
 
 
@@ -237,6 +262,7 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
 
     ``batch`` (target-aligned, all ``[B, L]``; see ``RolloutBatch.to_train_batch``):
     ``targets``, ``loss_mask``, ``behaviour_logprobs``, ``advantages``; optional
+    ``segment_ids`` (packed rows: per-sequence terms follow the segments of each row),
     ``proximal_logprobs`` (default: the current logprobs, stop-gradient, which is exact when each
     rollout batch gets one optimizer step) and ``ref_logprobs`` (required when
     ``rl.kl_coef > 0`` and ``rl.kl_where == "loss"``). With ``rl.kl_where == "reward"`` the KL
@@ -257,8 +283,9 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
         if prox_BxL is None:
             prox_BxL = jax.lax.stop_gradient(logp_BxL)
         in_mask_BxL = batch["loss_mask"].astype(jnp.float32)
+        seg_BxL = batch.get("segment_ids")
         inputs = PolicyInputs(logp_BxL, prox_BxL, batch["behaviour_logprobs"],
-                              batch["advantages"], in_mask_BxL)
+                              batch["advantages"], in_mask_BxL, seg_BxL)
         terms = loss_impl(inputs, params)
         loss_BxL, stats = terms.loss_BxL, dict(terms.stats)
         if kl_in_loss:
@@ -270,10 +297,10 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
             entropy_BxL = entropy_from_logits(tempered(logits_BxLxV, temperature))
             loss_BxL = loss_BxL - rl.entropy_coef * entropy_BxL
             stats["entropy"] = jax.lax.stop_gradient(entropy_BxL)
-        loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation)
+        loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation, seg_BxL)
         # The trainer divides aux sums by the loss weight; rescale each statistic's own mean
         # (over the input mask) so the reported value is that mean.
-        aux = {k: _mean(aggregate(v, in_mask_BxL, rl.aggregation)) * weight
+        aux = {k: _mean(aggregate(v, in_mask_BxL, rl.aggregation, seg_BxL)) * weight
                for k, v in stats.items()}
         return loss_sum, weight, aux
 

@@ -12,7 +12,8 @@ jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before th
   adds ``kl_coef * KL(current || ref)`` per token and reports it as ``kl_ref``);
 * ``rl.kl_where == "reward"``: replaces ``advantages`` by ``kl_reward_advantages`` (rewards
   minus ``kl_coef`` times each sequence's summed KL(behaviour || ref), advantages recomputed
-  over the batch's contiguous groups) times the loss mask;
+  over the batch's contiguous groups) times the loss mask; the batch's ``sample_ids`` map each
+  token to its sample, so packed rows work the same;
 * returns the token mean of KL(behaviour || ref) (``rl.kl_estimator``) as the metric
   ``kl_behaviour_ref``, in either mode.
 
@@ -101,9 +102,11 @@ class ReferencePolicy:
             if in_loss:
                 out[REF_KEY] = ref_BxL
             else:
+                # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
+                ids_BxL = batch["sample_ids"]
                 adv_B = kl_reward_advantages(rl, rewards_B, batch["behaviour_logprobs"], ref_BxL,
-                                             mask_BxL, group_size)
-                out["advantages"] = (adv_B[:, None] * mask_BxL).astype(
+                                             mask_BxL, group_size, sample_ids_BxL=ids_BxL)
+                out["advantages"] = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
                     batch["advantages"].dtype)
             return out, metrics
 

@@ -16,6 +16,10 @@ jitted step, read the previous step's metrics, hand the new params to the sample
 the event loop), and every ``checkpoint.publish_every`` steps and at checkpoints publish the
 Orbax weight version ``<workdir>/weights/<v + 1>``.
 
+Packing (``rl.pack_sequences``): the step's sequences are packed into rows of
+``trainer.seq_len`` (``RolloutBatch.to_train_batch(rows)``), the row count rounded up to a
+quarter of the batch; ``BucketedStep`` holds one compiled step per row count.
+
 Proximal logprobs: every rollout batch gets exactly one optimizer step, so the proximal policy
 of decoupled PPO is the current (pre-update) policy, and ``make_rl_loss_fn``'s default
 (stop-gradient of the logprobs being trained) is exactly it: no extra forward pass.
@@ -92,9 +96,21 @@ from meshrl.trainer.progress import Progress
 from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys
 from meshrl.trainer.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
-from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+from meshrl.trainer.step import (
+    BucketedStep,
+    batch_shardings,
+    jit_train_step,
+    make_train_step,
+    row_buckets,
+)
 from meshrl.utils import log as log_lib
-from meshrl.workflows import TRAIN_BATCH_KEYS, make_rollout_batch, make_runner
+from meshrl.workflows import (
+    TRAIN_BATCH_DTYPES,
+    TRAIN_BATCH_KEYS,
+    RolloutBatch,
+    make_rollout_batch,
+    make_runner,
+)
 
 log = log_lib.get_logger("rl")
 
@@ -270,7 +286,11 @@ class RLTrainer:
         loss_fn = make_rl_loss_fn(config.rl, temperature=config.sampler.temperature)
         step_fn = make_train_step(self.forward, loss_fn, self.tx, self.schedule,
                                   microbatches=t.microbatches)
-        self.step_fn = jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh)
+        rows_per_shard = self.batch_sh["input_ids"].shard_shape((self.B, self.L))[0]
+        buckets = (row_buckets(self.B, self.B // rows_per_shard * t.microbatches)
+                   if config.rl.pack_sequences else (self.B,))
+        self.step = BucketedStep(jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh),
+                                 self.batch_sh, self.L, buckets, TRAIN_BATCH_DTYPES)
         # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
         s = config.sampler
         self.sampler = Sampler(self.model_cfg, s, self.sampler_mesh, self.state.params,
@@ -282,6 +302,15 @@ class RLTrainer:
                                      process_index=jax.process_index())
         self._pending: tuple[int, dict[str, jax.Array], dict[str, float]] | None = None
         self.history: list[dict[str, float]] = []
+
+    def train_batch(self, rb: RolloutBatch) -> dict[str, jax.Array]:
+        """The step's device batch; packed into the smallest row bucket that holds it."""
+        rows = self.step.rows_for(rb.packed_rows()) if self.config.rl.pack_sequences else None
+        return put_batch(rb.to_train_batch(rows), self.host_batch_sh)
+
+    def precompile(self) -> None:
+        """Compile the step for every row bucket now, not in the step that first needs it."""
+        self.step.precompile(self.state)
 
     # -- evaluation ------------------------------------------------------------------------
 
@@ -374,14 +403,14 @@ class RLTrainer:
                 t_got = time.perf_counter()
                 groups.sort(key=lambda g: g[0].group_id)  # completion order must not matter
                 rb = make_rollout_batch(c, groups, self.tokenizer.pad_id)
-                batch = put_batch(rb.to_train_batch(), self.host_batch_sh)
+                batch = self.train_batch(rb)
                 kl_metrics: dict[str, jax.Array] = {}
                 if self.reference is not None:
                     rewards_B = self.reference.put_rewards(rb.rewards_B)
                 with jax.transfer_guard("disallow"):
                     if self.reference is not None:
                         batch, kl_metrics = self.reference.apply(batch, rewards_B)
-                    self.state, metrics = self.step_fn(self.state, batch)
+                    self.state, metrics = self.step(self.state, batch)
                 metrics = {**metrics, **kl_metrics}
                 self._flush()  # the previous step's metrics
                 # The handoff waits for this step (the sampler needs its result); off the loop.

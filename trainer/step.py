@@ -9,7 +9,7 @@ donates the state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -112,3 +112,48 @@ def jit_train_step(step_fn: StepFn, state_sh: TrainState, batch_sh: Mapping[str,
     replicated = NamedSharding(mesh, PartitionSpec())
     return jax.jit(step_fn, in_shardings=(state_sh, dict(batch_sh)),
                    out_shardings=(state_sh, replicated), donate_argnames=("state",))
+
+
+def row_buckets(batch_size: int, multiple: int) -> tuple[int, ...]:
+    """Row counts of a packed batch: each quarter of ``batch_size``, rounded up to ``multiple``
+    (data shards x microbatches, which the rows must divide), at most ``batch_size``."""
+    quarters = (-(-batch_size * k // 4) for k in range(1, 5))
+    return tuple(sorted({min(batch_size, -(-q // multiple) * multiple) for q in quarters}))
+
+
+class BucketedStep:
+    """A jitted step compiled once per row count (packed batches vary in rows, not in length):
+    ``step(state, batch)`` runs the executable of ``batch``'s row count, compiled on first use
+    or by ``precompile``."""
+
+    def __init__(self, jitted: Callable, batch_sh: Mapping[str, NamedSharding], seq_len: int,
+                 buckets: Sequence[int], dtypes: Mapping[str, Any]) -> None:
+        self.jitted, self.batch_sh, self.seq_len = jitted, dict(batch_sh), seq_len
+        self.buckets, self.dtypes = tuple(sorted(buckets)), dict(dtypes)
+        self._compiled: dict[int, Any] = {}
+
+    def rows_for(self, need: int) -> int:
+        """The smallest bucket of at least ``need`` rows."""
+        for rows in self.buckets:
+            if rows >= need:
+                return rows
+        raise ValueError(f"a batch of {need} rows exceeds the largest row bucket "
+                         f"{self.buckets[-1]}")
+
+    def compiled(self, state: Any, rows: int) -> Any:
+        fn = self._compiled.get(rows)
+        if fn is None:
+            batch = {k: jax.ShapeDtypeStruct((rows, self.seq_len), self.dtypes.get(k, jnp.float32),
+                                             sharding=sh) for k, sh in self.batch_sh.items()}
+            fn = self._compiled[rows] = self.jitted.lower(state, batch).compile()
+        return fn
+
+    def precompile(self, state: Any) -> None:
+        for rows in self.buckets:
+            self.compiled(state, rows)
+
+    def __call__(self, state: Any, batch: Batch) -> tuple[Any, Metrics]:
+        rows = next(iter(batch.values())).shape[0]
+        if rows not in self.buckets:
+            raise ValueError(f"batch of {rows} rows: the step is compiled for {self.buckets}")
+        return self.compiled(state, rows)(state, batch)

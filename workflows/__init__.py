@@ -2,11 +2,13 @@
 and the one ``RolloutBatch`` struct that crosses to the trainer."""
 
 from meshrl.workflows.batch import (
+    TRAIN_BATCH_DTYPES,
     TRAIN_BATCH_KEYS,
     RolloutBatch,
     Trajectory,
     bucket_length,
     build_rollout_batch,
+    pack_rows,
 )
 from meshrl.workflows.episode import (
     Engine,
@@ -26,8 +28,8 @@ from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_ru
 from meshrl.workflows.staleness import StalenessController
 
 __all__ = [
-    "TRAIN_BATCH_KEYS", "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
+    "TRAIN_BATCH_DTYPES", "TRAIN_BATCH_KEYS", "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
     "RewardScorer", "RolloutBatch", "RolloutRunner", "StalenessController", "Trajectory",
     "arun_episode", "arun_group", "bucket_length", "build_rollout_batch", "episode_settings",
-    "group_episode_fn", "make_rollout_batch", "make_runner",
+    "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",
 ]

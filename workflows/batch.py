@@ -4,7 +4,9 @@
 Token-aligned layout: row b holds ``prompt + completion`` right-padded to a bucketed length L;
 ``loss_mask`` is 1 exactly on model-generated tokens, ``versions`` holds the weight version that
 generated each token (-1 on prompt, environment feedback and padding). ``to_train_batch`` shifts
-it into the trainer's target-aligned convention (position t predicts token t + 1).
+it into the trainer's target-aligned convention (position t predicts token t + 1), optionally
+packing several sequences into each row (``pack_rows``): the padded batch trains on every
+position of ``B x L``, most of them padding when completion lengths are long-tailed.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import numpy as np
 
 from meshrl.trainer import advantages as adv_lib
 
-# Keys of ``RolloutBatch.to_train_batch``: all [B, L], so one batch sharding fits every key.
+# Keys of ``RolloutBatch.to_train_batch``: all [rows, L], so one batch sharding fits every key.
 TRAIN_BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids",
-                    "behaviour_logprobs", "advantages", "versions")
+                    "behaviour_logprobs", "advantages", "versions", "sample_ids")
+TRAIN_BATCH_DTYPES = {"input_ids": np.int32, "targets": np.int32, "loss_mask": np.float32,
+                      "positions": np.int32, "segment_ids": np.int32,
+                      "behaviour_logprobs": np.float32, "advantages": np.float32,
+                      "versions": np.int32, "sample_ids": np.int32}
 
 
 @dataclasses.dataclass
@@ -82,10 +88,16 @@ class RolloutBatch:
     def shape(self) -> tuple[int, int]:
         return self.tokens_BxL.shape
 
-    def to_train_batch(self) -> dict[str, np.ndarray]:
-        """Target-aligned ``[B, L]`` arrays for the trainer's step (see ``make_rl_loss_fn``):
+    def to_train_batch(self, rows: int | None = None) -> dict[str, np.ndarray]:
+        """Target-aligned ``[rows, L]`` arrays for the trainer's step (see ``make_rl_loss_fn``):
         ``input_ids, targets, loss_mask, positions, segment_ids, behaviour_logprobs, advantages,
-        versions``. Per-token fields describe the *target* token of each position."""
+        versions, sample_ids``. Per-token fields describe the *target* token of each position;
+        ``sample_ids`` is the row of this batch the token comes from (-1 on padding).
+
+        ``rows=None``: one sequence per row (rows = B). Otherwise the sequences are packed into
+        ``rows`` rows (at least ``packed_rows()``) as ``pack_rows`` places them: each keeps its
+        positions 0..n-1 and gets a segment id of its own within its row, so attention and the
+        per-sequence terms of the loss never mix two sequences."""
         B, L = self.shape
 
         def shift(x_BxL: np.ndarray, fill: Any) -> np.ndarray:
@@ -93,13 +105,65 @@ class RolloutBatch:
 
         loss_mask_BxL = shift(self.loss_mask_BxL, 0)
         advantages_BxL = self.advantages_B[:, None].astype(np.float32) * loss_mask_BxL
+        sample_ids_BxL = np.where(self.segment_ids_BxL > 0, np.arange(B, dtype=np.int32)[:, None],
+                                  -1).astype(np.int32)
         out = {"input_ids": self.tokens_BxL, "targets": shift(self.tokens_BxL, self.pad_id),
                "loss_mask": loss_mask_BxL, "positions": self.positions_BxL,
                "segment_ids": self.segment_ids_BxL,
                "behaviour_logprobs": shift(self.behaviour_logprobs_BxL, 0.0),
-               "advantages": advantages_BxL, "versions": shift(self.versions_BxL, -1)}
+               "advantages": advantages_BxL, "versions": shift(self.versions_BxL, -1),
+               "sample_ids": sample_ids_BxL}
         assert tuple(out) == TRAIN_BATCH_KEYS, tuple(out)
-        return out
+        if rows is None:
+            return out
+        return _pack(out, self.lengths(), rows, self.pad_id)
+
+    def lengths(self) -> list[int]:
+        """Tokens (prompt + completion) of each row."""
+        return (self.segment_ids_BxL > 0).sum(axis=1).tolist()
+
+    def packed_rows(self) -> int:
+        """Rows of length L that ``pack_rows`` fills with this batch's sequences."""
+        return 1 + max(pack_rows(self.lengths(), self.shape[1]), default=-1)
+
+
+def pack_rows(lengths: Sequence[int], row_len: int) -> list[int]:
+    """Row of each sequence under first-fit decreasing (longest first, each into the first row
+    with room): at most 11/9 of the optimal row count plus one. Deterministic: ties keep order."""
+    if any(not 0 < n <= row_len for n in lengths):
+        raise ValueError(f"sequence lengths {list(lengths)} must be in [1, {row_len}] to pack "
+                         f"into rows of {row_len}")
+    free: list[int] = []
+    row_of = [0] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), len(free))
+        if row == len(free):
+            free.append(row_len)
+        free[row] -= lengths[i]
+        row_of[i] = row
+    return row_of
+
+
+def _pack(padded: dict[str, np.ndarray], lengths: list[int], rows: int, pad_id: int
+          ) -> dict[str, np.ndarray]:
+    """Copy each sequence's first n positions of every padded key to its packed place."""
+    B, L = padded["input_ids"].shape
+    row_of = pack_rows(lengths, L)
+    need = 1 + max(row_of, default=-1)
+    if rows < need:
+        raise ValueError(f"{B} sequences need {need} rows of {L} tokens; got rows = {rows}")
+    fill = {"input_ids": pad_id, "targets": pad_id, "versions": -1, "sample_ids": -1}
+    out = {k: np.full((rows, L), fill.get(k, 0), v.dtype) for k, v in padded.items()}
+    used, count = [0] * rows, [0] * rows
+    for b in range(B):  # sample order: segment ids follow it within each row
+        r, n = row_of[b], lengths[b]
+        o = used[r]
+        for k, v in padded.items():
+            out[k][r, o:o + n] = v[b, :n]
+        count[r] += 1
+        out["segment_ids"][r, o:o + n] = count[r]
+        used[r] += n
+    return out
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:

@@ -71,13 +71,13 @@ def _run(config: Config, workdir: Any) -> Run:
         try:
             params0 = jax.device_get(trainer.state.params)
             ref_before = jax.device_get(trainer.reference.params)
-            step_fn = trainer.step_fn
+            step_call = type(trainer.step).__call__
 
-            def spy(state: Any, batch: dict[str, jax.Array]) -> Any:
+            def spy(step: Any, state: Any, batch: dict[str, jax.Array]) -> Any:
                 batches.append(jax.device_get(batch))  # explicit: the transfer guard allows it
-                return step_fn(state, batch)
+                return step_call(step, state, batch)
 
-            trainer.step_fn = spy
+            mp.setattr(type(trainer.step), "__call__", spy)
             summary = asyncio.run(trainer.arun())
         finally:
             trainer.close()
@@ -144,15 +144,19 @@ def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run)
         assert "ref_logprobs" not in batch  # the loss adds no KL of its own
         ref_BxL = _logprobs(run.trainer, run.params0, batch)
         mask_BxL = batch["loss_mask"]
+        ids_BxL = batch["sample_ids"]  # rows are packed: each token names its sample
         want_B = kl_reward_advantages(rl, jnp.asarray(rb.rewards_B),
                                       jnp.asarray(batch["behaviour_logprobs"]),
-                                      jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), group_size)
-        np.testing.assert_allclose(batch["advantages"], np.asarray(want_B)[:, None] * mask_BxL,
+                                      jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), group_size,
+                                      sample_ids_BxL=jnp.asarray(ids_BxL))
+        np.testing.assert_allclose(batch["advantages"],
+                                   np.asarray(want_B)[np.maximum(ids_BxL, 0)] * mask_BxL,
                                    err_msg=f"step {step}", **TOL)
     first, second = run.trainer.history
     assert "train/kl_ref" not in first
     # At step 2 the policy has moved: the KL visibly changed the rollout's own advantages.
-    plain_BxL = run.rollouts[1].advantages_B[:, None] * run.batches[1]["loss_mask"]
+    ids_BxL = np.maximum(run.batches[1]["sample_ids"], 0)
+    plain_BxL = run.rollouts[1].advantages_B[ids_BxL] * run.batches[1]["loss_mask"]
     assert np.abs(run.batches[1]["advantages"] - plain_BxL).max() > 1e-5
     assert second["train/kl_behaviour_ref"] > 1e-6
     np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
@@ -237,7 +241,8 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
              "targets": rng.integers(3, 250, (B, L)).astype(np.int32),
              "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
              "segment_ids": np.ones((B, L), np.int32), "loss_mask": mask_BxL,
-             "versions": np.zeros((B, L), np.int32), "advantages": np.zeros((B, L), np.float32)}
+             "versions": np.zeros((B, L), np.int32), "advantages": np.zeros((B, L), np.float32),
+             "sample_ids": np.broadcast_to(np.arange(B, dtype=np.int32)[:, None], (B, L)).copy()}
     # Unmicrobatched, unsharded reference logprobs; the behaviour policy sits 0.1 (b + 1) nats
     # below on row b, so the sequence KLs differ within each group.
     ref_BxL = np.asarray(jax.jit(functools.partial(

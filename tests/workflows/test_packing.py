@@ -1,0 +1,142 @@
+"""Packed RL train batches: several sequences per row, and a train step that sees the same loss,
+metrics and gradients as on the padded batch (segment-aware attention, per-sequence terms)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from meshrl.configs.schema import ModelConfig, RLConfig
+from meshrl.models import create_model, forward, split_model
+from meshrl.trainer.policy_loss import kl_reward_advantages, make_rl_loss_fn
+from meshrl.trainer.state import init_state
+from meshrl.trainer.step import BucketedStep, make_train_step, row_buckets
+from meshrl.workflows import TRAIN_BATCH_DTYPES, Trajectory, build_rollout_batch, pack_rows
+
+V, L = 32, 16
+
+
+def test_pack_rows_places_longest_first_into_the_first_row_with_room():
+    assert pack_rows([5, 3, 4, 2, 6], 8) == [1, 1, 2, 0, 0]
+    assert pack_rows([8, 8], 8) == [0, 1]
+    assert pack_rows([], 8) == []
+
+
+@pytest.mark.parametrize("lengths", [[3, 0], [9]])
+def test_pack_rows_rejects_a_sequence_that_no_row_holds(lengths):
+    with pytest.raises(ValueError, match=r"must be in \[1, 8\]"):
+        pack_rows(lengths, 8)
+
+
+def rollout(seed: int = 0, groups: int = 3, n: int = 2):
+    """Groups of random trajectories (prompt 2-5 tokens, completion 1-9), some feedback tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        group = []
+        for _ in range(n):
+            p, c = int(rng.integers(2, 6)), int(rng.integers(1, 10))
+            mask = [1] + [int(x) for x in rng.integers(0, 2, c - 1)]
+            group.append(Trajectory(
+                rng.integers(1, V, p).tolist(), rng.integers(1, V, c).tolist(),
+                (-rng.random(c)).tolist(), [3] * c, mask,
+                reward=float(rng.random()), group_id=g))
+        out.append(group)
+    return out
+
+
+def test_packed_batch_holds_each_sequence_once_in_a_segment_of_its_own():
+    rb = build_rollout_batch(rollout(), length_buckets=(L,))
+    padded, rows = rb.to_train_batch(), rb.packed_rows()
+    packed = rb.to_train_batch(rows + 1)  # one spare row: all padding
+
+    assert rows < rb.shape[0]
+    assert {k: v.dtype for k, v in packed.items()} == TRAIN_BATCH_DTYPES
+    for b, n in enumerate(rb.lengths()):
+        where = packed["sample_ids"] == b
+        r = int(np.flatnonzero(where.any(axis=1))[0])
+        assert where.sum() == n and where[r].sum() == n  # whole, in one row
+        for k in set(padded) - {"segment_ids"}:  # segment ids: renumbered within the row
+            np.testing.assert_array_equal(packed[k][where], padded[k][b, :n], err_msg=k)
+        assert len(set(packed["segment_ids"][where].tolist())) == 1
+    seg = packed["segment_ids"]
+    assert not (seg[-1] > 0).any() and (packed["sample_ids"][seg == 0] == -1).all()
+    for r in range(rows):  # distinct segments per row
+        ids = packed["sample_ids"][r][seg[r] > 0]
+        assert len(set(seg[r][seg[r] > 0].tolist())) == len(set(ids.tolist()))
+    assert packed["loss_mask"].sum() == padded["loss_mask"].sum()
+
+
+def test_to_train_batch_with_too_few_rows_fails_and_names_the_need():
+    rb = build_rollout_batch(rollout(), length_buckets=(L,))
+    with pytest.raises(ValueError, match=f"need {rb.packed_rows()} rows"):
+        rb.to_train_batch(rb.packed_rows() - 1)
+
+
+def test_row_buckets_are_quarters_of_the_batch_rounded_to_the_shard_multiple():
+    assert row_buckets(32, 1) == (8, 16, 24, 32)
+    assert row_buckets(6, 2) == (2, 4, 6)
+    assert row_buckets(12, 4) == (4, 8, 12)
+    assert row_buckets(8, 8) == (8,)
+
+
+def tiny_decoder():
+    cfg = ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_layers=1,
+                      num_heads=2, num_kv_heads=1)
+    graphdef, params = split_model(create_model(cfg, seed=0))
+    return (lambda p, ids, pos, seg: forward(graphdef, p, ids, pos, seg)), params
+
+
+# The per-sequence paths: sequence_mean's segment means, GSPO's sequence ratio (ppo and
+# token_mean share every per-token term with these).
+@pytest.mark.parametrize(("policy_loss", "aggregation"), [
+    ("decoupled_ppo", "sequence_mean"), ("gspo", "token_mean")])
+def test_packed_step_equals_the_padded_step(policy_loss, aggregation):
+    fwd, params = tiny_decoder()
+    rb = build_rollout_batch(rollout(seed=1, groups=4), length_buckets=(L,))
+    rl = RLConfig(policy_loss=policy_loss, aggregation=aggregation, entropy_coef=0.01)
+    tx = optax.sgd(0.1)
+    step = jax.jit(make_train_step(fwd, make_rl_loss_fn(rl), tx, lambda s: 0.1, microbatches=2))
+    rows = rb.packed_rows() + rb.packed_rows() % 2  # microbatches must divide the rows
+    outs = [step(init_state(params, tx, seed=0), {k: jnp.asarray(v) for k, v in b.items()})
+            for b in (rb.to_train_batch(), rb.to_train_batch(rows))]
+
+    (s_pad, m_pad), (s_pack, m_pack) = outs
+    assert rows < rb.shape[0]
+    for k in ("loss", "tokens", "grad_norm", "clip_frac", "entropy", "ratio_mean"):
+        np.testing.assert_allclose(m_pack[k], m_pad[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
+                 s_pack.params, s_pad.params)
+
+
+def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
+    rb = build_rollout_batch(rollout(seed=2), length_buckets=(L,))
+    rl = dataclasses.replace(RLConfig(), advantage="drgrpo", kl_coef=0.5, kl_where="reward",
+                             kl_estimator="k1")
+
+    def advantages(rl, b):
+        ref = jnp.asarray(b["behaviour_logprobs"]) - 0.3 * jnp.asarray(b["loss_mask"])
+        return kl_reward_advantages(rl, jnp.asarray(rb.rewards_B), b["behaviour_logprobs"], ref,
+                                    b["loss_mask"], rb.group_size,
+                                    sample_ids_BxL=jnp.asarray(b["sample_ids"]))
+    padded, packed = rb.to_train_batch(), rb.to_train_batch(rb.packed_rows())
+
+    np.testing.assert_allclose(advantages(rl, packed), advantages(rl, padded), rtol=1e-6,
+                               atol=1e-6)
+    without = advantages(dataclasses.replace(rl, kl_coef=0.0), padded)
+    assert not np.allclose(advantages(rl, padded), without, atol=1e-3)  # the KL moved them
+
+
+def test_bucketed_step_refuses_row_counts_outside_its_buckets():
+    step = BucketedStep(lambda *a: None, {}, L, (4, 8), TRAIN_BATCH_DTYPES)
+
+    assert (step.rows_for(1), step.rows_for(5), step.rows_for(8)) == (4, 8, 8)
+    with pytest.raises(ValueError, match="9 rows exceeds the largest row bucket 8"):
+        step.rows_for(9)
+    with pytest.raises(ValueError, match=r"6 rows: the step is compiled for \(4, 8\)"):
+        step(None, {"input_ids": np.zeros((6, L), np.int32)})
