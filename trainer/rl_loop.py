@@ -305,6 +305,8 @@ class RLTrainer:
 
     def train_batch(self, rb: RolloutBatch) -> dict[str, jax.Array]:
         """The step's device batch; packed into the smallest row bucket that holds it."""
+        # TODO(meshrl): multi-host RL must agree on the row count (max over processes) before
+        # packing, or processes would run differently shaped steps (a collective hang).
         rows = self.step.rows_for(rb.packed_rows()) if self.config.rl.pack_sequences else None
         return put_batch(rb.to_train_batch(rows), self.host_batch_sh)
 
