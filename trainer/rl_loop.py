@@ -16,9 +16,8 @@ jitted step, read the previous step's metrics, hand the new params to the sample
 the event loop), and every ``checkpoint.publish_every`` steps and at checkpoints publish the
 Orbax weight version ``<workdir>/weights/<v + 1>``.
 
-Packing (``rl.pack_sequences``): the step's sequences are packed into rows of
-``trainer.seq_len`` (``RolloutBatch.to_train_batch(rows)``), the row count rounded up to a
-quarter of the batch; ``BucketedStep`` holds one compiled step per row count.
+Packing (``rl.pack_sequences``): sequences share rows of ``trainer.seq_len``; the row count is
+rounded up to a quarter of the batch, and ``BucketedStep`` compiles one step per row count.
 
 Proximal logprobs: every rollout batch gets exactly one optimizer step, so the proximal policy
 of decoupled PPO is the current (pre-update) policy, and ``make_rl_loss_fn``'s default
@@ -305,8 +304,7 @@ class RLTrainer:
 
     def train_batch(self, rb: RolloutBatch) -> dict[str, jax.Array]:
         """The step's device batch; packed into the smallest row bucket that holds it."""
-        # TODO(meshrl): multi-host RL must agree on the row count (max over processes) before
-        # packing, or processes would run differently shaped steps (a collective hang).
+        # TODO(meshrl): multi-host RL must agree on the row count (max over processes) first.
         rows = self.step.rows_for(rb.packed_rows()) if self.config.rl.pack_sequences else None
         return put_batch(rb.to_train_batch(rows), self.host_batch_sh)
 
