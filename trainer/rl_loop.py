@@ -305,7 +305,7 @@ class RLTrainer:
     def train_batch(self, rb: RolloutBatch) -> dict[str, jax.Array]:
         """The step's device batch; packed into the smallest row bucket that holds it."""
         # TODO(meshrl): multi-host RL must agree on the row count (max over processes) first.
-        rows = self.step.rows_for(rb.packed_rows()) if self.config.rl.pack_sequences else None
+        rows = self.step.buckets if self.config.rl.pack_sequences else None
         return put_batch(rb.to_train_batch(rows), self.host_batch_sh)
 
     def precompile(self) -> None:

@@ -132,14 +132,6 @@ class BucketedStep:
         self.buckets, self.dtypes = tuple(sorted(buckets)), dict(dtypes)
         self._compiled: dict[int, Any] = {}
 
-    def rows_for(self, need: int) -> int:
-        """The smallest bucket of at least ``need`` rows."""
-        for rows in self.buckets:
-            if rows >= need:
-                return rows
-        raise ValueError(f"a batch of {need} rows exceeds the largest row bucket "
-                         f"{self.buckets[-1]}")
-
     def compiled(self, state: Any, rows: int) -> Any:
         fn = self._compiled.get(rows)
         if fn is None:

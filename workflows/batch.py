@@ -88,14 +88,15 @@ class RolloutBatch:
     def shape(self) -> tuple[int, int]:
         return self.tokens_BxL.shape
 
-    def to_train_batch(self, rows: int | None = None) -> dict[str, np.ndarray]:
+    def to_train_batch(self, rows: int | Sequence[int] | None = None) -> dict[str, np.ndarray]:
         """Target-aligned ``[rows, L]`` arrays for the trainer's step (see ``make_rl_loss_fn``):
         ``input_ids, targets, loss_mask, positions, segment_ids, behaviour_logprobs, advantages,
         versions, sample_ids``. Per-token fields describe the *target* token of each position;
         ``sample_ids`` is the row of this batch the token comes from (-1 on padding).
 
         ``rows=None``: one sequence per row (rows = B). Otherwise the sequences are packed into
-        ``rows`` rows (at least ``packed_rows()``) as ``pack_rows`` places them: each keeps its
+        ``rows`` rows (at least ``packed_rows()``), or into the smallest of the row counts
+        ``rows`` that holds them, as ``pack_rows`` places them: each keeps its
         positions 0..n-1 and gets a segment id of its own within its row, so attention and the
         per-sequence terms of the loss never mix two sequences."""
         B, L = self.shape
@@ -144,14 +145,16 @@ def pack_rows(lengths: Sequence[int], row_len: int) -> list[int]:
     return row_of
 
 
-def _pack(padded: dict[str, np.ndarray], lengths: list[int], rows: int, pad_id: int
-          ) -> dict[str, np.ndarray]:
+def _pack(padded: dict[str, np.ndarray], lengths: list[int], rows: int | Sequence[int],
+          pad_id: int) -> dict[str, np.ndarray]:
     """Copy each sequence's first n positions of every padded key to its packed place."""
     B, L = padded["input_ids"].shape
     row_of = pack_rows(lengths, L)
     need = 1 + max(row_of, default=-1)
-    if rows < need:
+    fits = [r for r in ([rows] if isinstance(rows, int) else rows) if r >= need]
+    if not fits:
         raise ValueError(f"{B} sequences need {need} rows of {L} tokens; got rows = {rows}")
+    rows = min(fits)
     fill = {"input_ids": pad_id, "targets": pad_id, "versions": -1, "sample_ids": -1}
     out = {k: np.full((rows, L), fill.get(k, 0), v.dtype) for k, v in padded.items()}
     used, count = [0] * rows, [0] * rows

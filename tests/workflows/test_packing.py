@@ -135,8 +135,14 @@ def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
 def test_bucketed_step_refuses_row_counts_outside_its_buckets():
     step = BucketedStep(lambda *a: None, {}, L, (4, 8), TRAIN_BATCH_DTYPES)
 
-    assert (step.rows_for(1), step.rows_for(5), step.rows_for(8)) == (4, 8, 8)
-    with pytest.raises(ValueError, match="9 rows exceeds the largest row bucket 8"):
-        step.rows_for(9)
     with pytest.raises(ValueError, match=r"6 rows: the step is compiled for \(4, 8\)"):
         step(None, {"input_ids": np.zeros((6, L), np.int32)})
+
+
+def test_to_train_batch_packs_into_the_smallest_row_count_that_holds_the_batch():
+    rb = build_rollout_batch(rollout(), length_buckets=(L,))
+    need = rb.packed_rows()
+
+    assert rb.to_train_batch((need - 1, need + 2, need + 5))["input_ids"].shape == (need + 2, L)
+    with pytest.raises(ValueError, match=f"need {need} rows"):
+        rb.to_train_batch((need - 2, need - 1))
