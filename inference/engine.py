@@ -32,6 +32,7 @@ from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import programs
 from meshrl.inference import weights as wts
 from meshrl.inference.programs import MAX_STOP_IDS, SlotState
+from meshrl.inference.requests import Completion, Request, Round, bucket_for, buckets_up_to
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
@@ -40,51 +41,6 @@ log = get_logger("inference")
 
 _REASONS = {programs.STOP: "stop", programs.LENGTH: "length"}
 SPLIT_CALL_OVERHEAD = 1 << 20
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation request; None fields fall back to the SamplerConfig defaults."""
-
-    prompt_ids: Sequence[int]
-    max_new_tokens: int | None = None
-    temperature: float | None = None
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int = 0
-    stop_ids: Sequence[int] = ()
-    id: Any = None
-
-
-@dataclasses.dataclass
-class Completion:
-    request: Request
-    tokens: list[int]
-    logprobs: list[float]  # under the (temperature/top-k/top-p) distribution sampled from
-    raw_logprobs: list[float]  # log_softmax of the model's logits
-    versions: list[int]  # weight version that produced each generated token
-    finish_reason: str = ""  # "stop" | "length"
-
-    @property
-    def token_versions(self) -> list[int]:
-        """Versions over prompt + completion; prompt tokens carry -1."""
-        return [-1] * len(self.request.prompt_ids) + self.versions
-
-
-def _buckets_up_to(n: int, start: int) -> tuple[int, ...]:
-    out = {n}
-    b = start
-    while b < n:
-        out.update(x for x in (b, b * 3 // 2) if x < n)
-        b *= 2
-    return tuple(sorted(out))
-
-
-def _bucket(n: int, buckets: Sequence[int]) -> int:
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
 class Sampler:
@@ -110,8 +66,8 @@ class Sampler:
         self._copy_cast = wts.make_copy_cast(
             self._shardings, {k: v.dtype for k, v in self._expected.items()})
         S, T = cfg.slots, cfg.max_len
-        self.prompt_buckets = tuple(cfg.prompt_buckets) or _buckets_up_to(T - 1, 16)
-        self.window_buckets = _buckets_up_to(T, 32)
+        self.prompt_buckets = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
+        self.window_buckets = buckets_up_to(T, 32)
         pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
         # Prefill cost grows with the padded batch: 1.5x steps keep the padding under 50%.
         self.insert_buckets = tuple(insert_buckets or sorted(
@@ -141,6 +97,7 @@ class Sampler:
         self._queue: collections.deque[Request] = collections.deque()
         self._slot_out: list[Completion | None] = [None] * S
         self._stale_slots: set[int] = set()
+        self._inflight: Round | None = None  # dispatched, not read back yet
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self.params: nnx.State | None = None
@@ -179,7 +136,7 @@ class Sampler:
 
     def window_for(self, max_pos: int) -> int:
         """Cache window for a chunk whose largest active position is ``max_pos``."""
-        return _bucket(min(max_pos + self.cfg.decode_chunk, self.cfg.max_len),
+        return bucket_for(min(max_pos + self.cfg.decode_chunk, self.cfg.max_len),
                        self.window_buckets)
 
     # ---- weights -------------------------------------------------------------------------
@@ -240,29 +197,57 @@ class Sampler:
             raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
 
     def has_work(self) -> bool:
-        return bool(self._queue) or any(c is not None for c in self._slot_out)
+        return (bool(self._queue) or self._inflight is not None
+                or any(c is not None for c in self._slot_out))
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
         """Run requests to completion with continuous batching; results in request order."""
         ids = [self.submit(r) for r in requests]
         done: dict[Any, Completion] = {}
-        while len(done) < len(ids):
+        while len(done) < len(ids) or self._inflight is not None:
             for c in self.step():
                 done[c.request.id] = c
         return [done[i] for i in ids]
 
     def step(self) -> list[Completion]:
-        """One scheduling round: refresh stale caches, refill free slots, one decode chunk."""
+        """One scheduling round: refresh stale caches, refill free slots, dispatch one decode
+        chunk, then read back the *previous* round.
+
+        Overlap scheduling: the host reads and bookkeeps round k while the device computes
+        round k + 1, so the device does not idle on host work between chunks. Round k + 1 is
+        planned before round k's tokens are known: its cache window allows for the tokens in
+        flight, a slot certain to hit its length limit in round k is left out, and a slot that
+        stops on a stop id in round k decodes one chunk as an inactive row (it emits nothing).
+        """
         with self._lock:
             if self.params is None:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
             finished: list[Completion] = []
-            if self._stale_slots:
+            if self._stale_slots:  # re-prefill needs every token, the in-flight ones included
+                finished += self._read(self._take_inflight())
                 self._recompute()
-            finished += self._admit()
-            if any(c is not None for c in self._slot_out):
-                finished += self._decode_chunk()
-            return finished
+            rnd = Round(self.version, self._admit())
+            plan = self._plannable()
+            if plan:
+                self._dispatch_chunk(rnd, plan)
+            prev, self._inflight = self._inflight, (rnd if rnd.admitted or rnd.calls else None)
+            return finished + self._read(prev)
+
+    def _take_inflight(self) -> Round | None:
+        rnd, self._inflight = self._inflight, None
+        return rnd
+
+    def _read(self, rnd: Round | None) -> list[Completion]:
+        """Read back one round (one transfer) and apply it: first tokens, then the chunk."""
+        if rnd is None:
+            return []
+        got_admitted, got_chunk = jax.device_get(([o for o, _ in rnd.admitted], rnd.outs))
+        finished: list[Completion] = []
+        for (_, comps), out in zip(rnd.admitted, got_admitted):
+            finished += self._first_tokens(comps, *out)
+        for comps, out in zip(rnd.rows, got_chunk):
+            finished += self._collect(comps, rnd.version, *out)
+        return finished
 
     def _settings(self, reqs: Sequence[Request | None], n: int) -> dict[str, np.ndarray]:
         c = self.cfg
@@ -286,7 +271,8 @@ class Sampler:
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
                      reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
-                     ) -> tuple[np.ndarray, ...]:
+                     ) -> tuple[jax.Array, ...]:
+        """Dispatch one prefill; returns its (not yet read) outputs."""
         S = self.cfg.slots
         tokens_NxP = np.zeros((n, bucket), np.int32)
         lens_N = np.ones((n,), np.int32)
@@ -297,9 +283,11 @@ class Sampler:
         self.cache, self.state, out = self._prefill(
             self.params, self.cache, self.state, tokens_NxP, lens_N, slots_N,
             self._settings(reqs, n), resample=resample)
-        return tuple(jax.device_get(out))
+        return out
 
-    def _admit(self) -> list[Completion]:
+    def _admit(self) -> list[tuple[tuple[jax.Array, ...], list[Completion]]]:
+        """Prefill queued requests into free slots. Returns each prefill's pending outputs with
+        the completions it starts; they hold a placeholder first token until ``_first_tokens``."""
         free = [s for s, c in enumerate(self._slot_out) if c is None]
         take = min(len(free), len(self._queue))
         if not take:
@@ -307,35 +295,68 @@ class Sampler:
         by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
         for s in free[:take]:
             r = self._queue.popleft()
-            by_bucket[_bucket(len(r.prompt_ids), self.prompt_buckets)].append((s, r))
-        finished = []
+            by_bucket[bucket_for(len(r.prompt_ids), self.prompt_buckets)].append((s, r))
+        admitted = []
         for bucket, group in by_bucket.items():
             for lo in range(0, len(group), self.insert_buckets[-1]):
                 part = group[lo:lo + self.insert_buckets[-1]]
-                n = _bucket(len(part), self.insert_buckets)
+                n = bucket_for(len(part), self.insert_buckets)
                 reqs = [r for _, r in part]
-                tok, lp, raw, active, reason = self._run_prefill(
-                    [r.prompt_ids for r in reqs], [s for s, _ in part], reqs, bucket, n, True)
-                for i, (s, r) in enumerate(part):
-                    c = Completion(r, [int(tok[i])], [float(lp[i])], [float(raw[i])],
-                                   [self.version])
-                    if active[i]:
-                        self._slot_out[s] = c
-                    else:
-                        c.finish_reason = _REASONS[int(reason[i])]
-                        finished.append(c)
+                out = self._run_prefill([r.prompt_ids for r in reqs], [s for s, _ in part], reqs,
+                                        bucket, n, True)
+                comps = [Completion(r, [-1], [0.0], [0.0], [self.version]) for r in reqs]
+                for (s, _), c in zip(part, comps):
+                    self._slot_out[s] = c
+                admitted.append((out, comps))
+        return admitted
+
+    def _first_tokens(self, comps: Sequence[Completion], tok_N: np.ndarray, lp_N: np.ndarray,
+                      raw_N: np.ndarray, active_N: np.ndarray, reason_N: np.ndarray,
+                      ) -> list[Completion]:
+        """Fill in the first tokens of admitted completions; retire those already finished."""
+        finished = []
+        for i, c in enumerate(comps):
+            c.tokens[0], c.logprobs[0], c.raw_logprobs[0] = \
+                int(tok_N[i]), float(lp_N[i]), float(raw_N[i])
+            if not active_N[i]:
+                c.finish_reason = _REASONS[int(reason_N[i])]
+                self._free(c)
+                finished.append(c)
         return finished
 
+    def _free(self, c: Completion) -> None:
+        """Empty the slot holding ``c`` (slot swaps may have moved it since it was dispatched)."""
+        self._slot_out[next(s for s, x in enumerate(self._slot_out) if x is c)] = None
+
+    def _in_flight_chunk(self, c: Completion) -> bool:
+        return self._inflight is not None and id(c) in self._inflight.decoding
+
     def _pos(self, slot: int) -> int:
-        """Position of the token slot ``slot`` feeds next (its last sampled one)."""
+        """Upper bound on the position of the token slot ``slot`` feeds next: its last known
+        token's, plus the tokens a chunk still in flight may add."""
         c = self._slot_out[slot]
-        return len(c.request.prompt_ids) + len(c.tokens) - 1
+        ahead = self.cfg.decode_chunk if self._in_flight_chunk(c) else 0
+        return len(c.request.prompt_ids) + len(c.tokens) - 1 + ahead
+
+    def _plannable(self) -> list[int]:
+        """Live slots that may still decode after the chunk in flight (the host knows each
+        request's length limits, not whether a stop id comes)."""
+        out = []
+        for s, c in enumerate(self._slot_out):
+            if c is None:
+                continue
+            max_new = c.request.max_new_tokens or self.cfg.max_new_tokens
+            last_pos = len(c.request.prompt_ids) + len(c.tokens) - 1
+            left = min(max_new - len(c.tokens), self.cfg.max_len - 1 - last_pos)
+            if left > (self.cfg.decode_chunk if self._in_flight_chunk(c) else 0):
+                out.append(s)
+        return out
 
     def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Exchange cache, device state and host records of each (a, b) slot pair."""
         S = self.cfg.slots
         # Padding pairs (index S) still gather a whole slot each: pad only to a bucket.
-        m = _bucket(max(len(pairs), 1), self.swap_buckets)
+        m = bucket_for(max(len(pairs), 1), self.swap_buckets)
         a_M, b_M = np.full((m,), S, np.int32), np.full((m,), S, np.int32)
         for i, (x, y) in enumerate(pairs):
             a_M[i], b_M[i] = x, y
@@ -353,7 +374,7 @@ class Sampler:
             outgoing = [s for s in range(rows) if s not in keep_set]
             self._swap_slots(list(zip(incoming, outgoing)))
 
-    def _plan_chunk(self) -> list[tuple[int, int, int]]:
+    def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
         """(lo, rows, window) of each decode call of the next chunk.
 
         Few live sequences: one call on the smallest row bucket holding them, packed low. Else,
@@ -362,9 +383,8 @@ class Sampler:
         attends over their own, shorter window (see ``_split_pays``).
         """
         S = self.cfg.slots
-        live = [s for s, c in enumerate(self._slot_out) if c is not None]
         pos = {s: self._pos(s) for s in live}
-        rows = _bucket(len(live), self.row_buckets)
+        rows = bucket_for(len(live), self.row_buckets)
         if rows < S:
             self._gather_low(live, rows)
             return [(0, rows, self.window_for(max(pos.values())))]
@@ -387,38 +407,37 @@ class Sampler:
         saved = saved_rows * (w_long - w_rest) * self._entry_size
         return saved > self._weights_size + self.split_call_overhead
 
-    def _decode_chunk(self) -> list[Completion]:
-        calls = self._plan_chunk()
-        outs = []
-        for lo, rows, window in calls:
+    def _dispatch_chunk(self, rnd: Round, live: list[int]) -> None:
+        """Dispatch the decode calls of one chunk over ``live`` into ``rnd``."""
+        rnd.calls = self._plan_chunk(live)
+        for lo, rows, window in rnd.calls:
             self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
                                                        window=window, rows=rows, lo=lo)
-            outs.append(out)
-        finished = []
-        for (lo, _, _), out in zip(calls, jax.device_get(outs)):
-            finished += self._collect(lo, *out)
-        return finished
+            rnd.outs.append(out)
+            rnd.rows.append(self._slot_out[lo:lo + rows])
+        rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}
 
-    def _collect(self, lo: int, tok_BxC: np.ndarray, lp_BxC: np.ndarray, raw_BxC: np.ndarray,
-                 active_B: np.ndarray, reason_B: np.ndarray) -> list[Completion]:
-        """Append one decode call's outputs (rows = slots lo, lo + 1, ...) to the completions."""
+    def _collect(self, comps: Sequence[Completion | None], version: int, tok_BxC: np.ndarray,
+                 lp_BxC: np.ndarray, raw_BxC: np.ndarray, active_B: np.ndarray,
+                 reason_B: np.ndarray) -> list[Completion]:
+        """Append one decode call's outputs (row r: ``comps[r]``, as dispatched) to the
+        completions; rows whose completion had already finished emit nothing and are skipped."""
         # A slot's tokens are a prefix of its row (it never reactivates within a chunk): list
         # slicing, since per-row numpy ops cost more host time than a small model's chunk.
         n_B = (tok_BxC >= 0).sum(axis=1).tolist()
         toks, lps, raws, active = tok_BxC.tolist(), lp_BxC.tolist(), raw_BxC.tolist(), \
             active_B.tolist()
         finished = []
-        for r, n in enumerate(n_B):
-            c = self._slot_out[lo + r]
-            if c is None:
+        for r, (c, n) in enumerate(zip(comps, n_B)):
+            if c is None or c.finish_reason:
                 continue
             c.tokens += toks[r][:n]
             c.logprobs += lps[r][:n]
             c.raw_logprobs += raws[r][:n]
-            c.versions += [self.version] * n
+            c.versions += [version] * n
             if not active[r]:
                 c.finish_reason = _REASONS[int(reason_B[r])]
-                self._slot_out[lo + r] = None
+                self._free(c)
                 finished.append(c)
         return finished
 
@@ -431,13 +450,13 @@ class Sampler:
         by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
         for s, c in live:
             prefix = list(c.request.prompt_ids) + c.tokens[:-1]
-            by_bucket[_bucket(len(prefix), self.recompute_buckets)].append((s, prefix))
+            by_bucket[bucket_for(len(prefix), self.recompute_buckets)].append((s, prefix))
         step = self.insert_buckets[-1]
         for bucket, group in by_bucket.items():
             for lo in range(0, len(group), step):
                 part = group[lo:lo + step]
                 self._run_prefill([p for _, p in part], [s for s, _ in part], [], bucket,
-                                  _bucket(len(part), self.insert_buckets), False)
+                                  bucket_for(len(part), self.insert_buckets), False)
 
     @property
     def recompute_buckets(self) -> tuple[int, ...]:

@@ -81,17 +81,17 @@ def test_decoding_goes_on_while_an_update_waits_for_its_weights(tiny_params, mon
     engine = AsyncEngine(make_sampler(params, max_len=64, decode_chunk=2))
     sampler = engine.sampler
     release, chunks = threading.Event(), []
-    prepare, decode = sampler.prepare_weights, sampler._decode_chunk
+    prepare, decode = sampler.prepare_weights, sampler._dispatch_chunk
 
     def slow_prepare(p):
         release.wait(timeout=30)
         return prepare(p)
 
-    def counting_decode():
+    def counting_decode(*args):
         chunks.append(sampler.version)
-        return decode()
+        return decode(*args)
     monkeypatch.setattr(sampler, "prepare_weights", slow_prepare)
-    monkeypatch.setattr(sampler, "_decode_chunk", counting_decode)
+    monkeypatch.setattr(sampler, "_dispatch_chunk", counting_decode)
 
     async def main():
         task = asyncio.create_task(engine.agenerate(Request(PROMPTS[0], max_new_tokens=40)))

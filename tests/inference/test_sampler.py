@@ -87,7 +87,7 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     compiled = sampler.compile_count()
     plans = []
     plan_chunk = sampler._plan_chunk
-    sampler._plan_chunk = lambda: plans.append(plan_chunk()) or plans[-1]
+    sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
 
     outs = sampler.generate(requests)
     sampler._split = False  # reference: every 8-row chunk decodes over one window
@@ -215,3 +215,39 @@ def test_invalid_prompt_length_is_rejected(tiny_params):
     sampler = make_sampler(params)
     with pytest.raises(ValueError, match="prompt length 17"):
         sampler.submit(Request(list(range(17))))
+
+
+def test_request_ended_by_its_first_token_finishes_beside_decoding_slots(tiny_params):
+    # Admission and the chunk share one readback: a request whose first token ends it must
+    # finish with exactly that token while the requests admitted with it keep decoding.
+    graphdef, params = tiny_params
+    prompts = _prompts(3, seed=5)
+    refs = [reference_greedy(graphdef, params, p, 6)[0] for p in prompts]
+    sampler = make_sampler(params)
+
+    outs = sampler.generate([Request(prompts[0], max_new_tokens=1),
+                             Request(prompts[1], max_new_tokens=6),
+                             Request(prompts[2], max_new_tokens=20, stop_ids=(refs[2][0],))])
+
+    assert [o.tokens for o in outs] == [refs[0][:1], refs[1], refs[2][:1]]
+    assert [o.finish_reason for o in outs] == ["length", "length", "stop"]
+    assert all(c is None for c in sampler._slot_out)
+
+
+def test_next_chunk_is_dispatched_before_the_previous_one_is_read(tiny_params):
+    # Overlap scheduling: the device gets round k + 1 before the host reads round k, and a
+    # request certain to end by length inside the chunk in flight is not decoded again.
+    graphdef, params = tiny_params
+    prompt = _prompts(1, seed=7)[0]
+    ref, _ = reference_greedy(graphdef, params, prompt, 13)
+    sampler = make_sampler(params)  # decode_chunk 4: first token + 3 chunks make 13
+    events = []
+    dispatch, read = sampler._dispatch_chunk, sampler._read
+    sampler._dispatch_chunk = lambda rnd, live: events.append("dispatch") or dispatch(rnd, live)
+    sampler._read = lambda rnd: (rnd is not None and events.append("read")) or read(rnd)
+
+    out = sampler.generate([Request(prompt, max_new_tokens=13)])[0]
+
+    assert out.tokens == ref and out.finish_reason == "length"
+    assert events == ["dispatch", "dispatch", "read", "dispatch", "read", "read"]
+    assert not sampler.has_work()
