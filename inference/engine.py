@@ -3,7 +3,8 @@
 Device state is one ``SlotState`` (per-slot token, position, flags, sampling settings) plus the
 ``slots x max_len`` KV cache. Host code only decides *which* compiled variant runs next (prompt
 bucket, insert-batch bucket, cache window) from host-side lengths it already knows, and reads
-each chunk's outputs once after the chunk: one device->host transfer per ``decode_chunk`` steps.
+each round's outputs (admission prefills and one chunk) in one device->host transfer per
+``decode_chunk`` steps, one round late: the next round is already dispatched (``step``).
 
 Decode cost follows the attended length: the model's cache path attends over every entry of the
 cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the smallest window
@@ -47,8 +48,10 @@ class Sampler:
     """Continuous-batching sampler over its own mesh (params tensor-parallel, slots over data).
 
     ``generate(requests)`` is the synchronous API; ``submit`` + ``step`` drive the loop one
-    chunk at a time (the async facade runs them in a thread). ``update_weights`` may land
-    between chunks: in-flight slots are re-prefilled under the new version.
+    chunk at a time (the async facade runs them in a thread): ``step`` returns what finished in
+    the round read back, one round behind the one it dispatches, so drive it while
+    ``has_work()``. ``update_weights`` may land between chunks: in-flight slots are
+    re-prefilled under the new version.
     """
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
@@ -226,7 +229,7 @@ class Sampler:
             if self._stale_slots:  # re-prefill needs every token, the in-flight ones included
                 finished += self._read(self._take_inflight())
                 self._recompute()
-            rnd = Round(self.version, self._admit())
+            rnd = Round(self.version, self._admit(self._ending()))
             plan = self._plannable()
             if plan:
                 self._dispatch_chunk(rnd, plan)
@@ -285,10 +288,13 @@ class Sampler:
             self._settings(reqs, n), resample=resample)
         return out
 
-    def _admit(self) -> list[tuple[tuple[jax.Array, ...], list[Completion]]]:
-        """Prefill queued requests into free slots. Returns each prefill's pending outputs with
-        the completions it starts; they hold a placeholder first token until ``_first_tokens``."""
-        free = [s for s, c in enumerate(self._slot_out) if c is None]
+    def _admit(self, ending: Sequence[int] = ()) -> list[tuple[tuple[jax.Array, ...],
+                                                             list[Completion]]]:
+        """Prefill queued requests into free slots and the ``ending`` ones (their sequence ends
+        in the round in flight; the prefill runs after it). Returns each prefill's pending
+        outputs with the completions it starts, whose first token is a placeholder until
+        ``_first_tokens``."""
+        free = sorted([s for s, c in enumerate(self._slot_out) if c is None] + list(ending))
         take = min(len(free), len(self._queue))
         if not take:
             return []
@@ -325,32 +331,43 @@ class Sampler:
         return finished
 
     def _free(self, c: Completion) -> None:
-        """Empty the slot holding ``c`` (slot swaps may have moved it since it was dispatched)."""
-        self._slot_out[next(s for s, x in enumerate(self._slot_out) if x is c)] = None
+        """Empty the slot holding ``c``, if a new request has not taken it over already (slot
+        swaps may have moved it since it was dispatched)."""
+        for s, x in enumerate(self._slot_out):
+            if x is c:
+                self._slot_out[s] = None
+                return
 
     def _in_flight_chunk(self, c: Completion) -> bool:
         return self._inflight is not None and id(c) in self._inflight.decoding
+
+    def _left(self, c: Completion) -> int:
+        """Tokens ``c`` may still produce after its last known one (its length limits)."""
+        max_new = c.request.max_new_tokens or self.cfg.max_new_tokens
+        last_pos = len(c.request.prompt_ids) + len(c.tokens) - 1
+        return min(max_new - len(c.tokens), self.cfg.max_len - 1 - last_pos)
+
+    def _ahead(self, c: Completion) -> int:
+        """Most tokens the chunk in flight may add to ``c``."""
+        return min(self.cfg.decode_chunk, self._left(c)) if self._in_flight_chunk(c) else 0
 
     def _pos(self, slot: int) -> int:
         """Upper bound on the position of the token slot ``slot`` feeds next: its last known
         token's, plus the tokens a chunk still in flight may add."""
         c = self._slot_out[slot]
-        ahead = self.cfg.decode_chunk if self._in_flight_chunk(c) else 0
-        return len(c.request.prompt_ids) + len(c.tokens) - 1 + ahead
+        return len(c.request.prompt_ids) + len(c.tokens) - 1 + self._ahead(c)
 
     def _plannable(self) -> list[int]:
-        """Live slots that may still decode after the chunk in flight (the host knows each
+        """Live slots that may still decode after the round in flight (the host knows each
         request's length limits, not whether a stop id comes)."""
-        out = []
-        for s, c in enumerate(self._slot_out):
-            if c is None:
-                continue
-            max_new = c.request.max_new_tokens or self.cfg.max_new_tokens
-            last_pos = len(c.request.prompt_ids) + len(c.tokens) - 1
-            left = min(max_new - len(c.tokens), self.cfg.max_len - 1 - last_pos)
-            if left > (self.cfg.decode_chunk if self._in_flight_chunk(c) else 0):
-                out.append(s)
-        return out
+        return [s for s, c in enumerate(self._slot_out)
+                if c is not None and self._left(c) > self._ahead(c)]
+
+    def _ending(self) -> list[int]:
+        """Live slots whose sequence certainly ends, by length, in the round in flight: a new
+        request may take them over now instead of one round later."""
+        return [s for s, c in enumerate(self._slot_out)
+                if c is not None and self._left(c) <= self._ahead(c)]
 
     def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Exchange cache, device state and host records of each (a, b) slot pair."""

@@ -251,3 +251,21 @@ def test_next_chunk_is_dispatched_before_the_previous_one_is_read(tiny_params):
     assert out.tokens == ref and out.finish_reason == "length"
     assert events == ["dispatch", "dispatch", "read", "dispatch", "read", "read"]
     assert not sampler.has_work()
+
+
+def test_slot_ending_by_length_in_flight_is_refilled_without_an_idle_round(tiny_params):
+    # One slot, two requests of 1 + 4 tokens (one chunk): B is admitted while A's last chunk is
+    # still in flight, because A certainly ends there; B's prefill runs after that chunk.
+    graphdef, params = tiny_params
+    prompts = _prompts(2, seed=9)
+    refs = [reference_greedy(graphdef, params, p, 5)[0] for p in prompts]
+    sampler = make_sampler(params, slots=1)
+    events = []
+    dispatch, read = sampler._dispatch_chunk, sampler._read
+    sampler._dispatch_chunk = lambda rnd, live: events.append("dispatch") or dispatch(rnd, live)
+    sampler._read = lambda rnd: (rnd is not None and events.append("read")) or read(rnd)
+
+    outs = sampler.generate([Request(p, max_new_tokens=5) for p in prompts])
+
+    assert [o.tokens for o in outs] == refs
+    assert events == ["dispatch", "dispatch", "read", "read"]
