@@ -33,7 +33,14 @@ from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import programs
 from meshrl.inference import weights as wts
 from meshrl.inference.programs import MAX_STOP_IDS, SlotState
-from meshrl.inference.requests import Completion, Request, Round, bucket_for, buckets_up_to
+from meshrl.inference.requests import (
+    Completion,
+    Request,
+    Round,
+    bucket_for,
+    buckets_up_to,
+    slot_settings,
+)
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
@@ -252,26 +259,6 @@ class Sampler:
             finished += self._collect(comps, rnd.version, *out)
         return finished
 
-    def _settings(self, reqs: Sequence[Request | None], n: int) -> dict[str, np.ndarray]:
-        c = self.cfg
-        def pick(r: Request | None, name: str, default: Any) -> Any:
-            v = getattr(r, name) if r is not None else None
-            return default if v is None else v
-        stop_NxS = np.full((n, MAX_STOP_IDS), -1, np.int32)
-        for i, r in enumerate(reqs):
-            if r is not None and r.stop_ids:
-                stop_NxS[i, :len(r.stop_ids)] = r.stop_ids
-        rows = list(reqs) + [None] * (n - len(reqs))
-        return dict(
-            max_new_B=np.array([pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
-                               np.int32),
-            stop_BxS=stop_NxS,
-            temperature_B=np.array([pick(r, "temperature", c.temperature) for r in rows],
-                                   np.float32),
-            top_k_B=np.array([pick(r, "top_k", c.top_k) for r in rows], np.int32),
-            top_p_B=np.array([pick(r, "top_p", c.top_p) for r in rows], np.float32),
-            seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))
-
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
                      reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
                      ) -> tuple[jax.Array, ...]:
@@ -285,7 +272,7 @@ class Sampler:
             lens_N[i], slots_N[i] = len(seq), s
         self.cache, self.state, out = self._prefill(
             self.params, self.cache, self.state, tokens_NxP, lens_N, slots_N,
-            self._settings(reqs, n), resample=resample)
+            slot_settings(reqs, n, self.cfg), resample=resample)
         return out
 
     def _admit(self, ending: Sequence[int] = ()) -> list[tuple[tuple[jax.Array, ...],

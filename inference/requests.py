@@ -8,6 +8,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import numpy as np
+
+from meshrl.configs.schema import SamplerConfig
+from meshrl.inference.programs import MAX_STOP_IDS
 
 
 @dataclasses.dataclass
@@ -68,3 +72,25 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
         if b >= n:
             return b
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
+                  ) -> dict[str, np.ndarray]:
+    """Per-row sampling settings of ``n`` prefill rows (padding rows get the defaults)."""
+    def pick(r: Request | None, name: str, default: Any) -> Any:
+        v = getattr(r, name) if r is not None else None
+        return default if v is None else v
+    stop_NxS = np.full((n, MAX_STOP_IDS), -1, np.int32)
+    for i, r in enumerate(reqs):
+        if r is not None and r.stop_ids:
+            stop_NxS[i, :len(r.stop_ids)] = r.stop_ids
+    rows = list(reqs) + [None] * (n - len(reqs))
+    return dict(
+        max_new_B=np.array([pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
+                           np.int32),
+        stop_BxS=stop_NxS,
+        temperature_B=np.array([pick(r, "temperature", c.temperature) for r in rows],
+                               np.float32),
+        top_k_B=np.array([pick(r, "top_k", c.top_k) for r in rows], np.int32),
+        top_p_B=np.array([pick(r, "top_p", c.top_p) for r in rows], np.float32),
+        seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))
