@@ -7,15 +7,26 @@ and the reward has a fixed latency per call (a sleep in the reward worker). Sync
 for the longest completion and the slowest reward of every batch before the trainer starts;
 asynchronous RL keeps generating and scoring the next batches meanwhile. Both runs use the real
 job (``RLTrainer``: sampler, runner, reward pool, train step, weight handoff), with no SFT warm
-start and no evaluation. Steady-state throughput skips the first ``--warmup`` steps (compiles).
+start and no evaluation. Steady-state throughput skips the first ``--warmup`` steps and is
+measured over the rest: 90 steps by default, since a sync step lasts as long as its batch's
+longest completion and a few dozen steps sample the Pareto tail too thinly to compare.
 
 The two modes run ``--repeats`` times, interleaved (sync, async, sync, async, ...), so a noisy
 stretch of the machine hits both; the headline ``ratio`` is the median of the paired ratios, with
 the spread beside it. ``--reward-latency-ms`` and ``--reward-workers`` set the reward's latency
 (default 2 ms, a cheap local verifier) and the reward pool's size.
 
-  python benchmarks/rl_async.py            # ~7 minutes on 2 CPU cores
-  python benchmarks/rl_async.py --quick    # one pair, 12 steps
+Placement (``--placement``): ``split`` (default) gives the sampler one device and the trainer
+the rest (``rl.placement = "split"``), the disaggregated set-up asynchronous RL is built for
+(AReaL's): sync leaves each side idle while the other works, async keeps both busy. On a CPU
+host the script asks XLA for 2 host devices, so the two sides run as two concurrent programs.
+``colocated`` runs both on the same devices: there the device executes the train step and the
+decode calls one after another, and async can gain only the time sync leaves the device idle
+(reward latency, host work). Both modes of one run always share the placement.
+
+  python benchmarks/rl_async.py                          # ~14 minutes on 2 CPU cores
+  python benchmarks/rl_async.py --placement colocated
+  python benchmarks/rl_async.py --quick                  # one pair, 30 steps
 
 Last line: {"benchmark": "rl_async", "async_samples_s", "sync_samples_s", "ratio", "ratio_min",
 "ratio_max", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", ...} (medians over the
@@ -43,6 +54,7 @@ import numpy as np
 # Read in the reward workers: main() sets it before the pool's processes start.
 LATENCY_ENV = "MESHRL_BENCH_REWARD_LATENCY_S"
 LENGTH_CAP = 48
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def latency_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -70,11 +82,14 @@ class LongTailEngine:
             dataclasses.replace(request, max_new_tokens=max(n, 1), stop_ids=()))
 
 
-def make_config(max_staleness: int, steps: int, reward_workers: int = 2) -> Any:
+def make_config(max_staleness: int, steps: int, reward_workers: int = 2,
+                placement: str = "colocated") -> Any:
     from meshrl.configs.loader import base_config, from_config_dict
 
     cfg = base_config("rl")
     cfg.mesh.data = 1
+    cfg.rl.placement = placement
+    cfg.rl.sampler_devices = 1 if placement == "split" else 0
     cfg.model.vocab_size = 256
     cfg.model.hidden_size = 64
     cfg.model.intermediate_size = 172
@@ -109,14 +124,14 @@ def make_config(max_staleness: int, steps: int, reward_workers: int = 2) -> Any:
     return from_config_dict(cfg)
 
 
-def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int
-             ) -> dict[str, float]:
+def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
+             placement: str = "colocated") -> dict[str, float]:
     """One RL run; steady-state figures over the steps after ``warmup``: samples/s, the max
     staleness seen, mean ms per step waiting for the batch and on the trainer's path (batch
     build, train step, weight handoff), and the CPU cores the process kept busy."""
     from meshrl.trainer import rl_loop
 
-    config = make_config(max_staleness, steps, reward_workers)
+    config = make_config(max_staleness, steps, reward_workers, placement)
     with tempfile.TemporaryDirectory() as workdir:
         trainer = rl_loop.RLTrainer(config, workdir)
         try:
@@ -141,22 +156,39 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--reward-latency-ms", type=float, default=2.0)
     parser.add_argument("--reward-workers", type=int, default=2)
+    parser.add_argument("--placement", choices=("split", "colocated"), default="split")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    steps, repeats = (12, 1) if args.quick else (args.steps, args.repeats)
+    steps, repeats = (30, 1) if args.quick else (args.steps, args.repeats)
+    if not 0 <= args.warmup < steps:
+        parser.error(f"--warmup {args.warmup}: must be in [0, steps) with {steps} steps")
     os.environ[LATENCY_ENV] = str(args.reward_latency_ms / 1000.0)
+    # Before JAX starts: on a CPU host, one device each for the sampler and the trainer (the
+    # model's mesh is one device; colocated, it must be the only one).
+    n_host = 2 if args.placement == "split" else 1
+    flags = os.environ.get("XLA_FLAGS", "")
+    if HOST_DEVICES_FLAG in flags:
+        parser.error(f"XLA_FLAGS sets {HOST_DEVICES_FLAG}: unset it, the script asks for "
+                     f"{n_host} host device(s) itself")
+    os.environ["XLA_FLAGS"] = f"{flags} {HOST_DEVICES_FLAG}={n_host}"
+    import jax
+
+    if len(jax.devices()) != n_host:
+        parser.error(f"--placement {args.placement} needs {n_host} device(s) (one for the "
+                     f"model's mesh{', one for the sampler' if n_host == 2 else ''}), found "
+                     f"{len(jax.devices())} {jax.devices()[0].platform} devices")
     from meshrl.utils import log
 
     log.setup("WARNING")
     runs: dict[int, list[dict[str, float]]] = {0: [], 2: []}
     for r in range(repeats):
         for ms in (0, 2):
-            out = run_mode(ms, steps, args.warmup, args.reward_workers)
+            out = run_mode(ms, steps, args.warmup, args.reward_workers, args.placement)
             runs[ms].append(out)
             print(f"repeat {r}: max_staleness={ms}: {out['samples_s']:.1f} samples/s, max "
                   f"staleness seen {out['staleness_seen']}; per step {out['wait_ms']:.1f} ms "
@@ -182,7 +214,7 @@ def main() -> None:
                       "sync_cpu_cores": med(0, "cpu_cores", 2),
                       "async_cpu_cores": med(2, "cpu_cores", 2), "cores": cores,
                       "ratio_cpu_bound": round(cores / med(0, "cpu_cores", 3), 3),
-                      "repeats": repeats, "steps": steps,
+                      "placement": args.placement, "repeats": repeats, "steps": steps,
                       "warmup_steps": args.warmup,
                       "reward_latency_ms": args.reward_latency_ms,
                       "reward_workers": args.reward_workers}))

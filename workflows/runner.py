@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
+import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -58,7 +60,11 @@ class RolloutRunner:
         self.counters = counters if counters is not None else collections.Counter()
         self._next_group_id = first_group_id
         self._items: collections.deque[dict] = collections.deque()
-        self._queue: asyncio.Queue[Group | None] = asyncio.Queue()
+        # Finished groups, oldest generated token first (earliest staleness deadline first);
+        # ties in arrival order. Entries: (oldest version, arrival, group or None = end).
+        self._queue: asyncio.PriorityQueue[tuple[float, int, Group | None]] = (
+            asyncio.PriorityQueue())
+        self._arrival = itertools.count()
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._filler: asyncio.Task | None = None
@@ -102,7 +108,7 @@ class RolloutRunner:
         except BaseException as e:  # noqa: BLE001  (surface to the consumer, do not hang it)
             log.exception("rollout filler failed")
             self._error = e
-        self._queue.put_nowait(None)  # end of stream: wakes a waiting get_batch
+        self._put(None)  # end of stream (sorts last): wakes a waiting get_batch
 
     async def _run_group(self, item: dict, group_id: int) -> None:
         try:
@@ -118,19 +124,28 @@ class RolloutRunner:
             self.controller.on_reject()
         else:
             self.controller.on_accept()
-            self._queue.put_nowait(group)
+            self._put(group)
         self._wake.set()
+
+    def _put(self, group: Group | None) -> None:
+        oldest = math.inf if group is None else min(t.oldest_version for t in group)
+        self._queue.put_nowait((oldest, next(self._arrival), group))
 
     async def get_batch(self, version: int) -> list[Group]:
         """``controller.batch_size`` groups, none staler than allowed at ``version`` (stale ones
-        are dropped and counted). Raises PromptsExhaustedError at the end of the prompts."""
+        are dropped and counted). Raises PromptsExhaustedError at the end of the prompts.
+
+        Waiting groups are taken oldest token first, not in completion order: a long-tailed
+        group finishes late with old tokens, and taking it before fresher ones that can still
+        wait a version keeps it from going stale (earliest deadline first)."""
         self.controller.set_version(version)
         self._wake.set()  # a new version opens capacity
         out: list[Group] = []
         while len(out) < self.controller.batch_size:
-            group = await self._queue.get()
+            entry = await self._queue.get()
+            group = entry[2]
             if group is None:
-                self._queue.put_nowait(None)  # keep the end marker for later calls
+                self._queue.put_nowait(entry)  # keep the end marker for later calls
                 if self._error is not None:
                     raise RuntimeError("the rollout filler failed") from self._error
                 raise PromptsExhaustedError(

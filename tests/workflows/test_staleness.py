@@ -170,6 +170,29 @@ def test_slow_group_from_an_old_version_is_dropped_and_counted_not_trained_on():
     assert runner.metrics()["rollout/dropped_stale"] == 1.0
 
 
+def test_waiting_groups_are_taken_oldest_token_first():
+    # Groups finish in id order, but group 1 (a long tail started at version 1) is the one a
+    # later version would drop: it goes first, then group 2 (version 2), then arrival order.
+    oldest_by_id = {1: 1, 2: 2}
+
+    async def main():
+        async def group_fn(item, group_id):
+            return [traj([oldest_by_id.get(group_id, 3)] * 2)]
+
+        controller = StalenessController(batch_size=1, max_staleness=2, version=3)
+        runner = RolloutRunner(group_fn, iter(prompts(50)), controller)
+        runner.start()
+        while controller.accepted < 4:
+            await asyncio.sleep(0)
+        batches = [await runner.get_batch(3) for _ in range(4)]
+        await runner.stop()
+        return batches
+
+    batches = asyncio.run(main())
+
+    assert [min(t.oldest_version for t in b[0]) for b in batches] == [1, 2, 3, 3]
+
+
 def test_restored_runner_continues_without_over_admission():
     _, first, runner = asyncio.run(simulate(max_staleness=1, batch_size=2, steps=4))
     state = runner.state_dict()
