@@ -182,8 +182,11 @@ def test_waiting_groups_are_taken_oldest_token_first():
         controller = StalenessController(batch_size=1, max_staleness=2, version=3)
         runner = RolloutRunner(group_fn, iter(prompts(50)), controller)
         runner.start()
-        while controller.accepted < 4:
+        for _ in range(10_000):  # bounded: a broken runner fails the test, never hangs it
+            if controller.accepted >= 4:
+                break
             await asyncio.sleep(0)
+        assert controller.accepted >= 4, controller.accepted
         batches = [await runner.get_batch(3) for _ in range(4)]
         await runner.stop()
         return batches
