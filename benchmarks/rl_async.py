@@ -14,7 +14,8 @@ longest completion and a few dozen steps sample the Pareto tail too thinly to co
 The two modes run ``--repeats`` times, interleaved (sync, async, sync, async, ...), so a noisy
 stretch of the machine hits both; the headline ``ratio`` is the median of the paired ratios, with
 the spread beside it. ``--reward-latency-ms`` and ``--reward-workers`` set the reward's latency
-(default 2 ms, a cheap local verifier) and the reward pool's size.
+(default 2 ms, a cheap local verifier) and the reward pool's size. The sampler (96 slots, decode
+chunks of 4) packs live sequences into 12, 24, 48 or 96 rows (``sampler.decode_row_buckets``).
 
 Placement (``--placement``): ``split`` (default) gives the sampler one device and the trainer
 the rest (``rl.placement = "split"``), the disaggregated set-up asynchronous RL is built for
@@ -107,6 +108,10 @@ def make_config(max_staleness: int, steps: int, reward_workers: int = 2,
     cfg.sampler.prompt_buckets = (16,)
     cfg.sampler.slots = 96
     cfg.sampler.decode_chunk = 4
+    # Most of a group's samples end early and a few run long, so the live rows swing between a
+    # handful and a few dozen: doubling row buckets keep a chunk on at most ~2x its live rows
+    # (the automatic (12, 96) ran any chunk with 13+ live rows on all 96).
+    cfg.sampler.decode_row_buckets = (12, 24, 48)
     cfg.rollout.group_size = 4
     cfg.rollout.prompts_per_step = 8
     cfg.rollout.max_staleness = max_staleness

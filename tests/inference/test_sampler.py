@@ -72,6 +72,31 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     assert not np.asarray(sampler.state.active_B).any()  # moved-from slots were retired
 
 
+def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_rows(
+        tiny_params):
+    _, params = tiny_params
+    # Live counts fall from 9 to 1 as the budgets run out, one per chunk.
+    budgets = [4, 8, 12, 16, 20, 24, 28, 32, 40]
+    sampler = make_sampler(params, slots=16, max_len=64, max_new_tokens=40,
+                           decode_row_buckets=(2, 4, 8), decode_split_windows=False)
+    assert sampler.row_buckets == (2, 4, 8, 16)
+    solo = make_sampler(params, slots=16, max_len=64, max_new_tokens=40,
+                        decode_row_buckets=(16,))
+    plans: list[tuple[int, list]] = []
+    plan_chunk = sampler._plan_chunk
+    sampler._plan_chunk = lambda live: plans.append((len(live), plan_chunk(live))) or plans[-1][1]
+
+    outs = sampler.generate([Request(p, max_new_tokens=b)
+                             for p, b in zip(_prompts(9, seed=6), budgets)])
+
+    assert [len(o.tokens) for o in outs] == budgets
+    for p, b, out in zip(_prompts(9, seed=6), budgets, outs):
+        assert out.tokens == solo.generate([Request(p, max_new_tokens=b)])[0].tokens
+    assert {calls[0][1] for _, calls in plans} == {2, 4, 8, 16}
+    for live, calls in plans:
+        assert len(calls) == 1 and live <= calls[0][1] < max(2 * live, 3), (live, calls)
+
+
 def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tiny_params):
     _, params = tiny_params
     prompts = _prompts(30, seed=5)
