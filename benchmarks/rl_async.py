@@ -22,7 +22,8 @@ the rest (``rl.placement = "split"``), the disaggregated set-up asynchronous RL 
 (AReaL's): sync leaves each side idle while the other works, async keeps both busy. On a CPU
 host the script asks XLA for 2 host devices, so the two sides run as two concurrent programs.
 ``colocated`` runs both on the same devices: the train step and the decode calls share one
-device, and async gains mostly the time sync leaves it idle (reward latency, host work). Both modes of one run always share the placement.
+device, and async gains mostly the time sync leaves it idle (reward latency, host work). Both
+modes of one run always share the placement.
 
   python benchmarks/rl_async.py                          # ~14 minutes on 2 CPU cores
   python benchmarks/rl_async.py --placement colocated
