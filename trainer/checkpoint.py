@@ -1,21 +1,20 @@
 """The one canonical checkpoint path: Orbax ``CheckpointManager`` under ``<workdir>/checkpoints``.
 
 A checkpoint holds four items: ``state`` (the ``TrainState``), ``data`` (the data iterator's JSON
-state), ``config`` (the resolved config, JSON) and ``counters`` (JSON). Saves are async and keep
-the newest ``checkpoint.keep``.
+state), ``config`` (the resolved config, JSON) and ``counters`` (JSON). Saves are async (or
+awaited at once with ``checkpoint.async_save = False``) and keep the newest ``checkpoint.keep``.
 
-Integrity: once Orbax has finalised a step (its atomic rename), process 0 writes
-``meshrl_manifest.json`` into the step directory with the size and SHA-256 of every file. Resume
-walks steps newest first and loads only a step whose manifest exists and matches; a step that
-fails the check is logged, moved aside to ``corrupt.<step>.<time>`` (kept for inspection,
-invisible to Orbax) and the previous step is tried. A crash between Orbax's finalise and the
-manifest write therefore costs one checkpoint, never loads an unverified one. A verified step
-that still fails to restore is a config mismatch, not corruption: that raises
-``CheckpointMismatchError`` rather than discarding good checkpoints.
-
-Multi-host: every process verifies the same files (shared storage), so all pick the same step.
-TODO(meshrl): the quarantine rename runs on process 0 only, with no barrier before the other
-processes reload; untested beyond one process.
+Contract: a step directory ``<N>`` is complete and restorable, or absent. Process 0 writes
+``meshrl_manifest.json`` (size and SHA-256 of every file) into Orbax's temporary directory
+``<N>.orbax-checkpoint-tmp`` after the items are finalised and before Orbax's atomic rename, so
+a step becomes visible under its final name only with its integrity record. A kill at any moment
+leaves either the finished step or a temporary directory, which the next run deletes (never
+reported as corrupt). Steps past ``keep`` are renamed into ``deleted/`` before removal, so a kill
+mid-deletion never leaves a half-deleted step. Resume walks steps newest first; a step whose
+manifest is missing or does not match is moved aside to ``corrupt.<step>.<time>`` (the newest
+``keep`` of those are kept) and the previous step is tried. A verified step that still fails to
+restore does not fit this run: ``CheckpointMismatchError``, nothing discarded.
+Design notes: docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -24,20 +23,23 @@ import dataclasses
 import hashlib
 import json
 import pathlib
-import threading
+import shutil
 import time
 from typing import Any
 
 import orbax.checkpoint as ocp
 
 from meshrl.configs.schema import CheckpointConfig
+from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 
 MANIFEST = "meshrl_manifest.json"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
+DELETED = "deleted"  # Orbax renames steps past ``keep`` here before removing them
 _log = get_logger("trainer.checkpoint")
 
 
-class CheckpointMismatchError(RuntimeError):
+class CheckpointMismatchError(UserError, RuntimeError):
     """An intact checkpoint whose tree/shapes do not match the state being restored."""
 
 
@@ -58,16 +60,21 @@ def _hash_file(path: pathlib.Path) -> str:
     return h.hexdigest()
 
 
+# Orbax rewrites the step's own metadata (commit timestamp) after the manifest is written.
+_UNHASHED = {MANIFEST, "_CHECKPOINT_METADATA"}
+
+
 def _file_table(step_dir: pathlib.Path) -> dict[str, list[Any]]:
     return {str(p.relative_to(step_dir)): [p.stat().st_size, _hash_file(p)]
-            for p in sorted(step_dir.rglob("*")) if p.is_file() and p.name != MANIFEST}
+            for p in sorted(step_dir.rglob("*"))
+            if p.is_file() and str(p.relative_to(step_dir)) not in _UNHASHED}
 
 
 def verify_step_dir(step_dir: pathlib.Path) -> str | None:
     """``None`` when ``step_dir`` matches its manifest, else what is wrong."""
     manifest = step_dir / MANIFEST
     if not manifest.exists():
-        return "no manifest (the save never completed)"
+        return "no manifest (deleted, or not written by meshrl's checkpointer)"
     try:
         expected = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as e:
@@ -90,51 +97,54 @@ class Checkpointer:
         self.directory = pathlib.Path(directory).absolute()
         self._cfg = cfg
         self._primary = process_index == 0
-        self._lock = threading.Lock()
-        async_options = (ocp.AsyncOptions(post_finalization_callback=self._write_manifests)
-                         if cfg.async_save else None)
+        self._saving: int | None = None
+        # Always Orbax's async path: its post-finalisation callback is the one moment when the
+        # items are complete and the step is not yet visible; a sync save waits right away.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_save,
-            async_options=async_options)
+            max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
+            cleanup_tmp_directories=True, todelete_subdir=DELETED)
         self._mngr = ocp.CheckpointManager(self.directory, options=options,
                                            item_names=("state", "data", "config", "counters"))
+        self._empty_deleted()
 
-    def _step_dirs(self) -> list[pathlib.Path]:
-        if not self.directory.exists():
-            return []
-        return sorted((p for p in self.directory.iterdir() if p.is_dir() and p.name.isdigit()),
-                      key=lambda p: int(p.name))
+    def _empty_deleted(self) -> None:
+        """Finish removing steps past ``keep`` (a kill may have interrupted it)."""
+        trash = self.directory / DELETED
+        if self._primary and trash.exists():
+            shutil.rmtree(trash, ignore_errors=True)
 
-    def _write_manifests(self) -> None:
-        """Manifest every finalised step dir that lacks one (idempotent; runs after finalise)."""
-        if not self._primary:
+    def _write_manifest(self) -> None:
+        """Manifest the step being saved, inside its temporary directory (runs after Orbax
+        finalised the items, before its atomic rename)."""
+        step = self._saving
+        if not self._primary or step is None:
             return
-        with self._lock:
-            for step_dir in self._step_dirs():
-                if (step_dir / MANIFEST).exists():
-                    continue
-                try:
-                    table = _file_table(step_dir)
-                except FileNotFoundError:  # keep-N deleted it while we hashed
-                    continue
-                tmp = step_dir / (MANIFEST + ".tmp")
-                tmp.write_text(json.dumps({"step": int(step_dir.name), "files": table}))
-                tmp.replace(step_dir / MANIFEST)  # atomic: a manifest is whole or absent
+        step_dir = self.directory / f"{step}{TMP_SUFFIX}"
+        if not step_dir.exists():
+            raise RuntimeError(f"checkpoint step {step}: Orbax's temporary directory "
+                                  f"{step_dir} is missing at finalisation; cannot manifest it")
+        tmp = step_dir / (MANIFEST + ".tmp")
+        tmp.write_text(json.dumps({"step": step, "files": _file_table(step_dir)}))
+        tmp.replace(step_dir / MANIFEST)  # atomic: a manifest is whole or absent
 
     def save(self, step: int, state: Any, data_state: dict[str, Any],
              config_dict: dict[str, Any], counters: dict[str, Any]) -> None:
         """Start saving ``step`` (returns before the write finishes when async)."""
+        self._mngr.wait_until_finished()  # one save in flight: the callback knows its step
+        self._empty_deleted()
+        self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(config_dict), counters=ocp.args.JsonSave(counters)),
             force=True)
         if not self._cfg.async_save:
-            self._write_manifests()
+            self.wait()
 
     def wait(self) -> None:
-        """Block until every started save is durable and manifested."""
+        """Block until every started save is durable (and manifested)."""
         self._mngr.wait_until_finished()
-        self._write_manifests()
+        self._empty_deleted()
 
     def all_steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
@@ -145,8 +155,16 @@ class Checkpointer:
         if self._primary:
             src = self.directory / str(step)
             if src.exists():
-                src.rename(self.directory / f"corrupt.{step}.{int(time.time())}")
+                src.rename(self.directory / f"corrupt.{step}.{time.time_ns()}")
+            self._prune_corrupt()
         self._mngr.reload()
+
+    def _prune_corrupt(self) -> None:
+        """Keep the newest ``checkpoint.keep`` moved-aside steps (by when they were moved)."""
+        moved = sorted(self.directory.glob("corrupt.*"),
+                       key=lambda p: int(p.name.rsplit(".", 1)[-1]))
+        for old in moved[:-self._cfg.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """Newest verified checkpoint, restored onto ``abstract_state``'s shardings; ``None`` if
@@ -166,9 +184,11 @@ class Checkpointer:
                 # longer fits the checkpoint (changed model, optimizer, ...). Falling back would
                 # silently discard good checkpoints; stop and say so instead.
                 raise CheckpointMismatchError(
-                    f"checkpoint step {step} under {self.directory} is intact but does not fit "
-                    f"this run's train state (did model/optimizer config change?); use a new "
-                    f"workdir or restore the old config. Cause: {e!r}"[:2000]) from e
+                    f"checkpoint step {step} under {self.directory}: intact but does not fit "
+                    f"this run's train state "
+                    f"({(str(e).splitlines() or [repr(e)])[0].split('. ')[0].rstrip(':'):.160}): "
+                    f"the model or optimizer config changed; use a new --workdir, or the config "
+                    f"that wrote it (logging.level = DEBUG shows the whole difference)") from e
             _log.info("restored checkpoint step %d from %s", step, self.directory)
             return Restored(step=step, state=out["state"], data=out["data"],
                             config=out["config"], counters=out["counters"])

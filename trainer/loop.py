@@ -132,7 +132,8 @@ class Loop:
                                   microbatches=cfg.trainer.microbatches)
         self.step_fn = jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh)
         self.metrics = MetricsWriter(self.workdir, tensorboard=cfg.logging.tensorboard,
-                                     process_index=jax.process_index())
+                                     process_index=jax.process_index(),
+                                     resume_step=None if restored is None else self.start_step)
         self.history: list[dict[str, float]] = []
         self._pending: tuple[int, dict[str, jax.Array], float] | None = None
         self._last_done: float | None = None

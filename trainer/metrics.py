@@ -57,19 +57,26 @@ class MetricsWriter:
     """Scalars to ``<workdir>/tb`` (tensorboardX) and ``<workdir>/metrics.jsonl``, process 0 only.
 
     The JSONL copy is flushed per write, so a killed run's log survives up to its last write.
+    ``resume_step`` is the step the run restored (``None``: a fresh start). Rows a dead run wrote
+    after that step did not happen in the resumed run's history: they move to
+    ``metrics.discarded.jsonl`` (kept, appended), and TensorBoard purges events from
+    ``resume_step + 1`` on (its ``SessionLog.START`` convention).
     """
 
-    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool, process_index: int) -> None:
+    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool, process_index: int,
+                 resume_step: int | None = None) -> None:
         self._enabled = process_index == 0
         self._tb = None
         self._jsonl = None
         if not self._enabled:
             return
         workdir = pathlib.Path(workdir)
+        last_kept = -1 if resume_step is None else resume_step
+        _drop_rows_after(workdir / "metrics.jsonl", last_kept)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(str(workdir / "tb"))
+            self._tb = SummaryWriter(str(workdir / "tb"), purge_step=last_kept + 1)
         self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
@@ -87,3 +94,28 @@ class MetricsWriter:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+
+
+def _drop_rows_after(path: pathlib.Path, last_kept: int) -> None:
+    """Move rows of ``path`` whose step is after ``last_kept`` to ``metrics.discarded.jsonl``;
+    the rewrite is atomic (tmp + rename), so a kill here loses no row."""
+    if not path.exists():
+        return
+    kept, dropped = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, KeyError, TypeError):
+            step = None  # a line cut by a kill: not part of any step's record
+        (kept if step is not None and step <= last_kept else dropped).append(line)
+    if not dropped:
+        return
+    with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+        f.write("".join(line + "\n" for line in dropped))
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
+    _log.warning("%s: %d rows after step %d came from a run that died before checkpointing "
+                 "them; moved to metrics.discarded.jsonl", path, len(dropped), last_kept)

@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 
 from meshrl.tests.trainer.tiny import make_loop, make_trainee, mesh_for, tiny_config
-from meshrl.trainer.checkpoint import MANIFEST, Checkpointer, CheckpointMismatchError
+from meshrl.trainer.checkpoint import (
+    DELETED,
+    MANIFEST,
+    TMP_SUFFIX,
+    Checkpointer,
+    CheckpointMismatchError,
+)
 from meshrl.trainer.loop import expand_prefix
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
@@ -24,14 +30,14 @@ from meshrl.trainer.state import abstract_state, init_state, state_shardings
 ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
        "JAX_PLATFORMS": "cpu"}
 
-# Phase one of the resume test: train, and die without any shutdown right after the step-3
-# checkpoint is durable (as a preempted or OOM-killed job would).
+# Phase one of the resume test: train, and die without any shutdown two steps after the step-3
+# checkpoint is durable (as a preempted or OOM-killed job would), metrics rows up to 4 written.
 _PHASE_ONE = textwrap.dedent("""
     import os, sys
     from meshrl.tests.trainer.tiny import make_loop, tiny_config
     loop = make_loop(tiny_config(), sys.argv[1])
     def die(step, loop):
-        if step == 3:
+        if step == 5:
             loop.checkpointer.wait()
             os._exit(0)
     loop.run(hooks=[die])
@@ -53,6 +59,10 @@ def _run(config, workdir):
     return params, start
 
 
+def _steps_logged(path: pathlib.Path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
 def test_resume_after_kill_gives_bitwise_identical_params_and_losses(tmp_path):
     config = tiny_config()
     straight, _ = _run(config, tmp_path / "straight")
@@ -63,13 +73,16 @@ def test_resume_after_kill_gives_bitwise_identical_params_and_losses(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(int(p.name) for p in (resumed_dir / "checkpoints").iterdir()
                   if p.name.isdigit()) == [3]
+    assert _steps_logged(resumed_dir / "metrics.jsonl") == [1, 2, 3, 4]
     resumed, start = _run(config, resumed_dir)
 
     assert start == 3
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert _losses(resumed_dir) == _losses(tmp_path / "straight")
-    assert sorted(_losses(resumed_dir)) == [1, 2, 3, 4, 5, 6]
+    # The dead run's row of step 4 did not happen in the resumed history: moved aside, kept.
+    assert _steps_logged(resumed_dir / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
+    assert _steps_logged(resumed_dir / "metrics.discarded.jsonl") == [4]
 
 
 @pytest.mark.distributed
@@ -143,3 +156,45 @@ def test_intact_checkpoint_of_another_model_raises_instead_of_falling_back(tmp_p
     with pytest.raises(CheckpointMismatchError, match="step 1 .* intact"):
         make_loop(tiny_config(**{"trainer.steps": 1, "model.hidden_size": 48}), tmp_path)
     assert (tmp_path / "checkpoints" / "1" / MANIFEST).exists()  # nothing was discarded
+
+
+
+def _tiny_saves(directory: pathlib.Path, steps: list[int], keep: int = 3) -> dict:
+    cfg = tiny_config(**{"checkpoint.keep": keep}).checkpoint
+    ckpt = Checkpointer(directory, cfg)
+    for s in steps:
+        ckpt.save(s, {"w": np.full((4,), s, np.float32)}, {"index": s}, {}, {"step": s})
+    ckpt.close()
+    return {"w": jax.ShapeDtypeStruct((4,), np.float32,
+                                      sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))}
+
+
+def test_unfinished_save_and_half_deleted_step_are_cleaned_up_not_called_corrupt(tmp_path, caplog):
+    target = _tiny_saves(tmp_path, [1, 2])
+    unfinished = tmp_path / f"3{TMP_SUFFIX}"  # a kill during step 3's write leaves this
+    (unfinished / "state").mkdir(parents=True)
+    (unfinished / "state" / "partial").write_bytes(b"\0" * 10)
+    (tmp_path / DELETED / "0" / "state").mkdir(parents=True)  # a kill mid keep-N removal
+
+    with caplog.at_level(logging.WARNING, logger="meshrl.trainer.checkpoint"):
+        ckpt = Checkpointer(tmp_path, tiny_config().checkpoint)
+        restored = ckpt.restore_latest(target)
+        ckpt.close()
+
+    assert restored is not None and restored.step == 2
+    np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.full((4,), 2.0))
+    assert not unfinished.exists() and not (tmp_path / DELETED).exists()
+    assert not list(tmp_path.glob("corrupt.*")) and "unusable" not in caplog.text
+
+
+def test_moved_aside_steps_are_kept_at_most_keep_deep(tmp_path):
+    target = _tiny_saves(tmp_path, [1, 2, 3, 4], keep=4)
+    for step in (4, 3, 2):  # corrupt the three newest: each restore moves one more aside
+        (tmp_path / str(step) / MANIFEST).unlink()
+    ckpt = Checkpointer(tmp_path, tiny_config(**{"checkpoint.keep": 2}).checkpoint)
+    restored = ckpt.restore_latest(target)
+    ckpt.close()
+
+    assert restored is not None and restored.step == 1
+    kept = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("corrupt.*"))
+    assert kept == [2, 3]  # the two moved aside last; step 4's copy was dropped
