@@ -15,8 +15,10 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
+from meshrl.utils.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value breaks the schema; the message names the field, value and constraint."""
 
 

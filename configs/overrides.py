@@ -1,12 +1,16 @@
-"""Early check of ``--config.a.b=v`` command-line overrides against the schema.
+"""Early checks of the ``--config`` flag: the config file and ``--config.a.b=v`` overrides.
 
-ml_collections would reject an unknown key too, but deep inside flag parsing with a traceback;
-checking first gives one line naming the key and the closest valid key.
+ml_collections would reject a missing file, an unknown variant or an unknown key too, but deep
+inside flag parsing with a traceback; checking first gives one line naming the file or key (and
+the closest valid key).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import pathlib
 from collections.abc import Sequence
 
 from meshrl.configs.fields import closest
@@ -34,4 +38,37 @@ def check_override_keys(argv: Sequence[str], flag: str = "config") -> str | None
             return (f"unknown config key '{path}'; did you mean "
                     f"'{section}.{closest(key, names)}'? (valid keys in '{section}': "
                     f"{', '.join(names)})")
+    return None
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{flag}="):
+            return arg.split("=", 1)[1]
+        if arg == f"--{flag}" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def check_config_file(argv: Sequence[str], flag: str = "config") -> str | None:
+    """Return an error message when the ``--config=path[:arg]`` file is missing or its
+    ``get_config(arg)`` rejects ``arg`` (a ``ValueError``), else None. ml_collections would
+    report both inside flag parsing, with a traceback."""
+    spec = _flag_value(argv, flag)
+    if spec is None:
+        return None
+    path, *arg = spec.split(":", 1)  # as ml_collections splits it
+    if not os.path.isfile(path):
+        return (f"--{flag} = {spec!r}: no such file {path!r}: give a config file such as "
+                f"configs/default.py (optionally with ':<variant>')")
+    module_spec = importlib.util.spec_from_file_location(f"_meshrl_check_{pathlib.Path(path).stem}",
+                                                         path)
+    if module_spec is None or module_spec.loader is None:
+        return f"--{flag} = {spec!r}: cannot be imported: give a Python config file"
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+        module.get_config(*arg)
+    except ValueError as e:  # config files reject unknown variants with ValueError
+        return f"--{flag} = {spec!r}: {' '.join(str(e).split())}"
     return None

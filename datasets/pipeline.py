@@ -71,7 +71,8 @@ class _Tokenize:
 
     def _overlong(self, ex: dict, reason: str, detail: str) -> dict:
         if self.data.on_overlong == "raise":
-            raise DatasetError(f"{ex.get('origin', '?')}: {detail} (data.on_overlong = 'raise')")
+            raise DatasetError(f"{ex.get('origin', '?')}: {detail}: shorten it, raise the limit, "
+                               f"or set data.on_overlong = 'drop'")
         return {"_drop": reason, "origin": ex.get("origin")}
 
     def __call__(self, ex: dict) -> dict:
@@ -139,8 +140,9 @@ class _StreamIterator:
             streak += 1
             # A whole epoch of drops means nothing will ever fit: fail instead of spinning.
             if streak > self._num_examples // self.process_count + 1:
-                raise DatasetError(f"every example is dropped (last: {ex['origin']}); raise "
-                                   f"data.max_prompt_len or trainer.seq_len. stats: {self.stats}")
+                raise DatasetError(f"data: every example is dropped (last: {ex['origin']}, "
+                                   f"stats {self.stats}): raise data.max_prompt_len or "
+                                   f"trainer.seq_len")
 
     def _advance(self) -> None:
         self._index += 1

@@ -36,8 +36,9 @@ def _check_messages(messages: Any, origin: str) -> list[dict]:
     return messages
 
 
-def row_to_example(row: Any, data: DataConfig, origin: str) -> dict:
-    """Normalise one file row; a row that cannot be used raises naming ``origin``."""
+def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool = True) -> dict:
+    """Normalise one file row; a row that cannot be used raises naming ``origin``. Without
+    ``require_answer`` (prompts to sample for) a row may lack the answer field."""
     if not isinstance(row, dict):
         raise DatasetError(f"{origin}: a row must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
@@ -55,10 +56,12 @@ def row_to_example(row: Any, data: DataConfig, origin: str) -> dict:
         return {**extra, "prompt": last_user, "answer": answer, "messages": prompt_messages,
                 "origin": origin}
     missing = [f for f in (data.prompt_field, data.answer_field) if f not in row]
+    if not require_answer and data.answer_field in missing:
+        missing.remove(data.answer_field)
     if missing:
         raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}); set "
                            f"data.prompt_field / data.answer_field to match the file")
-    prompt, answer = row[data.prompt_field], row[data.answer_field]
+    prompt, answer = row[data.prompt_field], row.get(data.answer_field, "")
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{origin}: field {data.prompt_field!r} must be a non-empty string, "
                            f"got {prompt!r:.80}")
@@ -66,10 +69,13 @@ def row_to_example(row: Any, data: DataConfig, origin: str) -> dict:
         raise DatasetError(f"{origin}: field {data.answer_field!r} must be a string or number, "
                            f"got {answer!r:.80}")
     extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
+    if data.answer_field not in row:  # a prompt to sample for: no ground truth to invent
+        return {**extra, "prompt": prompt, "origin": origin}
     return {**extra, "prompt": prompt, "answer": str(answer), "origin": origin}
 
 
-def read_jsonl(path: str, data: DataConfig, stats: dict[str, int]) -> list[dict]:
+def read_jsonl(path: str, data: DataConfig, stats: dict[str, int], require_answer: bool = True
+               ) -> list[dict]:
     examples = []
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -81,11 +87,11 @@ def read_jsonl(path: str, data: DataConfig, stats: dict[str, int]) -> list[dict]
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
                                    f"{e.colno})") from None
-            examples.append(row_to_example(row, data, f"{path}:{lineno}"))
+            examples.append(row_to_example(row, data, f"{path}:{lineno}", require_answer))
     return examples
 
 
-def read_parquet(path: str, data: DataConfig) -> list[dict]:
+def read_parquet(path: str, data: DataConfig, require_answer: bool = True) -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
@@ -93,15 +99,16 @@ def read_parquet(path: str, data: DataConfig) -> list[dict]:
     except Exception as e:  # pyarrow raises several types for a corrupt file
         raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
     # Parquet rows are numbered from 1 like JSONL lines, so messages read the same way.
-    return [row_to_example(row, data, f"{path}:row {i}")
+    return [row_to_example(row, data, f"{path}:row {i}", require_answer)
             for i, row in enumerate(table.to_pylist(), start=1)]
 
 
-def read_file(path: str, data: DataConfig, stats: dict[str, int], field_name: str) -> list[dict]:
+def read_file(path: str, data: DataConfig, stats: dict[str, int], field_name: str,
+              require_answer: bool = True) -> list[dict]:
     if not os.path.isfile(path):
         raise DatasetError(f"{field_name} = {path!r}: file not found")
-    examples = read_parquet(path, data) if data.source == "parquet" else read_jsonl(path, data,
-                                                                                    stats)
+    examples = (read_parquet(path, data, require_answer) if data.source == "parquet"
+                else read_jsonl(path, data, stats, require_answer))
     if not examples:
         raise DatasetError(f"{field_name} = {path!r}: the file holds no examples")
     return examples

@@ -8,6 +8,7 @@ import pathlib
 import jax
 
 from meshrl.configs.loader import render
+from meshrl.configs.paths import check_input_paths
 from meshrl.configs.schema import Config, Job
 from meshrl.mesh import (
     create_mesh,
@@ -32,7 +33,9 @@ register(Job.RL, "meshrl.trainer.rl_loop:run")
 
 
 def dry_run(config: Config) -> str:
-    """Validate, start distributed if configured, build the mesh; return what a user checks."""
+    """Validate (input paths included), start distributed if configured, build the mesh; return
+    what a user checks."""
+    check_input_paths(config)
     initialize_distributed(config.distributed)
     if config.job == Job.RL and config.rl.placement == "split":
         # mesh.* covers only the trainer's share of the devices in split mode.
@@ -63,6 +66,7 @@ def dry_run(config: Config) -> str:
 
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
+    check_input_paths(config)  # the same check as dry_run, before anything is written
     if config.job not in _JOBS:
         known = sorted(j.value for j in _JOBS)
         raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "

@@ -16,9 +16,10 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from meshrl.configs.schema import MESH_AXES, MeshConfig
+from meshrl.utils.errors import UserError
 
 
-class MeshShapeError(ValueError):
+class MeshShapeError(UserError, ValueError):
     """The configured axis sizes do not match the devices."""
 
 
@@ -41,7 +42,7 @@ def _fill(sizes: tuple[int, ...], total: int, cfg: MeshConfig, n: int) -> tuple[
         return sizes
     if known == 0 or total % known:
         raise MeshShapeError(f"mesh: cannot fill -1: {_describe(cfg)} does not divide "
-                             f"{n} devices")
+                             f"{n} devices: make the other sizes of that list divide {total}")
     return tuple(total // known if s == -1 else s for s in sizes)
 
 
@@ -52,12 +53,13 @@ def resolve_shapes(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[
     dcn = _fill(cfg.dcn_shape, _num_granules(devices), cfg, n)
     if n % math.prod(dcn):
         raise MeshShapeError(f"mesh: {_describe(cfg)} needs a multiple of {math.prod(dcn)} "
-                             f"devices across DCN, but {n} devices are available")
+                             f"devices across DCN, but {n} devices are available: make the "
+                             f"product of the mesh.dcn_* sizes divide {n}")
     ici = _fill(cfg.ici_shape, n // math.prod(dcn), cfg, n)
     if math.prod(ici) * math.prod(dcn) != n:
         raise MeshShapeError(
             f"mesh: {_describe(cfg)} multiplies to {math.prod(ici) * math.prod(dcn)} devices, "
-            f"but {n} devices are available; make the product of all axis sizes equal {n}")
+            f"but {n} devices are available: make the product of all axis sizes equal {n}")
     return ici, dcn
 
 

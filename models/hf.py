@@ -24,14 +24,16 @@ from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
 from meshrl.models.decoder import Decoder, abstract_model, create_model
 from meshrl.models.sharding import param_shardings
+from meshrl.utils.errors import MissingFileError, UserError
 from meshrl.utils.log import get_logger
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ROPE_TYPES = {None: "none", "default": "none", "linear": "linear", "llama3": "llama3"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint on disk is missing a tensor or has the wrong shape; names the tensor."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint directory that cannot be read (no weights, unreadable config.json, a missing
+    or misshapen tensor); names the directory and the file or tensor."""
 
 
 # ---- config ---------------------------------------------------------------------------------
@@ -152,8 +154,22 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def load_hf_config(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
-    hf = json.loads((pathlib.Path(path) / "config.json").read_text())
-    return model_config_from_hf(hf, hf_path=str(path), **overrides)
+    file = pathlib.Path(path) / "config.json"
+    if not file.is_file():
+        raise MissingFileError(f"{file}: not found: a Hugging Face checkpoint directory needs "
+                               f"config.json next to its *.safetensors")
+    try:
+        hf = json.loads(file.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e}): restore the file from the "
+                              f"model's original release") from None
+    try:
+        return model_config_from_hf(hf, hf_path=str(path), **overrides)
+    except KeyError as e:
+        raise CheckpointError(f"{file}: has no {e} entry: not a decoder config.json that meshrl "
+                              f"can read") from None
+    except ConfigError as e:  # name the file: the message names only the HF field
+        raise ConfigError(f"{file}: {e}") from e
 
 
 # ---- name and layout mapping ----------------------------------------------------------------
@@ -233,7 +249,8 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         return {name: path / file for name, file in weight_map.items()}
     single = path / "model.safetensors"
     if not single.exists():
-        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+        raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json: "
+                              f"save the weights as safetensors (pickled *.bin is not read)")
     from safetensors import safe_open
 
     with safe_open(str(single), framework="numpy") as f:
@@ -266,7 +283,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     def read(name: str, where: str) -> np.ndarray:
         if name not in files:
             raise CheckpointError(f"{path}: tensor {name!r} (for param {where}) is missing from "
-                                  f"the checkpoint")
+                                  f"the checkpoint: its weights do not match its config.json")
         if files[name] not in handles:
             handles[files[name]] = safe_open(str(files[name]), framework="numpy").__enter__()
         return handles[files[name]].get_tensor(name)
@@ -281,7 +298,8 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                 names = ", ".join(repr(e[0]) for e in entries)
                 raise CheckpointError(f"{path}: tensor {names} has shape {layers[0].shape} after "
                                       f"layout change; param {where} needs "
-                                      f"{var.get_value().shape}")
+                                      f"{var.get_value().shape}: its weights do not match its "
+                                      f"config.json")
             host = host.astype(jnp.dtype(dtype))
             sharding = (shardings[key] if shardings is not None
                         else SingleDeviceSharding(jax.devices()[0]))

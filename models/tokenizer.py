@@ -12,6 +12,9 @@ import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import ModelConfig
+
 
 @runtime_checkable
 class Tokenizer(Protocol):
@@ -157,3 +160,51 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return HFTokenizer(spec)
     raise ValueError(f"tokenizer spec {spec!r}: must be 'char' or a local directory containing "
                      f"tokenizer.json (downloads are not supported)")
+
+
+# A byte model's vocabulary: the char tokenizer's 256 ids, padded at most to 1024. Every subword
+# vocabulary is far larger (GPT-2 50257, Llama 32000+), so a checkpoint above this that ships no
+# tokenizer.json lost its tokenizer; the char tokenizer would feed it meaningless ids.
+CHAR_MODEL_MAX_VOCAB = 1024
+
+
+def resolve_tokenizer_spec(model: ModelConfig, vocab_size: int | None = None) -> str:
+    """The tokenizer training uses for ``model`` (a ``load_tokenizer`` spec); every job calls this.
+
+    ``model.tokenizer`` when it names a directory. With ``model.tokenizer = 'char'`` and
+    ``model.hf_path`` set: the checkpoint's own tokenizer (``<hf_path>/tokenizer.json``), else
+    ``'char'`` only when the model's vocabulary is a byte vocabulary (``vocab_size``, the
+    checkpoint's, defaults to ``model.vocab_size``; at most ``CHAR_MODEL_MAX_VOCAB``). Anything
+    else raises ``ConfigError``: a missing tokenizer never falls back silently.
+    """
+    vocab = model.vocab_size if vocab_size is None else vocab_size
+    if model.tokenizer != "char":
+        if not os.path.isfile(os.path.join(model.tokenizer, "tokenizer.json")):
+            raise ConfigError(f"model.tokenizer = {model.tokenizer!r}: no tokenizer.json there: "
+                              f"point it at a local directory holding tokenizer.json (and "
+                              f"tokenizer_config.json), or use 'char'; downloads are not supported")
+        return model.tokenizer
+    if not model.hf_path:
+        return "char"
+    if os.path.isfile(os.path.join(model.hf_path, "tokenizer.json")):
+        return model.hf_path  # the checkpoint ships its own tokenizer
+    if vocab > CHAR_MODEL_MAX_VOCAB:
+        raise ConfigError(f"model.hf_path = {model.hf_path!r}: has no tokenizer.json and its "
+                          f"vocab_size = {vocab} is not a byte (char tokenizer) vocabulary "
+                          f"(<= {CHAR_MODEL_MAX_VOCAB}): copy the model's tokenizer.json and "
+                          f"tokenizer_config.json into it, or set model.tokenizer to a directory "
+                          f"holding them")
+    return "char"
+
+
+def tokenizer_for(model: ModelConfig, vocab_size: int | None = None) -> Tokenizer:
+    """``load_tokenizer(resolve_tokenizer_spec(model, vocab_size))``, checked to fit the model:
+    ``ConfigError`` when the tokenizer has more ids than the model's ``vocab_size``."""
+    vocab = model.vocab_size if vocab_size is None else vocab_size
+    spec = resolve_tokenizer_spec(model, vocab)
+    tokenizer = load_tokenizer(spec)
+    if tokenizer.vocab_size > vocab:
+        raise ConfigError(f"model.vocab_size = {vocab}: smaller than the tokenizer's "
+                          f"{tokenizer.vocab_size} ids ({spec!r}): use the model the tokenizer "
+                          f"belongs to, or a vocab_size of at least {tokenizer.vocab_size}")
+    return tokenizer

@@ -64,7 +64,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import shutil
 import time
@@ -82,7 +81,7 @@ from meshrl.inference.engine import Sampler
 from meshrl.inference.weights import publish_weights, weights_dir
 from meshrl.mesh import initialize_distributed, logical_to_sharding, rules_for
 from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
-from meshrl.models.tokenizer import load_tokenizer
+from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.checkpoint import Checkpointer
 from meshrl.trainer.loop import Loop, Trainee, expand_prefix, put_batch, read_step_metrics
@@ -177,17 +176,10 @@ def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
         model = load_hf_checkpoint(config.model.hf_path, mesh=mesh, rules=rules,
                                    dtype=config.model.param_dtype)
         model_cfg = model.cfg
-        tok_spec = config.model.tokenizer
-        if tok_spec == "char" and os.path.isfile(os.path.join(config.model.hf_path,
-                                                               "tokenizer.json")):
-            tok_spec = config.model.hf_path  # the checkpoint ships its own tokenizer
     else:
         model = create_model(config.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
-        model_cfg, tok_spec = config.model, config.model.tokenizer
-    tokenizer = load_tokenizer(tok_spec)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"model.vocab_size = {model_cfg.vocab_size}: smaller than the "
-                          f"tokenizer's {tokenizer.vocab_size} ids ({tok_spec!r})")
+        model_cfg = config.model
+    tokenizer = tokenizer_for(config.model, model_cfg.vocab_size)
     graphdef, params = split_model(model)
     return graphdef, params, model_cfg, tokenizer
 

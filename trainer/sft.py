@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_sft_iterator
 from meshrl.datasets.pipeline import response_ids
@@ -118,8 +119,9 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     tcfg = config.trainer
     tokenizer = load_tokenizer(config.model.tokenizer)
     if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(f"model.vocab_size = {config.model.vocab_size}: must be >= the "
-                         f"tokenizer's vocab size {tokenizer.vocab_size}")
+        raise ConfigError(f"model.vocab_size = {config.model.vocab_size}: must be >= the "
+                          f"tokenizer's vocab size {tokenizer.vocab_size}: raise it, or use the "
+                          f"tokenizer the model was built for")
     data = make_sft_iterator(config.data, tokenizer, batch_size=tcfg.batch_size,
                              seq_len=tcfg.seq_len, seed=tcfg.seed,
                              process_index=jax.process_index(),

@@ -14,6 +14,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 from meshrl.workflows.episode import Engine, arun_group
@@ -105,6 +106,8 @@ class RolloutRunner:
                 await asyncio.gather(*list(self._tasks), return_exceptions=True)
         except asyncio.CancelledError:
             raise
+        except UserError as e:  # bad input (an over-long prompt): get_batch raises it as it is
+            self._error = e
         except BaseException as e:  # noqa: BLE001  (surface to the consumer, do not hang it)
             log.exception("rollout filler failed")
             self._error = e
@@ -146,6 +149,8 @@ class RolloutRunner:
             group = entry[2]
             if group is None:
                 self._queue.put_nowait(entry)  # keep the end marker for later calls
+                if isinstance(self._error, UserError):
+                    raise self._error
                 if self._error is not None:
                     raise RuntimeError("the rollout filler failed") from self._error
                 raise PromptsExhaustedError(

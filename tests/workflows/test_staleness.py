@@ -8,6 +8,7 @@ import collections
 
 import pytest
 
+from meshrl.datasets import DatasetError
 from meshrl.tests.workflows.fakes import FakeEngine, FakeRewards, decode, prompts
 from meshrl.workflows import (
     PromptsExhaustedError,
@@ -229,6 +230,26 @@ def test_get_batch_raises_when_prompts_run_out():
         return first
 
     assert len(asyncio.run(main())) == 2
+
+
+def test_get_batch_raises_a_user_error_of_the_prompt_iterator_unwrapped():
+    def bad_prompts():
+        yield from prompts(1)
+        raise DatasetError("data.jsonl:2: prompt has 9 tokens > data.max_prompt_len = 8: fix")
+
+    async def main():
+        controller = StalenessController(batch_size=2, max_staleness=0)
+        fn = group_episode_fn(FakeEngine(), group_size=2, filter_equal=False,
+                              reward_pool=FakeRewards(), decode=decode)
+        runner = RolloutRunner(fn, bad_prompts(), controller)
+        runner.start()
+        try:
+            with pytest.raises(DatasetError, match="data.jsonl:2"):
+                await runner.get_batch(0)
+        finally:
+            await runner.stop()
+
+    asyncio.run(main())
 
 
 def test_runner_does_not_block_the_event_loop():
