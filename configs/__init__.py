@@ -15,6 +15,7 @@ from meshrl.configs.schema import (
     OptimizerConfig,
     RewardConfig,
     RolloutConfig,
+    SampleConfig,
     SamplerConfig,
     TrainerConfig,
 )
@@ -22,6 +23,6 @@ from meshrl.configs.schema import (
 __all__ = [
     "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
-    "RolloutConfig", "SamplerConfig", "TrainerConfig", "base_config", "from_config_dict",
-    "load_config_file", "to_config_dict",
+    "RolloutConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
+    "from_config_dict", "load_config_file", "to_config_dict",
 ]

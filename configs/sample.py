@@ -2,10 +2,12 @@
 
   python main.py --config configs/sample.py --workdir /tmp/meshrl_sample
   python main.py --config configs/sample.py --workdir /tmp/meshrl_sample \\
-      --config.model.hf_path=/path/to/hf_model --config.data.source=jsonl \\
-      --config.data.path=prompts.jsonl
+      --config.sample.source=hf_path --config.model.hf_path=/path/to/hf_model \\
+      --config.data.source=jsonl --config.data.path=prompts.jsonl
 
-With no model.hf_path it samples from a random tiny model with the char tokenizer (runs anywhere).
+As is, it samples from a random tiny model with the char tokenizer (sample.source = 'random': runs
+anywhere). To sample from a training run, run its own config as the sample job on its workdir:
+``--config.job=sample --config.sample.source=checkpoint`` (or ``=version``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from meshrl.configs.loader import base_config
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = base_config("sample")
+    cfg.sample.source = "random"  # hf_path, checkpoint or version for trained weights
     cfg.model.vocab_size = 256  # the built-in char tokenizer's byte vocabulary
     cfg.model.hidden_size = 64  # a tiny random model when model.hf_path is empty
     cfg.model.intermediate_size = 172

@@ -21,6 +21,7 @@ from meshrl.configs.fields import (
     greater_than,
     one_of_or_fill,
 )
+from meshrl.configs.sample_schema import SampleConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
 
@@ -383,7 +384,7 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig)
+                DistributedConfig, SampleConfig)
 }
 
 
@@ -404,6 +405,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"job": self.job.value}

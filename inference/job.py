@@ -1,107 +1,252 @@
-"""The ``sample`` job: generate completions for prompts from a file (or a synthetic task).
+"""The ``sample`` job: completions for prompts, with the weights, tokenizer and prompt rendering
+of training.
 
   python main.py --config configs/sample.py --workdir /tmp/meshrl_sample
-  python main.py --config configs/sample.py --workdir /tmp/s \\
+  python main.py --config configs/sample.py --workdir /tmp/s --config.sample.source=hf_path \\
       --config.model.hf_path=/path/to/hf_model --config.data.source=jsonl \\
       --config.data.path=prompts.jsonl --config.data.prompt_field=prompt
+  python main.py --config configs/default.py --workdir RUN --config.job=sample \\
+      --config.sample.source=checkpoint    # or =version (--config.sample.version=V, -1 newest)
 
-With ``model.hf_path`` empty the job builds a random model of ``config.model`` and the built-in
-char tokenizer, so the config runs anywhere. Writes ``<workdir>/samples.jsonl``.
+Contract:
+* Weights (``sample.source``): ``model.hf_path``; a random init of ``model.*``; the params of the
+  newest verified checkpoint of the run in ``--workdir`` (model and tokenizer from the config
+  saved with it); or its published version ``<workdir>/weights/<V>``. A missing source is a
+  ``ConfigError`` naming it. Tokens carry the weight version (checkpoint: the state's).
+* Tokenizer: ``tokenizer_for`` as in the RL job; a missing tokenizer is an error, never a fallback.
+* Prompts: ``data.*`` rows (JSONL/Parquet, the answer field optional; or the synthetic task),
+  rendered by the pipeline's ``prompt_text`` + ``encode_prompt`` (chat template when the
+  tokenizer has one, BOS): the ids of the RL prompt iterator for the same row. Prompts over
+  min(data.max_prompt_len, the largest prompt bucket) follow ``data.on_overlong``; none left is a
+  ``DatasetError``.
+* Output: ``<workdir>/samples.jsonl``, one record per prompt: its row's fields, ``prompt_text``,
+  ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``, ``raw_logprobs``, ``versions``,
+  ``finish_reason``.
+
+This is ARCHITECTURE.md's ``jobs/sample``: like ``trainer/sft.py`` and ``trainer/rl_loop.py`` it
+composes datasets, checkpoints and the sampler; nothing in ``inference/`` imports it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
 import time
+from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from meshrl.configs.fields import ConfigError
-from meshrl.configs.schema import Config
+from meshrl.configs.schema import Config, DataConfig, ModelConfig
+from meshrl.datasets import sources
+from meshrl.datasets.pipeline import encode_prompt, prompt_text
+from meshrl.datasets.sources import DatasetError
 from meshrl.inference.engine import Request, Sampler
-from meshrl.mesh import create_mesh, rules_for
-from meshrl.models import create_model, split_model
-from meshrl.models.tokenizer import load_tokenizer
+from meshrl.inference.requests import buckets_up_to
+from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
+from meshrl.mesh import Rules, create_mesh, rules_for
+from meshrl.models import (
+    abstract_model,
+    create_model,
+    load_hf_checkpoint,
+    load_hf_config,
+    param_shardings,
+    split_model,
+)
+from meshrl.models.tokenizer import Tokenizer, tokenizer_for
+from meshrl.trainer.checkpoint_reader import CheckpointReader
 from meshrl.utils.log import get_logger, set_process_index
 
 log = get_logger("inference")
 
 
-def read_prompts(config: Config) -> list[dict]:
-    """Rows with a ``prompt`` string: the JSONL file, or the synthetic task's examples."""
-    data = config.data
-    if data.source == "jsonl":
-        rows = []
-        with open(data.path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                row = json.loads(line)
-                if not isinstance(row, dict) or not isinstance(row.get(data.prompt_field), str):
-                    raise ConfigError(f"data.path = {data.path!r}: line {lineno} has no string "
-                                      f"field data.prompt_field = {data.prompt_field!r}")
-                rows.append({**row, "prompt": row[data.prompt_field]})
-        return rows
-    if data.source == "parquet":
-        raise ConfigError("data.source = 'parquet': the sample job reads JSONL prompt files")
-    from meshrl.datasets import sources
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where the weights come from: ``model`` builds the tokenizer (hf_path, tokenizer fields),
+    ``arch`` is the architecture of the params, ``step`` the run's checkpoint step (or None)."""
 
-    return sources.load_train(data, {})
+    model: ModelConfig
+    arch: ModelConfig
+    step: int | None = None
+    version: int = 0
+
+
+def read_prompts(data: DataConfig) -> list[dict]:
+    """Example dicts (``prompt``, ``origin``, optionally ``messages``, the row's other fields):
+    the data.path file (answer field optional) or the synthetic task's training examples."""
+    if data.source in sources.SYNTHETIC:
+        return sources.load_train(data, {})
+    return sources.read_file(data.path, data, {}, "data.path", require_answer=False)
+
+
+def prompt_limit(config: Config) -> int:
+    """The longest prompt the job samples for: data.max_prompt_len, capped by the sampler's
+    largest prompt bucket (as ``Sampler`` resolves an empty ``sampler.prompt_buckets``)."""
+    s = config.sampler
+    buckets = tuple(s.prompt_buckets) or buckets_up_to(s.max_len - 1, 16)
+    return min(config.data.max_prompt_len, buckets[-1])
+
+
+def encode_prompts(examples: list[dict], tokenizer: Tokenizer, data: DataConfig, limit: int
+                   ) -> tuple[list[tuple[dict, str, list[int]]], int]:
+    """([(example, prompt text, prompt ids)], dropped): rendered exactly as the RL pipeline does;
+    prompts over ``limit`` tokens are dropped (counted) or raise (``data.on_overlong``)."""
+    kept, dropped = [], 0
+    for ex in examples:
+        text = prompt_text(ex, tokenizer)
+        ids = encode_prompt(text, tokenizer)
+        if 1 <= len(ids) <= limit:
+            kept.append((ex, text, ids))
+        elif data.on_overlong == "raise":
+            raise DatasetError(f"{ex.get('origin', '?')}: prompt of {len(ids)} tokens > {limit}: "
+                               f"shorten it, or raise data.max_prompt_len and the largest "
+                               f"sampler.prompt_buckets (data.on_overlong = 'raise')")
+        else:
+            dropped += 1
+    if not kept:
+        what = (f"data.source = {data.source!r}" if data.source in sources.SYNTHETIC
+                else f"data.path = {data.path!r}")
+        raise DatasetError(f"{what}: none of its {len(examples)} prompts is 1..{limit} tokens "
+                           f"long: raise data.max_prompt_len and the largest "
+                           f"sampler.prompt_buckets, or shorten the prompts")
+    return kept, dropped
+
+
+def _hf_arch(model: ModelConfig) -> ModelConfig:
+    """The architecture of ``model``: ``model.hf_path``'s config.json when set, else model.*."""
+    if not model.hf_path:
+        return model
+    if not os.path.isfile(os.path.join(model.hf_path, "config.json")):
+        raise ConfigError(f"model.hf_path = {model.hf_path!r}: no config.json there: point it at "
+                          f"a local Hugging Face checkpoint directory")
+    # As the trainer loads it: stored and compute dtype both model.param_dtype.
+    return load_hf_config(model.hf_path, param_dtype=model.param_dtype,
+                          compute_dtype=model.param_dtype)
+
+
+def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
+    """The model section of the config the run saved with ``step``."""
+    where = f"{reader.directory / str(step)}"
+    try:
+        return ModelConfig.from_mapping(reader.config(step)["model"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise ConfigError(f"{where}: its saved config has no usable model section ({e}): was it "
+                          f"written by meshrl? pass that run's workdir as --workdir") from None
+
+
+def resolve_source(config: Config, workdir: str | pathlib.Path) -> Source:
+    """Check that ``sample.source`` exists and find its model config; loads no weights."""
+    source, model = config.sample.source, config.model
+    if source == "hf_path":
+        if not model.hf_path:
+            raise ConfigError("sample.source = 'hf_path': model.hf_path is empty: set it to a "
+                              "local Hugging Face checkpoint directory, or pick another "
+                              "sample.source (random, checkpoint, version)")
+        return Source(model, _hf_arch(model))
+    if source == "random":
+        if model.hf_path:
+            raise ConfigError(f"sample.source = 'random': model.hf_path = {model.hf_path!r} "
+                              f"would be ignored: set sample.source = 'hf_path' to sample from "
+                              f"it, or clear model.hf_path")
+        return Source(model, model)
+    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+    try:
+        step = reader.latest_step()
+        if source == "checkpoint":
+            if step is None:
+                raise ConfigError(f"sample.source = 'checkpoint': no verified checkpoint under "
+                                  f"{reader.directory}: pass the run's workdir as --workdir, or "
+                                  f"pick another sample.source")
+            run_model = _run_model(reader, step)
+            return Source(run_model, _hf_arch(run_model), step=step)
+        versions = published_versions(workdir)
+        version = config.sample.version
+        if not versions:
+            raise ConfigError(f"sample.source = 'version': no published weights under "
+                              f"{weights_dir(workdir, 0).parent}: pass the run's workdir as "
+                              f"--workdir, or pick another sample.source")
+        if version == -1:
+            version = versions[-1]
+        elif version not in versions:
+            raise ConfigError(f"sample.version = {version}: not published under "
+                              f"{weights_dir(workdir, version).parent} (published: "
+                              f"{versions}): pick one of them, or -1 for the newest")
+        run_model = model if step is None else _run_model(reader, step)
+        return Source(run_model, _hf_arch(run_model), step=step, version=version)
+    finally:
+        reader.close()
+
+
+def abstract_params(arch: ModelConfig, mesh: Mesh, rules: Rules) -> Any:
+    """The param state of ``arch`` as ``ShapeDtypeStruct`` leaves on ``mesh`` (``rules``)."""
+    abstract = split_model(abstract_model(arch, mesh=mesh, rules=rules))[1]
+    # One sharding per param Variable, spread over the Variable's value.
+    return jax.tree.map(lambda sh, var: jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), var),
+        param_shardings(abstract, mesh, rules), abstract)
+
+
+def build_sampler(config: Config, workdir: str | pathlib.Path, src: Source, mesh: Mesh
+                  ) -> Sampler:
+    """The sampler holding ``src``'s weights at their weight version."""
+    rules = rules_for("sample")
+    s = config.sample
+    if s.source == "version":
+        sampler = Sampler(src.arch, config.sampler, mesh, workdir=str(workdir), rules=rules)
+        try:
+            sampler.load_weights(src.version)
+        except WeightMismatchError as e:
+            whose = "this config" if src.step is None else "the run's checkpoint config"
+            raise ConfigError(f"sample.version = {src.version}: the weights at "
+                              f"{weights_dir(workdir, src.version)} do not fit the model of "
+                              f"{whose} ({e}): pass the config the run was trained with") from None
+        return sampler
+    if s.source == "checkpoint":
+        assert src.step is not None
+        reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+        try:
+            params, version = reader.params(src.step, abstract_params(src.arch, mesh, rules))
+        finally:
+            reader.close()
+        log.info("sampling from checkpoint step %d (weight version %d) of %s", src.step,
+                 version, workdir)
+        return Sampler(src.arch, config.sampler, mesh, params, version=version, rules=rules)
+    if s.source == "hf_path":
+        model = load_hf_checkpoint(src.model.hf_path, mesh=mesh, rules=rules)
+    else:
+        log.info("sampling from a random %d-layer model (sample.source = 'random')",
+                 src.arch.num_layers)
+        model = create_model(src.arch, mesh=mesh, rules=rules, seed=config.trainer.seed)
+    return Sampler(src.arch, config.sampler, mesh, split_model(model)[1], rules=rules)
 
 
 def run(config: Config, workdir: str) -> None:
     set_process_index(jax.process_index())
-    mesh = create_mesh(config.mesh)
-    rules = rules_for("sample")
-    model_cfg = config.model
-    if model_cfg.hf_path:
-        from meshrl.models.hf import load_hf_checkpoint
-
-        model = load_hf_checkpoint(model_cfg.hf_path, mesh=mesh, rules=rules)
-        model_cfg = model.cfg
-        tok_spec = model_cfg.tokenizer
-        if tok_spec == "char" and os.path.isfile(os.path.join(config.model.hf_path,
-                                                               "tokenizer.json")):
-            tok_spec = config.model.hf_path  # the checkpoint ships its own tokenizer
-    else:
-        log.info("model.hf_path is empty: sampling from a random %d-layer model",
-                 model_cfg.num_layers)
-        model = create_model(model_cfg, mesh=mesh, rules=rules, seed=config.trainer.seed)
-        tok_spec = model_cfg.tokenizer
-    tokenizer = load_tokenizer(tok_spec)
-    if tokenizer.vocab_size > model_cfg.vocab_size:
-        raise ConfigError(f"model.vocab_size = {model_cfg.vocab_size}: smaller than the "
-                          f"tokenizer's {tokenizer.vocab_size} ids ({tok_spec!r})")
-    sampler = Sampler(model_cfg, config.sampler, mesh, split_model(model)[1])
-
-    rows, dropped = [], 0
-    limit = sampler.prompt_buckets[-1]
-    for row in read_prompts(config):
-        ids = tokenizer.encode(row["prompt"])
-        if 1 <= len(ids) <= min(limit, config.data.max_prompt_len):
-            rows.append((row, ids))
-        elif config.data.on_overlong == "raise":
-            raise ConfigError(f"prompt of {len(ids)} tokens ({row.get('origin', '?')}): longer "
-                              f"than min(sampler.prompt_buckets[-1], data.max_prompt_len)")
-        else:
-            dropped += 1
+    # Every check that needs no weights first: a bad source, tokenizer or prompt file fails fast.
+    src = resolve_source(config, workdir)
+    tokenizer = tokenizer_for(src.model, src.arch.vocab_size)
+    limit = prompt_limit(config)
+    rows, dropped = encode_prompts(read_prompts(config.data), tokenizer, config.data, limit)
     if dropped:
         log.warning("dropped %d prompts longer than %d tokens (data.on_overlong = drop)",
                     dropped, limit)
+    sampler = build_sampler(config, workdir, src, create_mesh(config.mesh))
 
     t0 = time.perf_counter()
     outs = sampler.generate([Request(ids, seed=config.trainer.seed + i,
                                      stop_ids=(tokenizer.eos_id,))
-                             for i, (_, ids) in enumerate(rows)])
+                             for i, (_, _, ids) in enumerate(rows)])
     dt = time.perf_counter() - t0
     n_tokens = sum(len(o.tokens) for o in outs)
     path = pathlib.Path(workdir) / "samples.jsonl"
     with open(path, "w", encoding="utf-8") as f:
-        for (row, _), out in zip(rows, outs):
-            record = {k: v for k, v in row.items() if _jsonable(v)}
-            record.update(completion=tokenizer.decode(out.tokens), tokens=out.tokens,
+        for (ex, text, ids), out in zip(rows, outs):
+            record = {k: v for k, v in ex.items() if _jsonable(v)}
+            record.update(prompt_text=text, prompt_ids=ids,
+                          completion=tokenizer.decode(out.tokens), tokens=out.tokens,
                           logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
                           versions=out.versions, finish_reason=out.finish_reason)
             f.write(json.dumps(record) + "\n")
@@ -109,7 +254,7 @@ def run(config: Config, workdir: str) -> None:
              n_tokens, n_tokens / max(dt, 1e-9), dropped, path)
 
 
-def _jsonable(v: object) -> bool:
+def _jsonable(v: Any) -> bool:
     try:
         json.dumps(v)
         return True
@@ -117,4 +262,5 @@ def _jsonable(v: object) -> bool:
         return False
 
 
-__all__ = ["read_prompts", "run"]
+__all__ = ["Source", "abstract_params", "build_sampler", "encode_prompts", "prompt_limit", "read_prompts",
+           "resolve_source", "run"]

@@ -109,6 +109,15 @@ def weights_dir(workdir: str | pathlib.Path, version: int) -> pathlib.Path:
     return pathlib.Path(workdir).absolute() / "weights" / str(int(version))
 
 
+def published_versions(workdir: str | pathlib.Path) -> list[int]:
+    """The weight versions published under ``<workdir>/weights``, ascending (Orbax writes each
+    under a temporary name and renames it whole, so a listed version is complete)."""
+    root = pathlib.Path(workdir).absolute() / "weights"
+    if not root.is_dir():
+        return []
+    return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
 def publish_weights(params: Any, workdir: str | pathlib.Path, version: int) -> pathlib.Path:
     """Write ``params`` (any sharding) as an Orbax checkpoint at ``<workdir>/weights/<version>``."""
     import orbax.checkpoint as ocp

@@ -1,0 +1,34 @@
+"""The ``sample`` section of the schema: which weights the sample job generates with.
+
+Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from meshrl.configs.fields import ConfigError, Section, at_least, field
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleConfig(Section):
+    """The sample job (``job = sample``): where its weights come from. The run sources read the
+    run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl``."""
+
+    _section = "sample"
+    source: Literal["hf_path", "random", "checkpoint", "version"] = field(
+        "hf_path", "Weights to sample from: hf_path (the model.hf_path checkpoint), random (a "
+                   "random init of model.*, for smoke tests), checkpoint (the params of the newest "
+                   "verified checkpoint under <workdir>/checkpoints, with the model and tokenizer "
+                   "of the run's saved config), version (the published weight version "
+                   "<workdir>/weights/<sample.version>, with the model and tokenizer of the run's "
+                   "newest checkpoint config, or of this config when the run has none).")
+    version: int = field(-1, "Weight version for sample.source = 'version'; -1: the newest "
+                             "published one. Must stay -1 with the other sources.", at_least(-1))
+
+    def validate(self) -> None:
+        if self.version != -1 and self.source != "version":
+            raise ConfigError(f"sample.version = {self.version}: only read with sample.source = "
+                              f"'version' (sample.source = {self.source!r}); set "
+                              f"sample.source = 'version' or leave sample.version at -1")
