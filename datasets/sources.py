@@ -13,6 +13,7 @@ from typing import Any
 
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
+from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 
 log = get_logger("datasets")
@@ -20,19 +21,19 @@ log = get_logger("datasets")
 SYNTHETIC = ("arithmetic", "countdown")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """Bad or missing data; the message names the file (and line) or the config field."""
 
 
 def _check_messages(messages: Any, origin: str) -> list[dict]:
     if not isinstance(messages, list) or not messages:
-        raise DatasetError(f"{origin}: 'messages' must be a non-empty list of "
-                           f"{{'role', 'content'}} dicts")
+        raise DatasetError(f"{origin}: 'messages' = {messages!r:.80}: must be a non-empty list "
+                           f"of {{'role', 'content'}} dicts")
     for m in messages:
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), str)):
-            raise DatasetError(f"{origin}: every message needs string 'role' and 'content', "
-                               f"got {m!r:.120}")
+            raise DatasetError(f"{origin}: message {m!r:.120}: every message needs string "
+                               f"'role' and 'content'")
     return messages
 
 
@@ -40,7 +41,8 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
     """Normalise one file row; a row that cannot be used raises naming ``origin``. Without
     ``require_answer`` (prompts to sample for) a row may lack the answer field."""
     if not isinstance(row, dict):
-        raise DatasetError(f"{origin}: a row must be a JSON object, got {type(row).__name__}")
+        raise DatasetError(f"{origin}: row {row!r:.60} ({type(row).__name__}): every row must be "
+                           f"a JSON object")
     if "messages" in row:
         messages = _check_messages(row["messages"], origin)
         extra = {k: v for k, v in row.items() if k != "messages"}
@@ -48,7 +50,8 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
             # SFT chat data: the last assistant turn is the response, the rest is the prompt.
             prompt_messages, answer = messages[:-1], messages[-1]["content"]
             if not prompt_messages:
-                raise DatasetError(f"{origin}: 'messages' has only an assistant turn; no prompt")
+                raise DatasetError(f"{origin}: 'messages' has only an assistant turn: "
+                                   f"add the user turn it answers")
         else:
             prompt_messages, answer = messages, str(row.get(data.answer_field, ""))
         last_user = next((m["content"] for m in reversed(prompt_messages)
@@ -59,15 +62,15 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
     if not require_answer and data.answer_field in missing:
         missing.remove(data.answer_field)
     if missing:
-        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}); set "
+        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}): set "
                            f"data.prompt_field / data.answer_field to match the file")
     prompt, answer = row[data.prompt_field], row.get(data.answer_field, "")
     if not isinstance(prompt, str) or not prompt:
-        raise DatasetError(f"{origin}: field {data.prompt_field!r} must be a non-empty string, "
-                           f"got {prompt!r:.80}")
+        raise DatasetError(f"{origin}: field {data.prompt_field!r} = {prompt!r:.80}: must be a "
+                           f"non-empty string")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
-        raise DatasetError(f"{origin}: field {data.answer_field!r} must be a string or number, "
-                           f"got {answer!r:.80}")
+        raise DatasetError(f"{origin}: field {data.answer_field!r} = {answer!r:.80}: must be a "
+                           f"string or number")
     extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
     if data.answer_field not in row:  # a prompt to sample for: no ground truth to invent
         return {**extra, "prompt": prompt, "origin": origin}
@@ -86,7 +89,8 @@ def read_jsonl(path: str, data: DataConfig, stats: dict[str, int], require_answe
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
-                                   f"{e.colno})") from None
+                                   f"{e.colno}) in {line.strip()!r:.60}: each line must hold "
+                                   f"one JSON object") from None
             examples.append(row_to_example(row, data, f"{path}:{lineno}", require_answer))
     return examples
 
@@ -97,7 +101,8 @@ def read_parquet(path: str, data: DataConfig, require_answer: bool = True) -> li
     try:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a corrupt file
-        raise DatasetError(f"{path}: not a readable Parquet file ({e})") from None
+        raise DatasetError(f"{path}: not a readable Parquet file ({e}): check "
+                           f"data.source and the file") from None
     # Parquet rows are numbered from 1 like JSONL lines, so messages read the same way.
     return [row_to_example(row, data, f"{path}:row {i}", require_answer)
             for i, row in enumerate(table.to_pylist(), start=1)]
@@ -106,11 +111,13 @@ def read_parquet(path: str, data: DataConfig, require_answer: bool = True) -> li
 def read_file(path: str, data: DataConfig, stats: dict[str, int], field_name: str,
               require_answer: bool = True) -> list[dict]:
     if not os.path.isfile(path):
-        raise DatasetError(f"{field_name} = {path!r}: file not found")
+        raise DatasetError(f"{field_name} = {path!r}: file not found: point {field_name} at a "
+                           f"local {data.source} file")
     examples = (read_parquet(path, data, require_answer) if data.source == "parquet"
                 else read_jsonl(path, data, stats, require_answer))
     if not examples:
-        raise DatasetError(f"{field_name} = {path!r}: the file holds no examples")
+        raise DatasetError(f"{field_name} = {path!r}: the file holds no examples: add rows or "
+                           f"point {field_name} at another file")
     return examples
 
 

@@ -14,6 +14,11 @@ from typing import Any, Protocol, runtime_checkable
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
+from meshrl.utils.errors import MissingFileError, UserError
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer spec or directory that cannot be used; names the spec or file and the fix."""
 
 
 @runtime_checkable
@@ -93,8 +98,14 @@ class HFTokenizer:
 
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"no tokenizer.json in {directory!r}")
-        self._tok = _RustTokenizer.from_file(path)
+            raise MissingFileError(f"{directory!r}: no tokenizer.json there: point model.tokenizer "
+                                   f"at a local directory holding tokenizer.json, or use 'char'")
+        try:
+            self._tok = _RustTokenizer.from_file(path)
+        except Exception as e:  # the Rust library raises a bare Exception for a bad file
+            raise TokenizerError(f"{path}: not a readable tokenizer.json ({e}): copy the file "
+                                 f"from the model's original release") from None
+        self._directory = directory
         config: dict[str, Any] = {}
         config_path = os.path.join(directory, "tokenizer_config.json")
         if os.path.isfile(config_path):
@@ -116,8 +127,9 @@ class HFTokenizer:
         self.bos_id = self._id_of(self._special["bos_token"])
         eos_id = self._id_of(self._special["eos_token"])
         if eos_id is None:
-            raise ValueError(f"{config_path}: eos_token {self._special['eos_token']!r} is missing "
-                             f"or not in the vocabulary; an EOS id is required to stop generation")
+            raise TokenizerError(f"{config_path}: eos_token {self._special['eos_token']!r} is "
+                                 f"missing or not in the vocabulary: set eos_token to a token of "
+                                 f"tokenizer.json (generation stops at EOS)")
         self.eos_id = eos_id
         pad_id = self._id_of(self._special["pad_token"])
         # Models without a pad token (Llama) pad with EOS; padded positions are masked anyway.
@@ -135,7 +147,9 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self._template_source is None:
-            raise ValueError("this tokenizer has no chat_template in tokenizer_config.json")
+            raise TokenizerError(f"{self._directory!r}: no chat_template in "
+                                 f"tokenizer_config.json or chat_template.jinja: add the model's "
+                                 f"chat template, or give prompts instead of 'messages'")
         if self._compiled is None:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -158,8 +172,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
         return CharTokenizer()
     if os.path.isdir(spec):
         return HFTokenizer(spec)
-    raise ValueError(f"tokenizer spec {spec!r}: must be 'char' or a local directory containing "
-                     f"tokenizer.json (downloads are not supported)")
+    raise TokenizerError(f"tokenizer spec {spec!r}: not a local directory: must be 'char' or a "
+                         f"local directory containing tokenizer.json (downloads are not "
+                         f"supported)")
 
 
 # A byte model's vocabulary: the char tokenizer's 256 ids, padded at most to 1024. Every subword

@@ -232,6 +232,8 @@ class RLTrainer:
                                             batch_size=jax.process_count(), seed=t.seed,
                                             process_index=jax.process_index(),
                                             process_count=jax.process_count())
+        # Read the held-out set now: a bad file fails before the warm start trains anything.
+        self.examples = eval_examples(config.data, self.tokenizer)
         self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
                                          process_index=jax.process_index())
         target = abstract_state(self.state_sh, params, self.tx, t.seed)
@@ -288,7 +290,6 @@ class RLTrainer:
                                version=self.start_step, workdir=str(self.workdir),
                                rules=rules_for("sample"))
         self.reward_pool = RewardPool.from_config(config.reward)
-        self.examples = eval_examples(config.data, self.tokenizer)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
                                      process_index=jax.process_index())
         self._pending: tuple[int, dict[str, jax.Array], dict[str, float]] | None = None
