@@ -170,8 +170,10 @@ class _StreamIterator:
         # A changed dataset, seed or process layout would silently change the continuation.
         for key, mine in self._identity().items():
             if state.get(key) != mine:
-                raise ValueError(f"iterator state {key} = {state.get(key)!r} does not match this "
-                                 f"pipeline ({mine!r}); cannot resume exactly")
+                raise DatasetError(f"checkpointed data iterator state {key} = "
+                                   f"{state.get(key)!r}: this run's pipeline has {mine!r}, so it "
+                                   f"cannot resume exactly: use a new --workdir, or the data "
+                                   f"config (and process count) that wrote it")
         self._index = int(state["index"])
         self.stats = {**self.stats, **{k: int(v) for k, v in state["stats"].items()}}
 

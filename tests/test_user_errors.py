@@ -114,6 +114,8 @@ CASES = [
      "model.tokenizer = '{in}/no_tokenizer_json': no tokenizer.json"),
     ("sft_checkpoint_mismatch", SFT, (*TINY_SFT, "--config.model.hidden_size=32"),
      "checkpoint step 1 under {workdir}/checkpoints: intact but does not fit"),
+    ("sft_data_state_mismatch", SFT, (*TINY_SFT, "--config.data.num_examples=21"),
+     "data iterator state num_examples = 20: this run's pipeline has 21"),
 ]
 
 
