@@ -291,7 +291,8 @@ class RLTrainer:
                                rules=rules_for("sample"))
         self.reward_pool = RewardPool.from_config(config.reward)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
-                                     process_index=jax.process_index())
+                                     process_index=jax.process_index(),
+                                     resume_step=None if restored is None else self.start_step)
         self._pending: tuple[int, dict[str, jax.Array], dict[str, float]] | None = None
         self.history: list[dict[str, float]] = []
 
