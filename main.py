@@ -36,7 +36,7 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from meshrl.configs import from_config_dict
-    from meshrl.launch import jobs
+    from meshrl.jobs import dispatch as jobs
     from meshrl.utils.errors import UserError, exit_on_user_error, quiet_shutdown_noise
 
     config = None

@@ -134,7 +134,7 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
     """One RL run; steady-state figures over the steps after ``warmup``: samples/s, the max
     staleness seen, mean ms per step waiting for the batch and on the trainer's path (batch
     build, train step, weight handoff), and the CPU cores the process kept busy."""
-    from meshrl.trainer import rl_loop
+    from meshrl.jobs import rl as rl_loop
 
     config = make_config(max_staleness, steps, reward_workers, placement)
     with tempfile.TemporaryDirectory() as workdir:

@@ -66,6 +66,7 @@ def _batch_np(seed: int = 0) -> dict[str, np.ndarray]:
 
 def build_meshrl() -> tuple[Callable[[], None], int]:
     """One train step of the real trainer as a blocking callable, and the param count."""
+    from meshrl.algorithms.losses import get_loss
     from meshrl.configs.loader import base_config, from_config_dict
     from meshrl.mesh import create_mesh, rules_for
     from meshrl.models import create_model, forward, param_count, param_shardings, split_model
@@ -73,7 +74,6 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
         BATCH_KEYS,
         batch_shardings,
         expand_prefix,
-        get_loss,
         init_state,
         jit_train_step,
         make_optimizer,

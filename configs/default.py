@@ -5,7 +5,7 @@ asynchronous GRPO raises its held-out accuracy. Runs on a laptop CPU in a few mi
   python main.py --config configs/default.py:smoke --workdir /tmp/meshrl_smoke   # < 1 minute
 
 The warm start (``<workdir>/sft``, ``rl.warm_start_steps`` SFT steps at the constant rate
-``rl.warm_start_lr``, see ``trainer/rl_loop.py``) is deliberately short, so RL starts from a
+``rl.warm_start_lr``, see ``jobs/rl.py``) is deliberately short, so RL starts from a
 mediocre policy. RL samples at temperature 0.6 (the trainer scores the same tempered policy)
 with a constant rate 20x lower than the warm start's. Writes tensorboard events, checkpoints,
 published weight versions, ``rl_curves.png`` and ``summary.json`` (accuracy before/after RL)

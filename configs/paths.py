@@ -1,6 +1,6 @@
 """The local files and directories a job reads, checked before anything runs.
 
-``launch/jobs.py`` calls ``check_input_paths`` in ``--dry_run`` and at the start of every run,
+``jobs/dispatch.py`` calls ``check_input_paths`` in ``--dry_run`` and at the start of every run,
 so a dry run rejects exactly the paths a run would reject, before any compilation, thread or
 write under the workdir.
 """

@@ -17,7 +17,7 @@ from meshrl.configs import ConfigError, from_config_dict
 from meshrl.configs.loader import base_config
 from meshrl.configs.paths import check_input_paths
 from meshrl.datasets import DatasetError
-from meshrl.launch import jobs
+from meshrl.jobs import dispatch as jobs
 from meshrl.mesh import MeshShapeError
 from meshrl.models.hf import CheckpointError, load_hf_config
 from meshrl.models.tokenizer import HFTokenizer, TokenizerError, load_tokenizer

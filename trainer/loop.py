@@ -18,10 +18,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from meshrl.algorithms.losses import LossFn
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.trainer.checkpoint import Checkpointer
-from meshrl.trainer.losses import LossFn
 from meshrl.trainer.metrics import MetricsWriter, peak_flops_per_device
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.progress import Progress

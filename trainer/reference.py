@@ -31,10 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.algorithms import kl as kl_lib
+from meshrl.algorithms.losses import check_temperature, token_logprobs
+from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import RLConfig
-from meshrl.trainer import kl as kl_lib
-from meshrl.trainer.losses import check_temperature, token_logprobs
-from meshrl.trainer.policy_loss import kl_reward_advantages
 from meshrl.trainer.step import ForwardFn
 
 Batch = Mapping[str, jax.Array]

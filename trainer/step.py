@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.algorithms.losses import LossFn
 from meshrl.mesh import Rules, logical_to_sharding
-from meshrl.trainer.losses import LossFn
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 

@@ -18,7 +18,7 @@ from typing import Any
 import flax.struct
 import numpy as np
 
-from meshrl.trainer import advantages as adv_lib
+from meshrl.algorithms import advantages as adv_lib
 
 # Keys of ``RolloutBatch.to_train_batch``: all [rows, L], so one batch sharding fits every key.
 TRAIN_BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids",

@@ -6,9 +6,9 @@ import typing
 
 import pytest
 
+from meshrl.algorithms import advantages, kl, policy_loss
 from meshrl.configs import Config, ConfigError, Job, base_config, from_config_dict
 from meshrl.configs.schema import SECTIONS, RLConfig, RolloutConfig
-from meshrl.trainer import advantages, kl, policy_loss
 
 
 def test_rl_section_is_registered_and_defaults_round_trip():

@@ -9,11 +9,11 @@ import jax
 import numpy as np
 import pytest
 
+from meshrl.algorithms.losses import get_loss
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
 from meshrl.trainer.loop import BATCH_KEYS, expand_prefix, put_batch
-from meshrl.trainer.losses import get_loss
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import TrainState, init_state, state_shardings
 from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step

@@ -145,8 +145,8 @@ def mesh_for(config: Config, devices: list[jax.Device] | None = None) -> jax.sha
 
 def make_loop(config: Config, workdir: Any, data: Any = None) -> Any:
     """A ``Loop`` on all devices of ``config.mesh`` with the tiny model and random data."""
+    from meshrl.algorithms.losses import get_loss
     from meshrl.trainer.loop import Loop
-    from meshrl.trainer.losses import get_loss
 
     mesh = mesh_for(config)
     data = data if data is not None else RandomIterator(config.trainer.batch_size,

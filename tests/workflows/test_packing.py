@@ -11,9 +11,9 @@ import numpy as np
 import optax
 import pytest
 
+from meshrl.algorithms.policy_loss import kl_reward_advantages, make_rl_loss_fn
 from meshrl.configs.schema import ModelConfig, RLConfig
 from meshrl.models import create_model, forward, split_model
-from meshrl.trainer.policy_loss import kl_reward_advantages, make_rl_loss_fn
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import BucketedStep, make_train_step, row_buckets
 from meshrl.workflows import TRAIN_BATCH_DTYPES, Trajectory, build_rollout_batch, pack_rows

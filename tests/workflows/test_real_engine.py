@@ -11,13 +11,13 @@ import jax
 import numpy as np
 import pytest
 
+from meshrl.algorithms.losses import token_logprobs
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.models import create_model, forward, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
 from meshrl.tests.workflows.fakes import FakeRewards, decode
-from meshrl.trainer.losses import token_logprobs
-from meshrl.trainer.policy_loss import make_rl_loss_fn
 from meshrl.workflows import EpisodeSettings, arun_group, build_rollout_batch
 
 

@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
+from meshrl.algorithms.losses import token_logprobs
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
-from meshrl.trainer.losses import token_logprobs
-from meshrl.trainer.policy_loss import make_rl_loss_fn
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import make_train_step
 from meshrl.workflows import Trajectory, build_rollout_batch

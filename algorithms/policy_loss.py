@@ -29,18 +29,18 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshrl.configs.schema import RLConfig
-from meshrl.trainer import advantages as adv_lib
-from meshrl.trainer import kl as kl_lib
-from meshrl.trainer.advantages import Registry
-from meshrl.trainer.kl import entropy_from_logits
-from meshrl.trainer.losses import (
+from meshrl.algorithms import advantages as adv_lib
+from meshrl.algorithms import kl as kl_lib
+from meshrl.algorithms.advantages import Registry
+from meshrl.algorithms.kl import entropy_from_logits
+from meshrl.algorithms.losses import (
     LossFn,
     LossOutput,
     check_temperature,
     tempered,
     token_logprobs,
 )
+from meshrl.configs.schema import RLConfig
 
 Aggregation = Literal["token_mean", "sequence_mean"]
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough to clip, small enough never to overflow

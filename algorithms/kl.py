@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from meshrl.trainer.advantages import Registry
+from meshrl.algorithms.advantages import Registry
 
 KLFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logprobs_BxL, ref_logprobs_BxL) -> BxL
 _KL: Registry[KLFn] = Registry("kl estimator")

@@ -12,7 +12,7 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
 
 def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version_per_batch(
         tmp_path, monkeypatch):
-    from meshrl.trainer import rl_loop
+    from meshrl.jobs import rl as rl_loop
 
     config = tiny_rl_config(**{"trainer.steps": 3, "rollout.max_staleness": 0,
                                "trainer.on_nonfinite": "skip"})

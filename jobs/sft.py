@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.algorithms.losses import get_loss
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_sft_iterator
@@ -34,7 +35,6 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import load_tokenizer
 from meshrl.trainer.loop import Loop, Trainee
-from meshrl.trainer.losses import get_loss
 from meshrl.trainer.step import ForwardFn
 from meshrl.utils import log
 

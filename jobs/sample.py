@@ -23,7 +23,7 @@ Contract:
   ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``, ``raw_logprobs``, ``versions``,
   ``finish_reason``.
 
-This is ARCHITECTURE.md's ``jobs/sample``: like ``trainer/sft.py`` and ``trainer/rl_loop.py`` it
+This is ARCHITECTURE.md's ``jobs/sample``: like ``jobs/sft.py`` and ``jobs/rl.py`` it
 composes datasets, checkpoints and the sampler; nothing in ``inference/`` imports it.
 """
 

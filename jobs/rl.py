@@ -27,7 +27,7 @@ Sampling temperature: the behaviour policy is softmax(logits / ``sampler.tempera
 loss scores the current and proximal policies with the same logits / T (AReaL, verl). Greedy
 (T = 0) and top-k/top-p truncated sampling are rejected: the trainer cannot rebuild them.
 
-Placement (``rl.placement``, see ``trainer/placement.py``): colocated, the sampler mesh is
+Placement (``rl.placement``, see ``mesh/placement.py``): colocated, the sampler mesh is
 ``create_mesh(config.mesh)`` over the trainer's devices with the ``sample`` rules (params
 tensor-parallel, replicated over ``data``); split, the last ``rl.sampler_devices`` devices form
 the sampler mesh and the others the trainer's (``mesh.*`` must multiply to them). Publication
@@ -73,26 +73,26 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshrl.algorithms.losses import get_loss
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import eval_examples, make_prompt_iterator, make_sft_iterator
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
 from meshrl.inference.weights import publish_weights, weights_dir
+from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.mesh import initialize_distributed, logical_to_sharding, rules_for
+from meshrl.mesh.placement import create_meshes
 from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.checkpoint import Checkpointer
 from meshrl.trainer.loop import Loop, Trainee, expand_prefix, put_batch, read_step_metrics
-from meshrl.trainer.losses import get_loss
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
-from meshrl.trainer.placement import create_meshes
-from meshrl.trainer.policy_loss import make_rl_loss_fn
 from meshrl.trainer.progress import Progress
 from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys
-from meshrl.trainer.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
 from meshrl.trainer.step import (
     BucketedStep,

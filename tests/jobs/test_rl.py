@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from meshrl.inference.engine import Completion, Request
-from meshrl.trainer.rl_eval import EvalVersionError, aevaluate, pass_at_k, read_metrics
+from meshrl.jobs.rl_eval import EvalVersionError, aevaluate, pass_at_k, read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
@@ -187,14 +187,14 @@ def _rl_config(**overrides):
 ])
 def test_rl_config_that_the_job_cannot_run_is_rejected_naming_the_field(overrides, message):
     from meshrl.configs.fields import ConfigError
-    from meshrl.trainer.rl_loop import check_config
+    from meshrl.jobs.rl import check_config
 
     with pytest.raises(ConfigError, match=message):
         check_config(_rl_config(**overrides))
 
 
 def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
-    from meshrl.trainer.rl_loop import check_config
+    from meshrl.jobs.rl import check_config
 
     check_config(_rl_config(**{"sampler.temperature": 0.7}))
 
@@ -206,15 +206,15 @@ def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
     ({"trainer.steps": 9, "model.hf_path": "/ckpt/qwen"}, 0),  # pretrained: no warm start
 ])
 def test_warm_start_length_follows_rl_warm_start_steps(overrides, steps):
-    from meshrl.trainer.rl_loop import warm_start_steps
+    from meshrl.jobs.rl import warm_start_steps
 
     assert warm_start_steps(_rl_config(**overrides)) == steps
 
 
 def test_warm_start_sft_config_runs_adamw_at_rl_warm_start_lr():
     from meshrl.configs.schema import Job
+    from meshrl.jobs.rl import warm_start_config
     from meshrl.trainer.optimizer import make_optimizer
-    from meshrl.trainer.rl_loop import warm_start_config
 
     config = _rl_config(**{"rl.warm_start_lr": 3e-4, "trainer.learning_rate": 1e-6,
                            "trainer.eval_every": 5, "optimizer.name": "sgd",

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from meshrl.algorithms import kl
+from meshrl.algorithms import policy_loss as pl
 from meshrl.configs.schema import RLConfig
-from meshrl.trainer import kl
-from meshrl.trainer import policy_loss as pl
 
 RTOL, ATOL = 1e-5, 1e-6
 

@@ -27,9 +27,9 @@ def register(job: Job, target: str) -> None:
     _JOBS[job] = target
 
 
-register(Job.SFT, "meshrl.trainer.sft:run")
-register(Job.SAMPLE, "meshrl.inference.job:run")
-register(Job.RL, "meshrl.trainer.rl_loop:run")
+register(Job.SFT, "meshrl.jobs.sft:run")
+register(Job.SAMPLE, "meshrl.jobs.sample:run")
+register(Job.RL, "meshrl.jobs.rl:run")
 
 
 def dry_run(config: Config) -> str:
@@ -39,7 +39,7 @@ def dry_run(config: Config) -> str:
     initialize_distributed(config.distributed)
     if config.job == Job.RL and config.rl.placement == "split":
         # mesh.* covers only the trainer's share of the devices in split mode.
-        from meshrl.trainer.placement import create_meshes
+        from meshrl.mesh.placement import create_meshes
 
         mesh, sampler_mesh = create_meshes(config)
     else:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from meshrl.trainer import advantages
+from meshrl.algorithms import advantages
 
 # Rewards on a quarter grid, as verifiable rewards are: with arbitrary floats a group whose
 # rewards differ only in the last ulp has std ~1e-7 and GRPO's division by (std + eps) turns the

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.trainer.losses import get_loss, register, sft_cross_entropy
+from meshrl.algorithms.losses import get_loss, register, sft_cross_entropy
 
 
 def test_sft_loss_is_masked_token_sum_of_negative_log_likelihood():

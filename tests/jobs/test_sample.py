@@ -19,9 +19,9 @@ from meshrl.configs.loader import from_config_dict
 from meshrl.configs.schema import MeshConfig
 from meshrl.datasets import make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
-from meshrl.inference import job
 from meshrl.inference.engine import Request, Sampler
 from meshrl.inference.weights import flat_params, publish_weights
+from meshrl.jobs import sample as job
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
 from meshrl.models.hf import save_hf_checkpoint
@@ -209,7 +209,7 @@ def test_checkpoint_params_restore_onto_another_mesh_with_the_runs_values(run_di
 
 
 def test_missing_tokenizer_is_an_error_in_sample_and_rl(tmp_path):
-    from meshrl.trainer import rl_loop
+    from meshrl.jobs import rl as rl_loop
 
     ckpt = tmp_path / "hf"  # a subword-sized vocabulary with no tokenizer.json
     save_hf_checkpoint(create_model(dataclasses.replace(TINY, vocab_size=2048), seed=0), ckpt)

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshrl.algorithms.losses import token_logprobs
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
 from meshrl.inference.sampling import sample
-from meshrl.trainer.losses import token_logprobs
-from meshrl.trainer.policy_loss import make_rl_loss_fn
 
 B, L, V = 3, 5, 11
 

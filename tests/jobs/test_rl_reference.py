@@ -17,11 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshrl.algorithms import advantages as adv_lib
+from meshrl.algorithms.losses import token_logprobs
+from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import Config
 from meshrl.tests.trainer.tiny import tiny_rl_config
-from meshrl.trainer import advantages as adv_lib
-from meshrl.trainer.losses import token_logprobs
-from meshrl.trainer.policy_loss import kl_reward_advantages
 
 T = 0.7  # a temperature != 1: the reference must be scored at the sampler's temperature
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32 logprobs, tensor-parallel vs one-device sums
@@ -55,7 +55,7 @@ class Run:
 
 
 def _run(config: Config, workdir: Any) -> Run:
-    from meshrl.trainer import rl_loop
+    from meshrl.jobs import rl as rl_loop
 
     rollouts: list[Any] = []
     batches: list[dict[str, np.ndarray]] = []
@@ -185,7 +185,7 @@ def test_reference_params_survive_donated_train_steps_unchanged_while_the_policy
 @pytest.mark.distributed
 def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retraining(
         tmp_path):
-    from meshrl.trainer import rl_loop
+    from meshrl.jobs import rl as rl_loop
 
     config = _kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 1})
     first = rl_loop.RLTrainer(config, tmp_path)
@@ -216,9 +216,9 @@ def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retra
 
 @pytest.mark.parametrize("kl_where", ["loss", "reward"])
 def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_where):
+    from meshrl.algorithms import kl as kl_lib
     from meshrl.mesh import create_mesh, logical_to_sharding, rules_for
     from meshrl.tests.trainer.tiny import make_trainee
-    from meshrl.trainer import kl as kl_lib
     from meshrl.trainer.loop import expand_prefix
     from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys, reference_logprobs
     from meshrl.trainer.step import batch_shardings

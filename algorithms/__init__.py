@@ -1,0 +1,1 @@
+"""Pure RL math: advantages, policy losses, KL estimators, token logprobs, their registries."""
