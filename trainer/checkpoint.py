@@ -166,6 +166,32 @@ class Checkpointer:
         for old in moved[:-self._cfg.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    def _misfit(self, step: int, abstract_state: Any) -> str | None:
+        """How step's saved train state differs from ``abstract_state`` in tree or shapes,
+        read from Orbax's metadata before any array is read (a failed read would leave
+        Orbax's half-finished reads reporting on stderr)."""
+        try:
+            saved = ocp.tree.to_flat_dict(self._mngr.item_metadata(step)["state"])
+        except Exception:  # no readable metadata: let the restore itself decide
+            return None
+        want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state,
+                                                              keep_empty_nodes=True))
+        name = "/".join  # ('params', 'embed', 'value') -> params/embed/value
+        for key in sorted(want, key=lambda k: k[0] != "params"):  # params first: clearest
+            if key not in saved:
+                return f"{name(key)} is not in the checkpoint"
+            have, need = tuple(saved[key].shape or ()), tuple(getattr(want[key], "shape", ()))
+            if have != need:
+                return f"{name(key)} has shape {have} in the checkpoint and {need} in this run"
+        extra = sorted(set(saved) - set(want))
+        return f"{name(extra[0])} is in the checkpoint but not in this run" if extra else None
+
+    def _mismatch_message(self, step: int, what: str) -> str:
+        return (f"checkpoint step {step} under {self.directory}: intact but does not fit this "
+                f"run's train state ({what}): the model or optimizer config changed; use a new "
+                f"--workdir, or the config that wrote it (logging.level = DEBUG shows the whole "
+                f"difference)")
+
     def restore_latest(self, abstract_state: Any) -> Restored | None:
         """Newest verified checkpoint, restored onto ``abstract_state``'s shardings; ``None`` if
         there is none. Target shardings come from the caller, so the mesh may differ from the
@@ -175,6 +201,9 @@ class Checkpointer:
             if problem is not None:
                 self._quarantine(step, problem)
                 continue
+            misfit = self._misfit(step, abstract_state)
+            if misfit:
+                raise CheckpointMismatchError(self._mismatch_message(step, misfit))
             try:
                 out = self._mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
@@ -183,12 +212,8 @@ class Checkpointer:
                 # The bytes match the manifest, so this is not corruption: the run's state no
                 # longer fits the checkpoint (changed model, optimizer, ...). Falling back would
                 # silently discard good checkpoints; stop and say so instead.
-                raise CheckpointMismatchError(
-                    f"checkpoint step {step} under {self.directory}: intact but does not fit "
-                    f"this run's train state "
-                    f"({(str(e).splitlines() or [repr(e)])[0].split('. ')[0].rstrip(':'):.160}): "
-                    f"the model or optimizer config changed; use a new --workdir, or the config "
-                    f"that wrote it (logging.level = DEBUG shows the whole difference)") from e
+                cause = (str(e).splitlines() or [repr(e)])[0].split(". ")[0].rstrip(":")
+                raise CheckpointMismatchError(self._mismatch_message(step, cause[:160])) from e
             _log.info("restored checkpoint step %d from %s", step, self.directory)
             return Restored(step=step, state=out["state"], data=out["data"],
                             config=out["config"], counters=out["counters"])
