@@ -13,6 +13,7 @@ import dataclasses
 import enum
 from typing import Any, Literal
 
+from meshrl.configs.cross_section import validate_config
 from meshrl.configs.fields import (
     ConfigError,
     Section,
@@ -406,6 +407,9 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+
+    def __post_init__(self) -> None:
+        validate_config(self)  # the rules that span sections (configs/cross_section.py)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"job": self.job.value}

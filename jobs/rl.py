@@ -75,7 +75,6 @@ import numpy as np
 
 from meshrl.algorithms.losses import get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
-from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import eval_examples, make_prompt_iterator, make_sft_iterator
 from meshrl.inference.async_engine import AsyncEngine
@@ -138,35 +137,6 @@ def rl_batch_size(config: Config) -> int:
     return config.rollout.prompts_per_step * config.rollout.group_size
 
 
-def check_config(config: Config) -> None:
-    """RL-specific cross-field constraints (the schema validates each section alone)."""
-    B = rl_batch_size(config)
-    if B % config.trainer.microbatches:
-        raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
-                          f"rollout.prompts_per_step * rollout.group_size = {B}")
-    s = config.sampler
-    # The behaviour policy is softmax(logits / T) and the trainer rescores with logits / T; a
-    # greedy or truncated (top-k/top-p) sampler has a distribution the trainer cannot rebuild.
-    if s.temperature <= 0.0:
-        raise ConfigError(f"sampler.temperature = {s.temperature}: the RL job needs a "
-                          f"temperature > 0 (greedy decoding has no behaviour distribution)")
-    if s.top_k != 0:
-        raise ConfigError(f"sampler.top_k = {s.top_k}: the RL job needs 0 (the trainer cannot "
-                          f"recompute logprobs of a top-k truncated distribution)")
-    if s.top_p != 1.0:
-        raise ConfigError(f"sampler.top_p = {s.top_p}: the RL job needs 1.0 (the trainer cannot "
-                          f"recompute logprobs of a top-p truncated distribution)")
-    if config.model.hf_path and config.rl.warm_start_steps > 0:
-        raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
-                          f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "
-                          f"gets no SFT warm start)")
-    if config.sampler.prompt_buckets and config.sampler.prompt_buckets[-1] < \
-            config.data.max_prompt_len:
-        raise ConfigError(f"sampler.prompt_buckets = {config.sampler.prompt_buckets}: the "
-                          f"largest must be >= data.max_prompt_len = "
-                          f"{config.data.max_prompt_len}")
-
-
 def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
     """(graphdef, params, model config, tokenizer) on the trainer mesh."""
     rules = rules_for("train", config.mesh.fsdp)
@@ -207,7 +177,6 @@ class RLTrainer:
     """Owns the compiled RL step, the state, checkpoints, metric sinks and the sampler."""
 
     def __init__(self, config: Config, workdir: str | pathlib.Path) -> None:
-        check_config(config)
         if jax.process_count() > 1:
             # TODO(meshrl): multi-host RL (one runner per process, one global batch) is untested.
             raise NotImplementedError("the RL job runs on one process in this build")

@@ -140,17 +140,10 @@ def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
 def resolve_source(config: Config, workdir: str | pathlib.Path) -> Source:
     """Check that ``sample.source`` exists and find its model config; loads no weights."""
     source, model = config.sample.source, config.model
+    # The config already holds model.hf_path set exactly for source hf_path (cross_section.py).
     if source == "hf_path":
-        if not model.hf_path:
-            raise ConfigError("sample.source = 'hf_path': model.hf_path is empty: set it to a "
-                              "local Hugging Face checkpoint directory, or pick another "
-                              "sample.source (random, checkpoint, version)")
         return Source(model, _hf_arch(model))
     if source == "random":
-        if model.hf_path:
-            raise ConfigError(f"sample.source = 'random': model.hf_path = {model.hf_path!r} "
-                              f"would be ignored: set sample.source = 'hf_path' to sample from "
-                              f"it, or clear model.hf_path")
         return Source(model, model)
     reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
     try:

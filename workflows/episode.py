@@ -113,7 +113,7 @@ async def arun_episode(engine: Engine, item: dict, *, reward_pool: RewardScorer,
         # The behaviour policy is the distribution actually sampled (softmax(logits / T)); the
         # trainer scores with logits / T to match. At T = 1 without top-k/top-p this is the raw
         # log_softmax. Truncated (top-k/top-p) or greedy sampling has no counterpart in the
-        # trainer; the RL job rejects it (``trainer.rl_loop.check_config``).
+        # trainer; an RL config rejects it (``configs/cross_section.py``).
         logprobs += [float(x) for x in out.logprobs]
         versions += [int(v) for v in out.versions]
         loss_mask += [1] * len(out.tokens)

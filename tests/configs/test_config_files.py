@@ -12,7 +12,7 @@ from meshrl.configs.overrides import check_override_keys
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
 LIBRARY = {"__init__.py", "schema.py", "sample_schema.py", "fields.py", "loader.py",
-           "overrides.py", "paths.py"}
+           "overrides.py", "paths.py", "cross_section.py"}
 CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name not in LIBRARY)
 
 

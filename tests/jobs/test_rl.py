@@ -176,29 +176,6 @@ def _rl_config(**overrides):
     return from_config_dict(cfg)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"sampler.temperature": 0.0}, "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
-    ({"sampler.top_k": 5}, "sampler.top_k = 5: the RL job needs 0"),
-    ({"sampler.top_p": 0.9}, "sampler.top_p = 0.9: the RL job needs 1.0"),
-    ({"trainer.microbatches": 3}, "trainer.microbatches = 3: must divide"),
-    ({"data.max_prompt_len": 200}, "data.max_prompt_len = 200"),
-    ({"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
-     "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
-])
-def test_rl_config_that_the_job_cannot_run_is_rejected_naming_the_field(overrides, message):
-    from meshrl.configs.fields import ConfigError
-    from meshrl.jobs.rl import check_config
-
-    with pytest.raises(ConfigError, match=message):
-        check_config(_rl_config(**overrides))
-
-
-def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
-    from meshrl.jobs.rl import check_config
-
-    check_config(_rl_config(**{"sampler.temperature": 0.7}))
-
-
 @pytest.mark.parametrize("overrides, steps", [
     ({"trainer.steps": 9}, 9),  # rl.warm_start_steps = -1: as many as trainer.steps
     ({"trainer.steps": 9, "rl.warm_start_steps": 4}, 4),

@@ -1,0 +1,77 @@
+"""Rules that span config sections; ``Config.__post_init__`` runs them.
+
+Contract: a ``Config`` that exists passes every rule here, so ``from_config_dict`` (and with it
+``main.py --dry_run``) rejects exactly the configs a run rejects. Each error is a ``ConfigError``
+naming the field, its value and the rule. Rules that need devices or files stay at run time and
+are repeated by ``jobs.dispatch.dry_run``: the device count (``mesh.*``, ``rl.sampler_devices``)
+and the input paths (``configs/paths.py``). See docs/architecture.md, "Config validation".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshrl.configs.fields import ConfigError
+
+if TYPE_CHECKING:
+    from meshrl.configs.schema import Config
+
+
+def _unused_mesh_axes(config: Config) -> None:
+    # The decoder is dense (ModelConfig has no experts): only MoE expert FFNs (``mlp_moe``) map
+    # to expert_tensor, so devices on it would hold replicas that compute the same thing.
+    # ``expert`` is fine: dense layers use it as extra batch (mesh/rules.py).
+    mesh = config.mesh
+    for name in ("expert_tensor", "dcn_expert_tensor"):
+        if getattr(mesh, name) != 1:
+            raise ConfigError(f"mesh.{name} = {getattr(mesh, name)}: must be 1: it shards only "
+                              f"MoE expert FFNs and model.* is a dense decoder (put the devices "
+                              f"on mesh.data or mesh.expert instead)")
+
+
+def _rl(config: Config) -> None:
+    B = config.rollout.prompts_per_step * config.rollout.group_size  # sequences per step
+    if B % config.trainer.microbatches:
+        raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
+                          f"rollout.prompts_per_step * rollout.group_size = {B}")
+    s = config.sampler
+    # The behaviour policy is softmax(logits / T) and the trainer rescores with logits / T; a
+    # greedy or truncated (top-k/top-p) sampler has a distribution the trainer cannot rebuild.
+    if s.temperature <= 0.0:
+        raise ConfigError(f"sampler.temperature = {s.temperature}: the RL job needs a "
+                          f"temperature > 0 (greedy decoding has no behaviour distribution)")
+    if s.top_k != 0:
+        raise ConfigError(f"sampler.top_k = {s.top_k}: the RL job needs 0 (the trainer cannot "
+                          f"recompute logprobs of a top-k truncated distribution)")
+    if s.top_p != 1.0:
+        raise ConfigError(f"sampler.top_p = {s.top_p}: the RL job needs 1.0 (the trainer cannot "
+                          f"recompute logprobs of a top-p truncated distribution)")
+    if config.model.hf_path and config.rl.warm_start_steps > 0:
+        raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
+                          f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "
+                          f"gets no SFT warm start)")
+    if s.prompt_buckets and s.prompt_buckets[-1] < config.data.max_prompt_len:
+        raise ConfigError(f"sampler.prompt_buckets = {s.prompt_buckets}: the largest must be "
+                          f">= data.max_prompt_len = {config.data.max_prompt_len}")
+
+
+def _sample(config: Config) -> None:
+    source, hf_path = config.sample.source, config.model.hf_path
+    if source == "hf_path" and not hf_path:
+        raise ConfigError("sample.source = 'hf_path': model.hf_path is empty: set it to a local "
+                          "Hugging Face checkpoint directory, or pick another sample.source "
+                          "(random, checkpoint, version)")
+    if source == "random" and hf_path:
+        raise ConfigError(f"sample.source = 'random': model.hf_path = {hf_path!r} would be "
+                          f"ignored: set sample.source = 'hf_path' to sample from it, or clear "
+                          f"model.hf_path")
+
+
+def validate_config(config: Config) -> None:
+    """Raise ``ConfigError`` on the first cross-section rule ``config`` breaks."""
+    _unused_mesh_axes(config)
+    job = getattr(config.job, "value", config.job)  # a Job, or its string before coercion
+    if job == "rl":
+        _rl(config)
+    elif job == "sample":
+        _sample(config)

@@ -1,0 +1,116 @@
+"""Rules across config sections: loading the config rejects them, naming the field, so a dry run
+rejects exactly what a run rejects; the device-count rules stay at run time and in the dry run."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from meshrl.configs import ConfigError, base_config, from_config_dict
+from meshrl.configs.schema import Config, Job, MeshConfig
+from meshrl.jobs import dispatch
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# (job, overrides "section.field" -> value, the text the error starts with)
+CROSS_SECTION_ERRORS = [
+    ("sft", {"mesh.expert_tensor": 2}, "mesh.expert_tensor = 2: must be 1"),
+    ("sft", {"mesh.expert_tensor": -1, "mesh.data": 8}, "mesh.expert_tensor = -1: must be 1"),
+    ("rl", {"mesh.dcn_expert_tensor": 2}, "mesh.dcn_expert_tensor = 2: must be 1"),
+    ("rl", {"trainer.batch_size": 24, "trainer.microbatches": 3},
+     "trainer.microbatches = 3: must divide rollout.prompts_per_step * rollout.group_size = 32"),
+    ("rl", {"sampler.temperature": 0.0},
+     "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
+    ("rl", {"sampler.top_k": 5}, "sampler.top_k = 5: the RL job needs 0"),
+    ("rl", {"sampler.top_p": 0.9}, "sampler.top_p = 0.9: the RL job needs 1.0"),
+    ("rl", {"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
+     "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
+    ("rl", {"data.max_prompt_len": 200},
+     "sampler.prompt_buckets = (32, 64, 128): the largest must be >= data.max_prompt_len = 200"),
+    ("sample", {"sample.source": "hf_path"}, "sample.source = 'hf_path': model.hf_path is empty"),
+    ("sample", {"sample.source": "random", "model.hf_path": "/ckpt"},
+     "sample.source = 'random': model.hf_path = '/ckpt' would be ignored"),
+]
+
+
+def _cfg(job: str, overrides: dict):
+    cfg = base_config(job)
+    cfg.sample.source = "random"  # the sample job's default source needs model.hf_path
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        cfg[section][name] = value
+    return cfg
+
+
+def _ids(case) -> str:
+    return f"{case[0]}:" + ",".join(case[1])
+
+
+@pytest.mark.parametrize("job, overrides, message", CROSS_SECTION_ERRORS,
+                         ids=[_ids(c) for c in CROSS_SECTION_ERRORS])
+def test_cross_section_error_is_raised_at_load_naming_the_field(job, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        from_config_dict(_cfg(job, overrides))
+
+    assert str(info.value).startswith(message), str(info.value)
+
+
+@pytest.mark.parametrize("job, overrides, message", CROSS_SECTION_ERRORS,
+                         ids=[_ids(c) for c in CROSS_SECTION_ERRORS])
+def test_cross_section_error_is_rejected_by_the_dry_run_path(job, overrides, message):
+    # main.py --dry_run is from_config_dict, then dispatch.dry_run: the first rejects it.
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        dispatch.dry_run(from_config_dict(_cfg(job, overrides)))
+
+
+@pytest.mark.parametrize("job, overrides, message", CROSS_SECTION_ERRORS,
+                         ids=[_ids(c) for c in CROSS_SECTION_ERRORS])
+def test_cross_section_error_is_raised_by_replace_too(job, overrides, message):
+    valid = from_config_dict(_cfg(job, {}))
+    sections = {}
+    for key, value in overrides.items():
+        section, name = key.split(".")
+        sections.setdefault(section, {})[name] = value
+
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        dataclasses.replace(valid, **{s: dataclasses.replace(getattr(valid, s), **v)
+                                      for s, v in sections.items()})
+
+
+def test_rules_of_one_job_do_not_apply_to_another():
+    greedy = _cfg("sft", {"sampler.temperature": 0.0, "sampler.top_k": 5})
+
+    assert from_config_dict(greedy).sampler.top_k == 5
+    assert Config(job=Job.SFT, mesh=MeshConfig(expert=2)).mesh.expert == 2  # extra batch
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rl.placement": "split", "rl.sampler_devices": 8},
+     "rl.sampler_devices = 8: must be in [1, 7]"),
+    ({"rl.placement": "split", "rl.sampler_devices": 2, "mesh.data": 4},
+     "rl.sampler_devices = 2 leaves 6 of the 8 devices to the trainer"),
+])
+def test_device_count_rule_loads_but_the_dry_run_rejects_it(overrides, message):
+    config = from_config_dict(_cfg("rl", overrides))  # needs the device count: not at load
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        dispatch.dry_run(config)
+
+
+def test_main_dry_run_exits_one_naming_the_cross_section_field():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+           "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
+                          str(ROOT / "configs" / "default.py"), "--dry_run",
+                          "--config.sampler.top_k=5"],
+                         capture_output=True, text=True, env=env, timeout=300)
+
+    assert out.returncode == 1, out.stderr
+    assert "error: sampler.top_k = 5: the RL job needs 0" in out.stderr
+    assert "Traceback" not in out.stderr
