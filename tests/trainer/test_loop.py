@@ -1,8 +1,7 @@
-"""The loop: non-finite raise path, metric sinks, progress line, the SFT job end to end."""
+"""The loop: non-finite raise path, metric sinks, the SFT job end to end."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import pathlib
@@ -13,7 +12,6 @@ import pytest
 
 from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
 from meshrl.trainer.loop import NonFiniteLossError
-from meshrl.trainer.progress import Progress
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -42,13 +40,6 @@ def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
     assert rows[-1]["mfu"] > 0 and rows[0]["learning_rate"] == 0.0  # warmup starts at 0
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert loop.checkpointer.all_steps() == [3]  # every_steps = 0: only the final save
-
-
-def test_progress_line_shows_step_loss_throughput_and_eta():
-    progress = Progress(100, 0, stream=io.StringIO())
-    line = progress.line(25, 1.23456, 12345.6)
-    assert "step 25/100" in line and "loss 1.2346" in line and "12,346 tok/s" in line
-    assert "ETA" in line and line.startswith("[#####")
 
 
 def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
