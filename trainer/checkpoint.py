@@ -104,8 +104,12 @@ class Checkpointer:
             max_to_keep=cfg.keep, create=True, enable_async_checkpointing=True,
             async_options=ocp.AsyncOptions(post_finalization_callback=self._write_manifest),
             cleanup_tmp_directories=True, todelete_subdir=DELETED)
+        # Handlers named up front, so a fresh manager can read an item's metadata before any
+        # save or restore of this process.
+        handlers = {"state": ocp.StandardCheckpointHandler(),
+                    **{k: ocp.JsonCheckpointHandler() for k in ("data", "config", "counters")}}
         self._mngr = ocp.CheckpointManager(self.directory, options=options,
-                                           item_names=("state", "data", "config", "counters"))
+                                           item_handlers=handlers)
         self._empty_deleted()
 
     def _empty_deleted(self) -> None:
@@ -171,9 +175,12 @@ class Checkpointer:
         read from Orbax's metadata before any array is read (a failed read would leave
         Orbax's half-finished reads reporting on stderr)."""
         try:
-            saved = ocp.tree.to_flat_dict(self._mngr.item_metadata(step)["state"])
+            meta = self._mngr.item_metadata(step)["state"]
         except Exception:  # no readable metadata: let the restore itself decide
             return None
+        if meta is None:
+            return None
+        saved = ocp.tree.to_flat_dict(meta)
         want = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(abstract_state,
                                                               keep_empty_nodes=True))
         name = "/".join  # ('params', 'embed', 'value') -> params/embed/value
