@@ -2,7 +2,8 @@
 
 Config files start from ``base_config()`` (every field at its schema default, so command-line
 overrides of any field type-check) and set what they change. ``from_config_dict`` is the only
-way to a ``Config``: it rejects unknown keys with the closest valid key and validates values.
+way to a ``Config``: it rejects unknown keys with the closest valid key and validates values,
+each section and the rules across sections (``cross_section.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ def base_config(job: Job | str = Job.SFT) -> ml_collections.ConfigDict:
 
 
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
-    """Validate ``cfg`` against the schema and return the frozen ``Config``."""
+    """Validate ``cfg`` against the schema and return the frozen ``Config``; any broken rule
+    that needs only the config (cross-section ones included) raises ``ConfigError``."""
     values = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else dict(cfg)
     top = ["job", *SECTIONS]
     for key in values:

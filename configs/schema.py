@@ -1,10 +1,11 @@
 """The canonical, typed config schema of meshrl.
 
 Config files (``configs/*.py``) return an ``ml_collections.ConfigDict``; ``from_config_dict``
-turns it into the frozen ``Config`` below and validates it. Every section is a frozen dataclass
-whose fields are ordered: required, common optional, rare optional, internal. Each field carries
-its documentation and constraint in ``metadata`` so ``scripts/gen_config_docs.py`` can render
-``docs/config.md`` from this file alone.
+turns it into the frozen ``Config`` below and validates it (each section in its
+``__post_init__``; rules across sections in ``Config.__post_init__``, see ``cross_section.py``).
+Every section is a frozen dataclass whose fields are ordered: required, common optional, rare
+optional, internal. Each field carries its documentation and constraint in ``metadata`` so
+``scripts/gen_config_docs.py`` can render ``docs/config.md`` from this file alone.
 """
 
 from __future__ import annotations

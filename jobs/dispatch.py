@@ -1,4 +1,12 @@
-"""Job dispatch for ``main.py``: one function per ``Job``, imported only when run."""
+"""Job dispatch for ``main.py``: the job registry, the dry run and the run.
+
+Contract: ``register(job, "module:function")`` maps a ``Job`` to ``function(config, workdir)``;
+the module is imported only when that job runs. ``dry_run(config)`` runs every check a run makes
+before it compiles or writes anything (the config is already valid: ``Config`` runs the
+cross-section rules; here: input paths, distributed start-up, the meshes with their device
+count, the split placement included) and returns the text a user checks. ``run`` makes the same
+checks, then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
+"""
 
 from __future__ import annotations
 
@@ -33,8 +41,9 @@ register(Job.RL, "meshrl.jobs.rl:run")
 
 
 def dry_run(config: Config) -> str:
-    """Validate (input paths included), start distributed if configured, build the mesh; return
-    what a user checks."""
+    """Check what a run checks before its first compile (input paths, distributed start-up, the
+    trainer and sampler meshes on the devices); return the resolved config, meshes and rules.
+    Raises the run's ``UserError`` (``ConfigError``, ``MeshShapeError``) on the first problem."""
     check_input_paths(config)
     initialize_distributed(config.distributed)
     if config.job == Job.RL and config.rl.placement == "split":

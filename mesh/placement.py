@@ -1,15 +1,12 @@
 """Where the RL job's trainer and sampler run (``rl.placement``), as two meshes in one process.
 
-* ``colocated``: both meshes are ``create_mesh(config.mesh)`` over all devices; the sampler
-  applies its own (``sample``) rules to the same devices.
-* ``split``: the last ``rl.sampler_devices`` devices of ``jax.devices()`` hold the sampler, the
-  others the trainer (device 0, where host-side defaults land, stays with the trainer). The
-  trainer's ``mesh.*`` sizes must multiply to the remaining devices. The sampler mesh keeps the
-  trainer's resolved model-parallel sizes (tensor, expert, expert_tensor), as the colocated
-  sampler does, and puts the rest of its devices on ``data`` (its KV-cache slots).
-
-Weight publication does not depend on the placement: ``Sampler.update_weights`` reshards
-whatever mesh the trainer's params live on onto the sampler's shardings.
+Contract: ``create_meshes(config)`` returns ``(trainer mesh, sampler mesh)``. Colocated: both are
+``create_mesh(config.mesh)`` over all devices. Split: the last ``rl.sampler_devices`` devices
+hold the sampler and ``mesh.*`` must multiply to the others; the sampler mesh keeps the
+trainer's resolved tensor, expert and expert_tensor sizes and fills ``data``. A split that does
+not fit the devices raises ``ConfigError`` naming ``rl.sampler_devices``; the RL job and
+``jobs.dispatch.dry_run`` both call this, so the dry run rejects it too. Design:
+docs/architecture.md, "Device placement and dispatch".
 """
 
 from __future__ import annotations
