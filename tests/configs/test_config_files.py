@@ -11,9 +11,8 @@ from meshrl.configs import Config, load_config_file
 from meshrl.configs.overrides import check_override_keys
 
 CONFIG_DIR = pathlib.Path(__file__).resolve().parents[2] / "configs"
-LIBRARY = {"__init__.py", "schema.py", "sample_schema.py", "fields.py", "loader.py",
-           "overrides.py", "paths.py", "cross_section.py"}
-CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if p.name not in LIBRARY)
+# Config files define get_config(arg); the other modules (schema, loader, rules) are the library.
+CONFIG_FILES = sorted(p for p in CONFIG_DIR.glob("*.py") if "\ndef get_config(" in p.read_text())
 
 
 def _variants(path: pathlib.Path) -> list[str | None]:
