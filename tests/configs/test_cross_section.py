@@ -90,6 +90,12 @@ def test_rules_of_one_job_do_not_apply_to_another():
     assert Config(job=Job.SFT, mesh=MeshConfig(expert=2)).mesh.expert == 2  # extra batch
 
 
+def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
+    config = from_config_dict(_cfg("rl", {"sampler.temperature": 0.7}))
+
+    assert config.sampler.temperature == 0.7
+
+
 @pytest.mark.parametrize("overrides, message", [
     ({"rl.placement": "split", "rl.sampler_devices": 8},
      "rl.sampler_devices = 8: must be in [1, 7]"),
