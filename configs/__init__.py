@@ -16,6 +16,7 @@ from meshrl.configs.schema import (
     Config,
     DataConfig,
     DistributedConfig,
+    ExportConfig,
     Job,
     LoggingConfig,
     MeshConfig,
@@ -30,7 +31,7 @@ from meshrl.configs.schema import (
 
 __all__ = [
     "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
-    "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
+    "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
     "RolloutConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",
 ]

@@ -15,6 +15,7 @@ import enum
 from typing import Any, Literal
 
 from meshrl.configs.cross_section import validate_config
+from meshrl.configs.export_schema import ExportConfig
 from meshrl.configs.fields import (
     ConfigError,
     Section,
@@ -34,6 +35,7 @@ class Job(str, enum.Enum):
     SFT = "sft"  # supervised fine-tuning with masked next-token cross-entropy
     RL = "rl"  # asynchronous RL (GRPO/PPO family) with an in-process sampler (rl.placement)
     SAMPLE = "sample"  # generate completions for prompts from a file
+    EXPORT = "export"  # write a run's checkpoint or weight version as a HF checkpoint
 
 
 MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
@@ -386,7 +388,7 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig, SampleConfig)
+                DistributedConfig, SampleConfig, ExportConfig)
 }
 
 
@@ -408,6 +410,7 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+    export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)

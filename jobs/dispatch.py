@@ -25,6 +25,7 @@ from meshrl.mesh import (
     initialize_distributed,
     rules_for,
 )
+from meshrl.models.build import resolve_model_config
 from meshrl.utils import log
 
 # Job -> "module:function"; each function takes (config, workdir).
@@ -38,6 +39,7 @@ def register(job: Job, target: str) -> None:
 register(Job.SFT, "meshrl.jobs.sft:run")
 register(Job.SAMPLE, "meshrl.jobs.sample:run")
 register(Job.RL, "meshrl.jobs.rl:run")
+register(Job.EXPORT, "meshrl.jobs.export:run")
 
 
 def dry_run(config: Config) -> str:
@@ -45,6 +47,7 @@ def dry_run(config: Config) -> str:
     trainer and sampler meshes on the devices); return the resolved config, meshes and rules.
     Raises the run's ``UserError`` (``ConfigError``, ``MeshShapeError``) on the first problem."""
     check_input_paths(config)
+    resolve_model_config(config.model)  # an unsupported model.hf_path architecture fails here
     initialize_distributed(config.distributed)
     if config.job == Job.RL and config.rl.placement == "split":
         # mesh.* covers only the trainer's share of the devices in split mode.
@@ -75,7 +78,8 @@ def dry_run(config: Config) -> str:
 
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
-    check_input_paths(config)  # the same check as dry_run, before anything is written
+    check_input_paths(config)  # the same checks as dry_run, before anything is written
+    resolve_model_config(config.model)
     if config.job not in _JOBS:
         known = sorted(j.value for j in _JOBS)
         raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "

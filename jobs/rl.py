@@ -83,7 +83,14 @@ from meshrl.inference.weights import publish_weights, weights_dir
 from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.mesh import initialize_distributed, logical_to_sharding, rules_for
 from meshrl.mesh.placement import create_meshes
-from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
+from meshrl.models import (
+    build_model,
+    flops_per_token,
+    forward,
+    param_shardings,
+    resolve_model_config,
+    split_model,
+)
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.checkpoint import Checkpointer
@@ -140,18 +147,11 @@ def rl_batch_size(config: Config) -> int:
 def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
     """(graphdef, params, model config, tokenizer) on the trainer mesh."""
     rules = rules_for("train", config.mesh.fsdp)
-    if config.model.hf_path:
-        from meshrl.models.hf import load_hf_checkpoint
-
-        model = load_hf_checkpoint(config.model.hf_path, mesh=mesh, rules=rules,
-                                   dtype=config.model.param_dtype)
-        model_cfg = model.cfg
-    else:
-        model = create_model(config.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
-        model_cfg = config.model
-    tokenizer = tokenizer_for(config.model, model_cfg.vocab_size)
+    # The tokenizer first: a missing one fails before any weights are read.
+    tokenizer = tokenizer_for(config.model, resolve_model_config(config.model).vocab_size)
+    model = build_model(config.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
     graphdef, params = split_model(model)
-    return graphdef, params, model_cfg, tokenizer
+    return graphdef, params, model.cfg, tokenizer
 
 
 def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee,

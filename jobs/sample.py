@@ -49,11 +49,11 @@ from meshrl.inference.requests import buckets_up_to
 from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
 from meshrl.mesh import Rules, create_mesh, rules_for
 from meshrl.models import (
+    Decoder,
     abstract_model,
-    create_model,
-    load_hf_checkpoint,
-    load_hf_config,
+    build_model,
     param_shardings,
+    resolve_model_config,
     split_model,
 )
 from meshrl.models.tokenizer import Tokenizer, tokenizer_for
@@ -122,9 +122,7 @@ def _hf_arch(model: ModelConfig) -> ModelConfig:
     if not os.path.isfile(os.path.join(model.hf_path, "config.json")):
         raise ConfigError(f"model.hf_path = {model.hf_path!r}: no config.json there: point it at "
                           f"a local Hugging Face checkpoint directory")
-    # As the trainer loads it: stored and compute dtype both model.param_dtype.
-    return load_hf_config(model.hf_path, param_dtype=model.param_dtype,
-                          compute_dtype=model.param_dtype)
+    return resolve_model_config(model)  # as every job builds it (models/build.py)
 
 
 def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
@@ -207,13 +205,16 @@ def build_sampler(config: Config, workdir: str | pathlib.Path, src: Source, mesh
         log.info("sampling from checkpoint step %d (weight version %d) of %s", src.step,
                  version, workdir)
         return Sampler(src.arch, config.sampler, mesh, params, version=version, rules=rules)
-    if s.source == "hf_path":
-        model = load_hf_checkpoint(src.model.hf_path, mesh=mesh, rules=rules)
-    else:
+    model = source_model(config, src, mesh, rules)
+    return Sampler(src.arch, config.sampler, mesh, split_model(model)[1], rules=rules)
+
+
+def source_model(config: Config, src: Source, mesh: Mesh, rules: Rules) -> Decoder:
+    """The model of ``sample.source`` hf_path or random, built as every job builds it."""
+    if config.sample.source == "random":
         log.info("sampling from a random %d-layer model (sample.source = 'random')",
                  src.arch.num_layers)
-        model = create_model(src.arch, mesh=mesh, rules=rules, seed=config.trainer.seed)
-    return Sampler(src.arch, config.sampler, mesh, split_model(model)[1], rules=rules)
+    return build_model(src.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
 
 
 def run(config: Config, workdir: str) -> None:
@@ -256,4 +257,4 @@ def _jsonable(v: Any) -> bool:
 
 
 __all__ = ["Source", "abstract_params", "build_sampler", "encode_prompts", "prompt_limit", "read_prompts",
-           "resolve_source", "run"]
+           "resolve_source", "run", "source_model"]

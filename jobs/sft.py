@@ -20,20 +20,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms.losses import get_loss
-from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_sft_iterator
 from meshrl.datasets.pipeline import response_ids
 from meshrl.mesh import create_mesh, initialize_distributed, logical_to_sharding, rules_for
 from meshrl.models import (
-    create_model,
+    build_model,
     flops_per_token,
     forward,
     param_count,
     param_shardings,
+    resolve_model_config,
     split_model,
 )
-from meshrl.models.tokenizer import load_tokenizer
+from meshrl.models.tokenizer import tokenizer_for
 from meshrl.trainer.loop import Loop, Trainee
 from meshrl.trainer.step import ForwardFn
 from meshrl.utils import log
@@ -117,22 +117,19 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     mesh = create_mesh(config.mesh)
     rules = rules_for("train", config.mesh.fsdp)
     tcfg = config.trainer
-    tokenizer = load_tokenizer(config.model.tokenizer)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ConfigError(f"model.vocab_size = {config.model.vocab_size}: must be >= the "
-                          f"tokenizer's vocab size {tokenizer.vocab_size}: raise it, or use the "
-                          f"tokenizer the model was built for")
+    model_cfg = resolve_model_config(config.model)  # model.hf_path's architecture when set
+    tokenizer = tokenizer_for(config.model, model_cfg.vocab_size)
     data = make_sft_iterator(config.data, tokenizer, batch_size=tcfg.batch_size,
                              seq_len=tcfg.seq_len, seed=tcfg.seed,
                              process_index=jax.process_index(),
                              process_count=jax.process_count())
-    model = create_model(config.model, mesh=mesh, rules=rules, seed=tcfg.seed)
+    model = build_model(config.model, mesh=mesh, rules=rules, seed=tcfg.seed)
     graphdef, params = split_model(model)
     del model
     trainee = Trainee(forward=functools.partial(forward, graphdef), params=params,
                       params_shardings=param_shardings(params, mesh, rules),
-                      flops_per_token=flops_per_token(config.model, tcfg.seq_len))
-    n_params = param_count(config.model)
+                      flops_per_token=flops_per_token(model_cfg, tcfg.seq_len))
+    n_params = param_count(model_cfg)
     _log.info("SFT: %.2fM params, mesh %s, %d steps of %d x %d tokens", n_params / 1e6,
               dict(mesh.shape), tcfg.steps, tcfg.batch_size, tcfg.seq_len)
     held_out = eval_batches([_teacher_forced(ex, tokenizer)

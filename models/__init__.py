@@ -1,5 +1,6 @@
 """Flax NNX decoders (Llama 3.x, Qwen2/2.5, Qwen3), KV cache, and HF safetensors import/export."""
 
+from meshrl.models.build import RUNTIME_FIELDS, build_model, resolve_model_config
 from meshrl.models.decoder import (
     Decoder,
     abstract_model,
@@ -22,6 +23,7 @@ from meshrl.models.kv_cache import K_CACHE_AXES, V_CACHE_AXES, KVCache
 from meshrl.models.sharding import ShardingContext, logical_axes, param_shardings
 
 __all__ = [
+    "RUNTIME_FIELDS", "build_model", "resolve_model_config",
     "CheckpointError", "Decoder", "K_CACHE_AXES", "KVCache", "V_CACHE_AXES", "ShardingContext", "abstract_model",
     "create_model", "flops_per_token", "forward", "hf_config_from_model", "load_hf_checkpoint", "load_hf_config",
     "logical_axes", "model_config_from_hf", "model_from_config", "param_count", "param_shardings", "save_hf_checkpoint",

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
-from meshrl.models.decoder import Decoder, abstract_model, create_model
+from meshrl.models.decoder import Decoder, abstract_model
 from meshrl.models.sharding import param_shardings
 from meshrl.utils.errors import MissingFileError, UserError
 from meshrl.utils.log import get_logger
@@ -340,17 +340,9 @@ def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path) -> None:
     get_logger("models").info("saved %s (%d tensors)", path, len(tensors))
 
 
-
-# Fields of ModelConfig that describe how to run the weights, not what they are.
-_RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "tokenizer")
-
-
 def model_from_config(cfg: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
                       seed: int = 0) -> Decoder:
-    """``cfg.hf_path`` set: load that checkpoint (architecture from its config.json, runtime
-    fields such as dtypes, remat and scan_layers from ``cfg``); else random init from ``cfg``."""
-    if not cfg.hf_path:
-        return create_model(cfg, mesh=mesh, rules=rules, seed=seed)
-    runtime = {name: getattr(cfg, name) for name in _RUNTIME_FIELDS}
-    return load_hf_checkpoint(cfg.hf_path, mesh=mesh, rules=rules,
-                              dtype=jnp.dtype(cfg.param_dtype), **runtime)
+    """Deprecated alias of ``meshrl.models.build.build_model`` (kept for existing callers)."""
+    from meshrl.models.build import build_model
+
+    return build_model(cfg, mesh=mesh, rules=rules, seed=seed)

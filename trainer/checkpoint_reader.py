@@ -47,6 +47,20 @@ class CheckpointReader:
                          problem)
         return None
 
+    def steps(self) -> list[int]:
+        """Every step whose files match its manifest, ascending (the others are logged)."""
+        if self._mngr is None:
+            return []
+        out = []
+        for step in sorted(self._mngr.all_steps()):
+            problem = verify_step_dir(self.directory / str(step))
+            if problem is None:
+                out.append(step)
+            else:
+                _log.warning("checkpoint step %d under %s is skipped: %s", step, self.directory,
+                             problem)
+        return out
+
     def config(self, step: int) -> dict[str, Any]:
         """The resolved config the run saved with ``step`` (``Config.to_dict()`` layout)."""
         assert self._mngr is not None, self.directory

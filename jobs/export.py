@@ -1,0 +1,177 @@
+"""The ``export`` job: a run's params as a Hugging Face checkpoint that transformers loads.
+
+  python main.py --config CFG --workdir RUN --config.job=export --config.export.path=OUT \\
+      [--config.export.step=N | --config.export.version=V]
+
+Contract:
+* Weights: the newest verified checkpoint under ``<workdir>/checkpoints`` (``export.step``: that
+  step), or the published version ``<workdir>/weights/<export.version>``. The architecture is
+  the model section the run saved with the checkpoint (a version: with the run's newest
+  checkpoint, or this config's when the run has none), resolved as every job builds it
+  (``model.hf_path``'s config.json when set).
+* Output: ``OUT/model.safetensors`` + ``OUT/config.json`` (params in the dtype they are stored
+  in), plus the tokenizer files of the run's tokenizer when it is a directory (``model.tokenizer``
+  or the ``model.hf_path`` checkpoint's own). Written into a temporary sibling directory and
+  renamed to ``OUT`` whole: a failed export leaves nothing at ``OUT``.
+* Errors: no checkpoint, a missing step or version, an unusable ``export.path``: one
+  ``ConfigError`` line; nothing is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import tempfile
+
+import jax
+from flax import nnx
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config, ModelConfig
+from meshrl.inference.weights import (
+    flat_params,
+    published_versions,
+    restore_weights,
+    weights_dir,
+)
+from meshrl.jobs.sample import abstract_params
+from meshrl.mesh import create_mesh, rules_for
+from meshrl.models import (
+    Decoder,
+    abstract_model,
+    resolve_model_config,
+    save_hf_checkpoint,
+    split_model,
+)
+from meshrl.models.tokenizer import resolve_tokenizer_spec
+from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.utils.log import get_logger, set_process_index
+
+log = get_logger("models")
+
+# What transformers' tokenizer loaders read from a model directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                   "generation_config.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSource:
+    """The run's model section (tokenizer, hf_path), its resolved architecture, and which
+    weights: checkpoint ``step``, or published ``version`` when not None."""
+
+    model: ModelConfig
+    arch: ModelConfig
+    step: int | None
+    version: int | None
+
+
+def check_output(path: str) -> pathlib.Path:
+    """``export.path`` as an absolute path; ``ConfigError`` unless it is absent or empty."""
+    if not path:
+        raise ConfigError("export.path = '': required with job = 'export': set it to the "
+                          "directory to write the Hugging Face checkpoint to")
+    out = pathlib.Path(path).absolute()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        what = "not a directory" if not out.is_dir() else "a non-empty directory"
+        raise ConfigError(f"export.path = {path!r}: {what}: give an absent or empty directory "
+                          f"(an export never mixes with other files)")
+    if not out.parent.is_dir():
+        raise ConfigError(f"export.path = {path!r}: its parent {out.parent} is not a "
+                          f"directory: create it first")
+    return out
+
+
+def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
+    try:
+        return ModelConfig.from_mapping(reader.config(step)["model"])
+    except (KeyError, TypeError, ConfigError) as e:
+        raise ConfigError(f"{reader.directory / str(step)}: its saved config has no usable model "
+                          f"section ({e}): was it written by meshrl? pass that run's workdir as "
+                          f"--workdir") from None
+
+
+def resolve_export(config: Config, workdir: str | pathlib.Path, reader: CheckpointReader
+                   ) -> ExportSource:
+    """Which weights ``config.export`` names under ``workdir``; loads none of them."""
+    e = config.export
+    steps = reader.steps()
+    if e.version != -1:
+        versions = published_versions(workdir)
+        if e.version not in versions:
+            raise ConfigError(f"export.version = {e.version}: not published under "
+                              f"{weights_dir(workdir, 0).parent} (published: {versions}): pick "
+                              f"one of them, or export a checkpoint (export.version = -1)")
+        model = _run_model(reader, steps[-1]) if steps else config.model
+        return ExportSource(model, resolve_model_config(model), None, e.version)
+    if not steps:
+        raise ConfigError(f"job = 'export': no verified checkpoint under {reader.directory}: "
+                          f"pass the run's workdir as --workdir, or export a published weight "
+                          f"version (export.version)")
+    step = steps[-1] if e.step == -1 else e.step
+    if step not in steps:
+        raise ConfigError(f"export.step = {e.step}: no verified checkpoint of that step under "
+                          f"{reader.directory} (verified: {steps}): pick one of them, or -1 for "
+                          f"the newest")
+    model = _run_model(reader, step)
+    return ExportSource(model, resolve_model_config(model), step, None)
+
+
+def load_source(config: Config, workdir: str | pathlib.Path, src: ExportSource,
+                reader: CheckpointReader) -> Decoder:
+    """The model holding ``src``'s params, sharded as the trainer's FSDP rules shard them (the
+    least memory per device) on ``mesh.*``."""
+    mesh = create_mesh(config.mesh)
+    rules = rules_for("train", True)
+    target = abstract_params(src.arch, mesh, rules)
+    if src.step is not None:
+        params, version = reader.params(src.step, target)
+        log.info("exporting checkpoint step %d (weight version %d) of %s", src.step, version,
+                 workdir)
+    else:
+        assert src.version is not None
+        expected = flat_params(target)
+        shardings = {k: v.sharding for k, v in expected.items()}
+        flat = restore_weights(workdir, src.version, expected, shardings)
+        params = jax.tree.unflatten(jax.tree.structure(target), [flat[k] for k in expected])
+        log.info("exporting weight version %d of %s", src.version, workdir)
+    graphdef = split_model(abstract_model(src.arch, mesh=mesh, rules=rules))[0]
+    return nnx.merge(graphdef, params)
+
+
+def tokenizer_dir(src: ExportSource) -> str | None:
+    """The run's tokenizer directory, or None for the built-in char tokenizer."""
+    spec = resolve_tokenizer_spec(src.model, src.arch.vocab_size)
+    return None if spec == "char" else spec
+
+
+def run(config: Config, workdir: str) -> pathlib.Path:
+    """Export (see the module docstring); returns the output directory."""
+    set_process_index(jax.process_index())
+    if jax.process_count() > 1:
+        # TODO(meshrl): multi-host export (gather params to process 0) is not built.
+        raise NotImplementedError("the export job runs on one process in this build")
+    out = check_output(config.export.path)
+    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+    try:
+        src = resolve_export(config, workdir, reader)
+        tok = tokenizer_dir(src)
+        model = load_source(config, workdir, src, reader)
+    finally:
+        reader.close()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        save_hf_checkpoint(model, tmp)
+        copied = [n for n in TOKENIZER_FILES if tok and os.path.isfile(os.path.join(tok, n))]
+        for name in copied:
+            shutil.copyfile(os.path.join(tok, name), tmp / name)
+        if out.exists():
+            out.rmdir()  # checked empty above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported to %s (tokenizer files: %s)", out, copied or "none, char tokenizer")
+    return out

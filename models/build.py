@@ -1,0 +1,70 @@
+"""The one model builder every job uses (SFT, RL, sample, export): ``model.*`` in, ``Decoder`` out.
+
+``model.hf_path`` empty: a random init of ``model.*``. Set: the architecture comes from
+``<hf_path>/config.json`` (the ``model.*`` architecture fields are not read; a non-default one
+that disagrees with the checkpoint is logged), the weights from its safetensors, and every
+runtime field (``param_dtype``, ``compute_dtype``, ``remat``, ``scan_layers``, ``tokenizer``)
+from ``model.*``. A runtime field the built model does not carry is an error naming it, never
+dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import ModelConfig
+from meshrl.mesh.rules import Rules
+from meshrl.models.decoder import Decoder, create_model
+from meshrl.models.hf import load_hf_checkpoint, load_hf_config
+from meshrl.utils.log import get_logger
+
+# Fields of ModelConfig that say how to run the weights, not what they are: with model.hf_path
+# they come from model.*, every other field from the checkpoint's config.json.
+RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "remat", "scan_layers", "tokenizer")
+_NOT_ARCH = (*RUNTIME_FIELDS, "hf_path")
+
+
+def resolve_model_config(model: ModelConfig) -> ModelConfig:
+    """The config ``build_model(model)`` builds: ``model`` itself when ``model.hf_path`` is
+    empty, else the architecture of ``<hf_path>/config.json`` with ``model``'s runtime fields.
+
+    Reads only config.json. Raises ``MissingFileError`` / ``CheckpointError`` (no or unreadable
+    config.json) and ``ConfigError`` (an unsupported architecture), each naming the file.
+    """
+    if not model.hf_path:
+        return model
+    runtime = {name: getattr(model, name) for name in RUNTIME_FIELDS}
+    resolved = load_hf_config(model.hf_path, **runtime)
+    default = ModelConfig()
+    ignored = [f"model.{f.name} = {getattr(model, f.name)!r} (checkpoint: "
+               f"{getattr(resolved, f.name)!r})"
+               for f in dataclasses.fields(ModelConfig) if f.name not in _NOT_ARCH
+               and getattr(model, f.name) != getattr(default, f.name)
+               and getattr(model, f.name) != getattr(resolved, f.name)]
+    if ignored:
+        get_logger("models").warning(
+            "model.hf_path = %r decides the architecture; not used: %s", model.hf_path,
+            ", ".join(ignored))
+    return resolved
+
+
+def build_model(model: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
+                seed: int = 0) -> Decoder:
+    """The model of ``model.*`` (see the module docstring), each param placed in its sharding
+    under ``rules`` on ``mesh``. ``built.cfg`` is ``resolve_model_config(model)``."""
+    resolved = resolve_model_config(model)
+    if not model.hf_path:
+        built = create_model(resolved, mesh=mesh, rules=rules, seed=seed)
+    else:
+        runtime = {name: getattr(model, name) for name in RUNTIME_FIELDS}
+        built = load_hf_checkpoint(model.hf_path, mesh=mesh, rules=rules,
+                                   dtype=jnp.dtype(model.param_dtype), **runtime)
+    for name in RUNTIME_FIELDS:
+        if getattr(built.cfg, name) != getattr(model, name):
+            raise ConfigError(f"model.{name} = {getattr(model, name)!r}: the built model has "
+                              f"{getattr(built.cfg, name)!r}; this build cannot honour it")
+    return built

@@ -1,0 +1,153 @@
+"""One model builder for every job: ``model.hf_path`` plus every runtime field of ``model.*``
+reach the built model of RL, RL eval and sample; a bad ``model.hf_path`` is one error line
+naming it, before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from meshrl.configs import sample as sample_config
+from meshrl.configs.loader import base_config, from_config_dict
+from meshrl.configs.schema import ModelConfig
+from meshrl.jobs import dispatch
+from meshrl.jobs import rl as rl_job
+from meshrl.jobs import sample as sample_job
+from meshrl.mesh import create_mesh, rules_for
+from meshrl.models import build_model, resolve_model_config
+from meshrl.tests.models.conftest import TINY, hf_logits, random_ids
+from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.utils.errors import UserError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+RUNTIME = {"model.compute_dtype": "bfloat16", "model.remat": "full", "model.scan_layers": True}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> tuple[pathlib.Path, object]:
+    """A tiny LlamaForCausalLM saved by transformers; a byte vocabulary (char tokenizer)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**{**TINY, "vocab_size": 256}, attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    path = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(path, safe_serialization=True)
+    return path, model
+
+
+def _assert_runtime(cfg: ModelConfig) -> None:
+    assert (cfg.compute_dtype, cfg.remat, cfg.scan_layers) == ("bfloat16", "full", True)
+    assert (cfg.param_dtype, cfg.vocab_size) == ("float32", 256)  # arch from config.json
+
+
+def test_build_model_loads_hf_path_weights_with_runtime_fields_of_model(llama_dir):
+    path, torch_model = llama_dir
+    cfg = ModelConfig(hf_path=str(path), compute_dtype="bfloat16", remat="full",
+                      scan_layers=True, num_layers=5)  # num_layers: the checkpoint decides
+
+    model = build_model(cfg)
+
+    _assert_runtime(model.cfg)
+    assert model.cfg == resolve_model_config(cfg)
+    assert model.embed.get_value().dtype == jnp.float32
+    ids_BxL = random_ids(1, 5, vocab=256)
+    # bf16 matmuls against float32 torch: bf16's 8-bit mantissa bounds the tolerance.
+    np.testing.assert_allclose(np.asarray(model(ids_BxL), np.float32),
+                               hf_logits(torch_model, ids_BxL), rtol=0.05, atol=0.05)
+
+
+def test_rl_job_builds_the_policy_and_eval_sampler_model_with_model_runtime_fields(llama_dir):
+    config = tiny_rl_config(**{"model.hf_path": str(llama_dir[0]), "rl.warm_start_steps": 0,
+                               **RUNTIME})
+    mesh = create_mesh(config.mesh)
+
+    graphdef, params, model_cfg, _ = rl_job._load_model(config, mesh)
+
+    # model_cfg is also what RLTrainer hands the sampler that runs rollouts and evaluation.
+    _assert_runtime(model_cfg)
+    _assert_runtime(nnx.merge(graphdef, params).cfg)
+
+
+def test_sample_job_builds_the_hf_path_model_with_model_runtime_fields(llama_dir, tmp_path):
+    cfg = sample_config.get_config()
+    cfg.sample.source = "hf_path"
+    cfg.model.hf_path = str(llama_dir[0])
+    for key, value in RUNTIME.items():
+        setattr(cfg.model, key.split(".")[1], value)
+    config = from_config_dict(cfg)
+    src = sample_job.resolve_source(config, tmp_path)
+
+    model = sample_job.source_model(config, src, create_mesh(config.mesh), rules_for("sample"))
+
+    _assert_runtime(model.cfg)
+
+
+def _bad_dirs(root: pathlib.Path, llama: pathlib.Path) -> dict[str, pathlib.Path]:
+    """name -> a model.hf_path that is wrong in that way."""
+    out = {"absent": root / "absent"}
+    out["no_config"] = root / "no_config"
+    out["no_config"].mkdir()
+    (out["no_config"] / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    out["no_weights"] = root / "no_weights"
+    out["no_weights"].mkdir()
+    (out["no_weights"] / "config.json").write_text((llama / "config.json").read_text())
+    out["gpt2"] = root / "gpt2"
+    out["gpt2"].mkdir()
+    (out["gpt2"] / "model.safetensors").write_bytes((llama / "model.safetensors").read_bytes())
+    hf = json.loads((llama / "config.json").read_text())
+    (out["gpt2"] / "config.json").write_text(json.dumps(
+        {**hf, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
+    return out
+
+
+@pytest.mark.parametrize("job", ["sft", "rl"])
+@pytest.mark.parametrize("bad, match", [
+    ("absent", r"model.hf_path = '.*/absent': no such directory"),
+    ("no_config", r"model.hf_path = '.*/no_config': no config.json"),
+    ("no_weights", r"model.hf_path = '.*/no_weights': no \*.safetensors"),
+    ("gpt2", r".*/gpt2/config.json: HF config model_type = 'gpt2': unsupported"),
+])
+def test_bad_hf_path_is_one_error_naming_it_and_nothing_is_written(llama_dir, tmp_path, job,
+                                                                  bad, match):
+    path = _bad_dirs(tmp_path, llama_dir[0])[bad]
+    cfg = base_config(job)
+    cfg.model.hf_path = str(path)
+    if job == "rl":
+        cfg.rl.warm_start_steps = 0
+    config = from_config_dict(cfg)
+    workdir = tmp_path / "run"
+
+    with pytest.raises(UserError, match=match):
+        dispatch.run(config, str(workdir))
+    with pytest.raises(UserError, match=match):
+        dispatch.dry_run(config)
+
+    assert not workdir.exists()
+
+
+def test_main_with_unsupported_hf_architecture_prints_one_error_line(llama_dir, tmp_path):
+    path = _bad_dirs(tmp_path, llama_dir[0])["gpt2"]
+    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+    workdir = tmp_path / "run"
+
+    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
+                          str(ROOT / "configs" / "sft_synthetic.py"), "--workdir", str(workdir),
+                          f"--config.model.hf_path={path}"],
+                         capture_output=True, text=True, env=env, timeout=300)
+
+    assert out.returncode != 0
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path}/config.json: HF config model_type = 'gpt2': "
+                           f"unsupported"), out.stderr[-2000:]
+    assert out.stderr.count("error: ") == 1 and "Traceback" not in out.stderr
+    assert not workdir.exists()
