@@ -8,8 +8,27 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# JAX's persistent compilation cache for the session and every subprocess it starts: many tests
+# build the same tiny programs through fresh jit wrappers (a sampler per test, main.py runs), and
+# the cache turns each repeat into a load. A fresh directory per session keeps the suite's time
+# honest for CI (cold start); set JAX_COMPILATION_CACHE_DIR to reuse one across sessions.
+_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _CACHE = tempfile.mkdtemp(prefix="meshrl-test-jax-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import pytest  # noqa: E402
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
