@@ -1,6 +1,6 @@
 """Loss functions, chosen by name in config: a small registry instead of learner subclasses.
 
-A loss takes ``(logits_BxLxV, batch)`` and returns ``(loss_sum, weight_sum, aux_sums)``: sums, not
+A loss takes ``(logits_BxLxV, batch)`` (a ``TrainBatch``) and returns ``(loss_sum, weight_sum, aux_sums)``: sums, not
 means, so the train step can add them over microbatches and divide once by the total weight. That
 makes gradient accumulation equal one big batch (token-weighted), whatever the microbatch split.
 ``aux_sums`` are divided by the same total weight before they are reported.
@@ -8,13 +8,15 @@ makes gradient accumulation equal one big batch (token-weighted), whatever the m
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
+from meshrl.algorithms.batch import TrainBatch
+
 LossOutput = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
-LossFn = Callable[[jax.Array, Mapping[str, jax.Array]], LossOutput]
+LossFn = Callable[[jax.Array, TrainBatch], LossOutput]
 
 _LOSSES: dict[str, LossFn] = {}
 
@@ -62,15 +64,15 @@ def tempered(logits_BxLxV: jax.Array, temperature: float = 1.0) -> jax.Array:
 
 
 @register("sft")
-def sft_cross_entropy(logits_BxLxV: jax.Array, batch: Mapping[str, jax.Array]) -> LossOutput:
+def sft_cross_entropy(logits_BxLxV: jax.Array, batch: TrainBatch) -> LossOutput:
     """Masked next-token cross-entropy; ``targets`` are already shifted by the data pipeline.
 
     ``token_accuracy`` counts a position as right when the target's logit is the row maximum
     (a tie counts as right). It reuses the max that the log-sum-exp needs: an ``argmax`` over
     the vocab was a separate variadic reduction that cost ~6% of a CPU train step.
     """
-    targets_BxL = batch["targets"]
-    mask_BxL = batch["loss_mask"].astype(jnp.float32)
+    targets_BxL = batch.targets
+    mask_BxL = batch.loss_mask.astype(jnp.float32)
     assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape, targets_BxL.shape)
     logits_BxLxV = logits_BxLxV.astype(jnp.float32)
     max_BxL = jax.lax.stop_gradient(jnp.max(logits_BxLxV, axis=-1))

@@ -23,7 +23,7 @@ verl), so the trainer scores its own tokens with logits / T as well.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms.advantages import Registry
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.kl import entropy_from_logits
 from meshrl.algorithms.losses import (
     LossFn,
@@ -260,11 +261,11 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     given in the batch must be computed at the same temperature. 1 leaves the computation
     exactly as without tempering.
 
-    ``batch`` (target-aligned, all ``[B, L]``; see ``RolloutBatch.to_train_batch``):
-    ``targets``, ``loss_mask``, ``behaviour_logprobs``, ``advantages``; optional
-    ``segment_ids`` (packed rows: per-sequence terms follow the segments of each row),
-    ``proximal_logprobs`` (default: the current logprobs, stop-gradient, which is exact when each
-    rollout batch gets one optimizer step) and ``ref_logprobs`` (required when
+    ``batch`` (an ``RLTrainBatch``, see ``RolloutBatch.to_train_batch``): ``targets``,
+    ``loss_mask``, ``behaviour_logprobs``, ``advantages``, ``segment_ids`` (packed rows:
+    per-sequence terms follow the segments of each row); optional ``proximal_logprobs``
+    (default: the current logprobs, stop-gradient, which is exact when each rollout batch gets
+    one optimizer step) and ``ref_logprobs`` (required when
     ``rl.kl_coef > 0`` and ``rl.kl_where == "loss"``). With ``rl.kl_where == "reward"`` the KL
     is already in ``advantages`` (``kl_reward_advantages``) and this loss adds none.
     """
@@ -274,23 +275,23 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     kl_fn = kl_lib.get(rl.kl_estimator)
     kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
 
-    def loss_fn(logits_BxLxV: jax.Array, batch: Mapping[str, jax.Array]) -> LossOutput:
-        targets_BxL = batch["targets"]
+    def loss_fn(logits_BxLxV: jax.Array, batch: RLTrainBatch) -> LossOutput:
+        targets_BxL = batch.targets
         assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape,
                                                               targets_BxL.shape)
         logp_BxL = token_logprobs(logits_BxLxV, targets_BxL, temperature)
-        prox_BxL = batch.get("proximal_logprobs")
+        prox_BxL = batch.proximal_logprobs
         if prox_BxL is None:
             prox_BxL = jax.lax.stop_gradient(logp_BxL)
-        in_mask_BxL = batch["loss_mask"].astype(jnp.float32)
-        seg_BxL = batch.get("segment_ids")
-        inputs = PolicyInputs(logp_BxL, prox_BxL, batch["behaviour_logprobs"],
-                              batch["advantages"], in_mask_BxL, seg_BxL)
+        in_mask_BxL = batch.loss_mask.astype(jnp.float32)
+        seg_BxL = batch.segment_ids
+        inputs = PolicyInputs(logp_BxL, prox_BxL, batch.behaviour_logprobs, batch.advantages,
+                              in_mask_BxL, seg_BxL)
         terms = loss_impl(inputs, params)
         loss_BxL, stats = terms.loss_BxL, dict(terms.stats)
         if kl_in_loss:
             kl_BxL = kl_fn(jnp.where(in_mask_BxL > 0, logp_BxL, 0.0),
-                           jnp.where(in_mask_BxL > 0, batch["ref_logprobs"], 0.0))
+                           jnp.where(in_mask_BxL > 0, batch.ref_logprobs, 0.0))
             loss_BxL = loss_BxL + rl.kl_coef * kl_BxL
             stats["kl_ref"] = jax.lax.stop_gradient(kl_BxL)
         if rl.entropy_coef > 0.0:

@@ -66,12 +66,12 @@ def _batch_np(seed: int = 0) -> dict[str, np.ndarray]:
 
 def build_meshrl() -> tuple[Callable[[], None], int]:
     """One train step of the real trainer as a blocking callable, and the param count."""
+    from meshrl.algorithms.batch import TrainBatch
     from meshrl.algorithms.losses import get_loss
     from meshrl.configs.loader import base_config, from_config_dict
     from meshrl.mesh import create_mesh, rules_for
     from meshrl.models import create_model, forward, param_count, param_shardings, split_model
     from meshrl.trainer import (
-        BATCH_KEYS,
         batch_shardings,
         expand_prefix,
         init_state,
@@ -98,10 +98,10 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
                                mesh, params)
     state = jax.jit(lambda p: init_state(p, tx, 0), out_shardings=state_sh)(params)
     del params
-    batch_sh = batch_shardings(mesh, rules, BATCH, SEQ, BATCH_KEYS)
+    batch_sh = batch_shardings(mesh, rules, BATCH, SEQ)
     step = jit_train_step(make_train_step(functools.partial(forward, graphdef), get_loss("sft"),
                                           tx, schedule), state_sh, batch_sh, mesh)
-    batch = put_batch(_batch_np(), batch_sh)
+    batch = put_batch(TrainBatch.from_mapping(_batch_np()), batch_sh)
     holder = {"state": state}
 
     def one() -> None:

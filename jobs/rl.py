@@ -2,70 +2,20 @@
 
   python main.py --config configs/default.py --workdir /tmp/meshrl
 
-One process, one event loop. The rollout runner (``workflows``) keeps the sampler busy with
-groups of episodes while the trainer consumes batches; the staleness controller admits new
-groups only while ``(max_staleness + version + 1) * prompts_per_step - (accepted + running) > 0``
-and drops (and counts) any group with a token older than ``version - max_staleness``.
-``rollout.max_staleness = 0`` is synchronous RL.
-
-Per optimizer step ``v -> v + 1``: ``await runner.get_batch(v)`` (the version goes up by exactly
-one per consumed batch, whatever the trainer's non-finite skips), build the ``RolloutBatch``
-(groups in group-id order, so the batch does not depend on completion order), dispatch the
-jitted step, read the previous step's metrics, hand the new params to the sampler in process
-(``update_weights(params, v + 1)``; that copy is the one host wait per step, and it runs off
-the event loop), and every ``checkpoint.publish_every`` steps and at checkpoints publish the
-Orbax weight version ``<workdir>/weights/<v + 1>``.
-
-Packing (``rl.pack_sequences``): sequences share rows of ``trainer.seq_len``; the row count is
-rounded up to a quarter of the batch, and ``BucketedStep`` compiles one step per row count.
-
-Proximal logprobs: every rollout batch gets exactly one optimizer step, so the proximal policy
-of decoupled PPO is the current (pre-update) policy, and ``make_rl_loss_fn``'s default
-(stop-gradient of the logprobs being trained) is exactly it: no extra forward pass.
-
-Sampling temperature: the behaviour policy is softmax(logits / ``sampler.temperature``) and the
-loss scores the current and proximal policies with the same logits / T (AReaL, verl). Greedy
-(T = 0) and top-k/top-p truncated sampling are rejected: the trainer cannot rebuild them.
-
-Placement (``rl.placement``, see ``mesh/placement.py``): colocated, the sampler mesh is
-``create_mesh(config.mesh)`` over the trainer's devices with the ``sample`` rules (params
-tensor-parallel, replicated over ``data``); split, the last ``rl.sampler_devices`` devices form
-the sampler mesh and the others the trainer's (``mesh.*`` must multiply to them). Publication
-and staleness control are the same in both: ``update_weights`` reshards across meshes.
-
-Warm start: with ``model.hf_path`` empty the policy starts from a short SFT phase on the same
-data (``<workdir>/sft``, resumable like any SFT run) so that RL starts from a mediocre, not a
-random, policy. It uses the config's model, data, optimizer and trainer sections except for
-its length, ``rl.warm_start_steps`` (-1: ``trainer.steps``), its optimizer (always AdamW) and
-its peak learning rate, ``rl.warm_start_lr``: RL needs a far smaller rate than SFT (with Adam
-every parameter moves by about the rate per step, and a policy-gradient step of that size on a
-0.1M-param model lowers the likelihood of every sampled answer, the rewarded ones included).
-
-Reference policy (``rl.kl_coef > 0``, see ``trainer/reference.py``): the policy at RL step 0
-(the ``model.hf_path`` params or the warm start's result), kept frozen in its own buffers on the
-trainer's shardings. Each step scores the batch's targets under it at ``sampler.temperature``
-and puts the KL in the loss (``ref_logprobs``; metric ``train/kl_ref``) or in the reward
-(advantages recomputed); ``train/kl_behaviour_ref`` logs the mean KL of the rollouts to it. On
-resume the reference is rebuilt the same way: the finished warm start is restored from
-``<workdir>/sft`` (``Loop`` runs no step when its checkpoint is at the last step).
-
-Recovery: checkpoints hold the train state, the prompt iterator state and the runner's
-counters (``runner.state_dict()``: version, staleness counters, next group id). A rerun of the
-same command resumes from the newest verified checkpoint; the SFT warm start is skipped then
-(only restored, for the KL reference).
-Groups in flight at a kill are lost (their prompts are not replayed), except with
-``max_staleness = 0`` where nothing is in flight at a checkpoint and the resumed run equals an
-uninterrupted one.
+Contract: per optimizer step ``v -> v + 1`` the trainer takes one batch of groups from the rollout
+runner, every loss token at most ``rollout.max_staleness`` versions old (checked again here),
+runs one step of the ``TrainEngine``, hands version ``v + 1`` to the sampler in process and
+publishes it under ``<workdir>/weights`` at checkpoints. A rerun resumes from the newest
+checkpoint. The design (packing, temperature, placement, warm start, KL reference, recovery)
+is in ``docs/rl.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 import json
 import pathlib
-import shutil
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,14 +23,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from meshrl.algorithms.losses import get_loss
-from meshrl.algorithms.policy_loss import make_rl_loss_fn
-from meshrl.configs.schema import Config, Job
-from meshrl.datasets import eval_examples, make_prompt_iterator, make_sft_iterator
+from meshrl.algorithms.batch import RLTrainBatch
+from meshrl.configs.schema import Config
+from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
-from meshrl.inference.weights import publish_weights, weights_dir
 from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
+from meshrl.jobs.rl_setup import (
+    rl_batch_size,
+    rl_engine,
+    run_warm_start,
+    warm_start_config,
+    warm_start_steps,
+)
 from meshrl.mesh import initialize_distributed, logical_to_sharding, rules_for
 from meshrl.mesh.placement import create_meshes
 from meshrl.models import (
@@ -93,55 +48,15 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
-from meshrl.trainer.checkpoint import Checkpointer
-from meshrl.trainer.loop import Loop, Trainee, expand_prefix, put_batch, read_step_metrics
-from meshrl.trainer.metrics import MetricsWriter
-from meshrl.trainer.optimizer import make_optimizer
-from meshrl.trainer.progress import Progress
-from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys
-from meshrl.trainer.state import abstract_state, init_state, state_shardings
-from meshrl.trainer.step import (
-    BucketedStep,
-    batch_shardings,
-    jit_train_step,
-    make_train_step,
-    row_buckets,
-)
+from meshrl.trainer.engine import Trainee, check_versions, put_batch
+from meshrl.trainer.reference import ReferencePolicy
 from meshrl.utils import log as log_lib
-from meshrl.workflows import (
-    TRAIN_BATCH_DTYPES,
-    TRAIN_BATCH_KEYS,
-    RolloutBatch,
-    make_rollout_batch,
-    make_runner,
-)
+from meshrl.workflows import RolloutBatch, make_rollout_batch, make_runner
+
+__all__ = ["RLTrainer", "host_stats", "rl_batch_size", "run", "warm_start_config",
+           "warm_start_steps"]
 
 log = log_lib.get_logger("rl")
-
-
-def warm_start_steps(config: Config) -> int:
-    """SFT steps before RL: none for a pretrained model (``model.hf_path``), else
-    ``rl.warm_start_steps`` with -1 meaning as many as ``trainer.steps``."""
-    if config.model.hf_path:
-        return 0
-    n = config.rl.warm_start_steps
-    return config.trainer.steps if n == -1 else n
-
-
-def warm_start_config(config: Config, steps: int) -> Config:
-    """The SFT config of the warm start: ``steps`` steps of AdamW at peak rate
-    ``rl.warm_start_lr``, no held-out evaluation; every other field as in ``config``."""
-    t = config.trainer
-    return dataclasses.replace(
-        config, job=Job.SFT,
-        trainer=dataclasses.replace(t, steps=steps, eval_every=0,
-                                    learning_rate=config.rl.warm_start_lr),
-        optimizer=dataclasses.replace(config.optimizer, name="adamw"))
-
-
-def rl_batch_size(config: Config) -> int:
-    """Sequences per optimizer step: prompts (groups) times samples per prompt."""
-    return config.rollout.prompts_per_step * config.rollout.group_size
 
 
 def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
@@ -154,27 +69,27 @@ def _load_model(config: Config, mesh: Any) -> tuple[Any, Any, Any, Any]:
     return graphdef, params, model.cfg, tokenizer
 
 
-def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee,
-                   tokenizer: Any, steps: int) -> Any:
-    """``steps`` of SFT under ``<workdir>/sft`` (resumable); returns the final params."""
-    t = config.trainer
-    sft = warm_start_config(config, steps)
-    data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
-                             seed=t.seed, process_index=jax.process_index(),
-                             process_count=jax.process_count())
-    (workdir / "sft").mkdir(parents=True, exist_ok=True)
-    log.info("SFT warm start: %d steps of %d x %d tokens under %s", steps, t.batch_size,
-             t.seq_len, workdir / "sft")
-    loop = Loop(sft, workdir / "sft", mesh, trainee, data, get_loss("sft"))
-    try:
-        loop.run()
-        return loop.state.params
-    finally:
-        loop.close()
+def host_stats(groups: list[list[Any]], batch: RolloutBatch, version: int, t_wait: float,
+               t_step: float, cpu_step: float) -> dict[str, float]:
+    """The step's rollout and throughput metrics, from host data only."""
+    generated = float(batch.loss_mask_BxL.sum())
+    lags = [version - t.oldest_version for g in groups for t in g]
+    return {"rollout/reward_mean": float(batch.rewards_B.mean()),
+            "rollout/reward_std": float(batch.rewards_B.std()),
+            "rollout/completion_len": generated / batch.shape[0],
+            "rollout/batch_staleness_mean": float(np.mean(lags)),
+            "rollout/batch_staleness_max": float(np.max(lags)),
+            "perf/rollout_wait_s": t_wait, "perf/step_time_s": t_step,
+            # CPU seconds of this process (all threads, XLA's included) over the step: on a
+            # CPU host, cpu / step time is how many cores the job kept busy.
+            "perf/process_cpu_s": cpu_step,
+            "perf/samples_per_s": batch.shape[0] / max(t_step, 1e-9),
+            "perf/tokens_per_s": generated / max(t_step, 1e-9)}
 
 
 class RLTrainer:
-    """Owns the compiled RL step, the state, checkpoints, metric sinks and the sampler."""
+    """The trainer's side of the RL job: a ``TrainEngine`` (state, packed step, checkpoints,
+    metrics), the KL reference, the sampler and the reward pool."""
 
     def __init__(self, config: Config, workdir: str | pathlib.Path) -> None:
         if jax.process_count() > 1:
@@ -186,15 +101,13 @@ class RLTrainer:
         rules = rules_for("train", config.mesh.fsdp)
         graphdef, params, self.model_cfg, self.tokenizer = _load_model(config, self.mesh)
         self.forward = functools.partial(forward, graphdef)
-        self.tx, self.schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps)
         shardings = param_shardings(params, self.mesh, rules)
-        self.state_sh = state_shardings(expand_prefix(shardings, params), self.tx, self.mesh,
-                                        params)
         self.B, self.L = rl_batch_size(config), t.seq_len
-        # The step's batch: the rollout's keys, plus ``ref_logprobs`` with the KL in the loss.
-        self.batch_sh = batch_shardings(self.mesh, rules, self.B, self.L,
-                                        ref_batch_keys(config.rl, TRAIN_BATCH_KEYS))
-        self.host_batch_sh = {k: self.batch_sh[k] for k in TRAIN_BATCH_KEYS}
+
+        def trainee(p: Any) -> Trainee:
+            return Trainee(forward=self.forward, params=p, params_shardings=shardings,
+                           flops_per_token=flops_per_token(self.model_cfg, t.seq_len))
+
         # One prompt per ``next``: the runner then never buffers a prompt the iterator has
         # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
         self.prompts = make_prompt_iterator(config.data, self.tokenizer,
@@ -203,14 +116,14 @@ class RLTrainer:
                                             process_count=jax.process_count())
         # Read the held-out set now: a bad file fails before the warm start trains anything.
         self.examples = eval_examples(config.data, self.tokenizer)
-        self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
-                                         process_index=jax.process_index())
-        target = abstract_state(self.state_sh, params, self.tx, t.seed)
+        self.engine = rl_engine(config, self.workdir, self.mesh, trainee(params))
+        # The host batch: the rollout's fields (the reference adds ``ref_logprobs`` on device).
+        self.host_batch_sh = self.engine.batch_sh.replace(ref_logprobs=None)
         self.counters: dict[str, Any] = {}
         self.warm_start_steps = 0
         kl = config.rl.kl_coef > 0.0
-        try:  # no orphaned Orbax threads when resume or the warm start fails
-            restored = self.checkpointer.restore_latest(target)
+        restored = self.engine.restored
+        try:  # no orphaned Orbax threads or open metric files when anything below fails
             if restored is None:
                 self.warm_start_steps = warm_start_steps(config)
             # A resumed run with a KL needs the step-0 policy again: rerunning the finished warm
@@ -221,61 +134,48 @@ class RLTrainer:
                 if restored is not None and not any(p.name.isdigit() for p in sft_dir.glob("*")):
                     log.warning("no SFT checkpoint under %s: retraining the warm start to "
                                 "rebuild the KL reference policy", sft_dir)
-                trainee = Trainee(forward=self.forward, params=params, params_shardings=shardings,
-                                  flops_per_token=flops_per_token(self.model_cfg, t.seq_len))
-                params = run_warm_start(config, self.workdir, self.mesh, trainee,
+                params = run_warm_start(config, self.workdir, self.mesh, trainee(params),
                                         self.tokenizer, sft_steps)
+            self.reference = None if not kl else ReferencePolicy(
+                config.rl, self.forward, params, self.engine.state_sh.params, self.mesh,
+                self.engine.batch_sh, logical_to_sharding(("batch",), self.mesh, rules, (self.B,)),
+                temperature=config.sampler.temperature, group_size=config.rollout.group_size,
+                microbatches=t.microbatches)
+            self.engine.start(params)
+            del params
+            if restored is not None:
+                self.prompts.set_state(restored.data["prompts"])
+                self.counters = dict(restored.counters)
+                log.info("resuming RL at step %d (weight version %d)", self.start_step,
+                         self.start_step)
+            # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
+            self.sampler = Sampler(self.model_cfg, config.sampler, self.sampler_mesh,
+                                   self.state.params, version=self.start_step,
+                                   workdir=str(self.workdir), rules=rules_for("sample"))
+            self.reward_pool = RewardPool.from_config(config.reward)
         except BaseException:
-            self.checkpointer.close()
+            self.engine.close()
             raise
-        self.reference = None if not kl else ReferencePolicy(
-            config.rl, self.forward, params, self.state_sh.params, self.mesh, self.batch_sh,
-            logical_to_sharding(("batch",), self.mesh, rules, (self.B,)),
-            temperature=config.sampler.temperature, group_size=config.rollout.group_size,
-            microbatches=t.microbatches)
-        if restored is None:
-            self.state = jax.jit(lambda p: init_state(p, self.tx, t.seed),
-                                 out_shardings=self.state_sh)(params)
-            self.start_step = 0
-        else:
-            self.state = restored.state
-            self.prompts.set_state(restored.data["prompts"])
-            self.counters = dict(restored.counters)
-            self.start_step = int(self.counters["step"])
-            log.info("resuming RL at step %d (weight version %d)", self.start_step,
-                     self.start_step)
-        del params
-        loss_fn = make_rl_loss_fn(config.rl, temperature=config.sampler.temperature)
-        step_fn = make_train_step(self.forward, loss_fn, self.tx, self.schedule,
-                                  microbatches=t.microbatches)
-        rows_per_shard = self.batch_sh["input_ids"].shard_shape((self.B, self.L))[0]
-        buckets = (row_buckets(self.B, self.B // rows_per_shard * t.microbatches)
-                   if config.rl.pack_sequences else (self.B,))
-        self.step = BucketedStep(jit_train_step(step_fn, self.state_sh, self.batch_sh, self.mesh),
-                                 self.batch_sh, self.L, buckets, TRAIN_BATCH_DTYPES)
-        # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
-        s = config.sampler
-        self.sampler = Sampler(self.model_cfg, s, self.sampler_mesh, self.state.params,
-                               version=self.start_step, workdir=str(self.workdir),
-                               rules=rules_for("sample"))
-        self.reward_pool = RewardPool.from_config(config.reward)
-        self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
-                                     process_index=jax.process_index(),
-                                     resume_step=None if restored is None else self.start_step)
-        self._pending: tuple[int, dict[str, jax.Array], dict[str, float]] | None = None
-        self.history: list[dict[str, float]] = []
 
-    def train_batch(self, rb: RolloutBatch) -> dict[str, jax.Array]:
-        """The step's device batch; packed into the smallest row bucket that holds it."""
+    # The engine's state, as the tests and benchmarks read it off the trainer.
+    state = property(lambda self: self.engine.state)
+    step = property(lambda self: self.engine.step_fn)
+    history = property(lambda self: self.engine.history)
+    start_step = property(lambda self: self.engine.start_step)
+
+    def train_batch(self, rb: RolloutBatch, version: int) -> tuple[RLTrainBatch, int]:
+        """(the step's device batch, packed into the smallest row bucket that holds it, and its
+        version lag); a token staler than ``rollout.max_staleness`` allows raises
+        ``StaleBatchError`` before anything reaches the device."""
         # TODO(meshrl): multi-host RL must agree on the row count (max over processes) first.
         rows = self.step.buckets if self.config.rl.pack_sequences else None
-        return put_batch(rb.to_train_batch(rows), self.host_batch_sh)
+        host = rb.to_train_batch(rows)
+        lag = check_versions(host, version, self.config.rollout.max_staleness)
+        return put_batch(host, self.host_batch_sh), lag
 
     def precompile(self) -> None:
         """Compile the step for every row bucket now, not in the step that first needs it."""
         self.step.precompile(self.state)
-
-    # -- evaluation ------------------------------------------------------------------------
 
     async def aeval(self, engine: AsyncEngine, version: int) -> dict[str, float]:
         c = self.config
@@ -286,71 +186,26 @@ class RLTrainer:
         if ev:
             log.info("eval at version %d: %s", version,
                      ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
-            self.metrics.write(version, ev)
+            self.engine.metrics.write(version, ev)
         return ev
 
-    # -- metrics, one step late ------------------------------------------------------------
-
-    def _flush(self) -> None:
-        if self._pending is None:
-            return
-        step, metrics, host = self._pending
-        self._pending = None
-        values = read_step_metrics(metrics, step, self.config.trainer.on_nonfinite, "RL loss")
-        record = {**{f"train/{k}": v for k, v in values.items() if k not in ("step", "finite")},
-                  **host}
-        self.history.append({"step": step, **record})
-        if step % self.config.trainer.log_every == 0 or step == self.config.trainer.steps:
-            self.metrics.write(step, record)
-        self.progress.update(step, values["loss"], host["perf/tokens_per_s"])
-
-    # -- weights and checkpoints -----------------------------------------------------------
-
-    def publish(self, version: int) -> None:
-        """Orbax weight version ``<workdir>/weights/<version>`` (replaces a leftover of a killed
-        run, which may hold different weights of the same version)."""
-        path = weights_dir(self.workdir, version)
-        if path.exists() and jax.process_index() == 0:
-            shutil.rmtree(path)
-        publish_weights(self.state.params, self.workdir, version)
-
     def save(self, step: int, runner: Any) -> None:
-        self._flush()  # never checkpoint an update whose metrics were not checked
-        counters = {**self.counters, "step": step, "runner": runner.state_dict()}
-        self.checkpointer.save(step, self.state, {"prompts": self.prompts.get_state()},
-                               self.config.to_dict(), counters)
-
-    # -- the loop ----------------------------------------------------------------------------
-
-    def _host_stats(self, groups: list[list[Any]], batch: Any, version: int, t_wait: float,
-                    t_step: float, cpu_step: float) -> dict[str, float]:
-        generated = float(batch.loss_mask_BxL.sum())
-        lags = [version - t.oldest_version for g in groups for t in g]
-        return {"rollout/reward_mean": float(batch.rewards_B.mean()),
-                "rollout/reward_std": float(batch.rewards_B.std()),
-                "rollout/completion_len": generated / batch.shape[0],
-                "rollout/batch_staleness_mean": float(np.mean(lags)),
-                "rollout/batch_staleness_max": float(np.max(lags)),
-                "perf/rollout_wait_s": t_wait, "perf/step_time_s": t_step,
-                # CPU seconds of this process (all threads, XLA's included) over the step: on a
-                # CPU host, cpu / step time is how many cores the job kept busy.
-                "perf/process_cpu_s": cpu_step,
-                "perf/samples_per_s": batch.shape[0] / max(t_step, 1e-9),
-                "perf/tokens_per_s": generated / max(t_step, 1e-9)}
+        """Checkpoint: train state, prompt iterator, runner counters (version, staleness)."""
+        self.engine.save(step, {"prompts": self.prompts.get_state()},
+                         {**self.counters, "runner": runner.state_dict()})
 
     async def arun(self, rollout_engine: Callable[[AsyncEngine], Any] | None = None
                    ) -> dict[str, Any]:
         """The RL loop; ``rollout_engine`` may wrap the engine the rollouts (not the
         evaluations) use, e.g. to shape completion lengths in a benchmark."""
-        c, t = self.config, self.config.trainer
+        c, t, train = self.config, self.config.trainer, self.engine
         engine = AsyncEngine(self.sampler)
         runner = make_runner(c, rollout_engine(engine) if rollout_engine else engine,
                              self.reward_pool, self.prompts, self.tokenizer,
                              version=self.start_step)
         if "runner" in self.counters:
             runner.load_state_dict(self.counters["runner"])
-        self.progress = Progress(t.steps, self.start_step, enabled=c.logging.progress_bar
-                                 and jax.process_index() == 0)
+        train.open_progress()
         every, publish_every = c.checkpoint.every_steps, c.checkpoint.publish_every
         generated = samples = 0.0
         t_rl = None
@@ -366,30 +221,27 @@ class RLTrainer:
                 t_got = time.perf_counter()
                 groups.sort(key=lambda g: g[0].group_id)  # completion order must not matter
                 rb = make_rollout_batch(c, groups, self.tokenizer.pad_id)
-                batch = self.train_batch(rb)
-                kl_metrics: dict[str, jax.Array] = {}
+                batch, lag = self.train_batch(rb, version)
+                prepare = None
                 if self.reference is not None:
-                    rewards_B = self.reference.put_rewards(rb.rewards_B)
-                with jax.transfer_guard("disallow"):
-                    if self.reference is not None:
-                        batch, kl_metrics = self.reference.apply(batch, rewards_B)
-                    self.state, metrics = self.step(self.state, batch)
-                metrics = {**metrics, **kl_metrics}
-                self._flush()  # the previous step's metrics
+                    prepare = functools.partial(self.reference.apply,
+                                                rewards_B=self.reference.put_rewards(rb.rewards_B))
+                train.dispatch(step, batch, prepare)  # and reads the previous step's metrics
                 # The handoff waits for this step (the sampler needs its result); off the loop.
                 await asyncio.to_thread(engine.update_weights, self.state.params, step)
                 now, cpu_now = time.perf_counter(), time.process_time()
-                host = self._host_stats(groups, rb, version, t_got - last, now - last,
-                                        cpu_now - cpu_last)
+                host = host_stats(groups, rb, version, t_got - last, now - last,
+                                  cpu_now - cpu_last)
+                host["train/version_lag_max"] = float(lag)
                 host.update(runner.metrics())
                 host.update(self.reward_pool.metrics())
-                self._pending = (step, metrics, host)
+                train.annotate(host)
                 last, cpu_last = now, cpu_now
                 generated += float(rb.loss_mask_BxL.sum())
                 samples += rb.shape[0]
                 is_ckpt = (every and step % every == 0) or step == t.steps
                 if step % publish_every == 0 or is_ckpt:
-                    await asyncio.to_thread(self.publish, step)
+                    await asyncio.to_thread(train.publish, step)
                 if t.eval_every and step % t.eval_every == 0 and step != t.steps:
                     await self.aeval(engine, step)
                 if is_ckpt:
@@ -397,16 +249,15 @@ class RLTrainer:
                 # Host work between steps (publish, eval, checkpoint) is not step time.
                 last += time.perf_counter() - now
                 cpu_last += time.process_time() - cpu_now
-            self._flush()
-            if t.steps == self.start_step and not self.checkpointer.all_steps():
+            train.flush()
+            if t.steps == self.start_step and not train.checkpointer.all_steps():
                 self.save(t.steps, runner)
             wall = time.perf_counter() - t_rl
             ev_after = await self.aeval(engine, t.steps)
         finally:
             await runner.stop()
             engine.shutdown()
-        self.checkpointer.wait()
-        self.progress.close()
+        train.finish()
         return self._summary(runner, ev_after, generated, samples, wall)
 
     def _summary(self, runner: Any, ev_after: dict[str, float], generated: float,
@@ -440,8 +291,7 @@ class RLTrainer:
 
     def close(self) -> None:
         self.reward_pool.close()
-        self.checkpointer.close()
-        self.metrics.close()
+        self.engine.close()
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:

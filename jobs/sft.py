@@ -1,7 +1,7 @@
 """The SFT job: ``python main.py --config configs/sft_synthetic.py --workdir W``.
 
-Builds tokenizer, data iterator, mesh, model and train state; runs the loop (resuming from the
-newest good checkpoint); evaluates teacher-forced held-out token accuracy and exact match
+Builds tokenizer, data iterator, mesh and model; runs the ``TrainEngine``'s SFT loop (resuming
+from the newest good checkpoint); evaluates teacher-forced held-out token accuracy and exact match
 (every answer token right); writes ``<workdir>/summary.json``.
 """
 
@@ -34,7 +34,7 @@ from meshrl.models import (
     split_model,
 )
 from meshrl.models.tokenizer import tokenizer_for
-from meshrl.trainer.loop import Loop, Trainee
+from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.step import ForwardFn
 from meshrl.utils import log
 
@@ -137,25 +137,26 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
                             tcfg.seq_len, tcfg.batch_size, tokenizer.pad_id)
     evaluate = make_evaluator(trainee.forward, held_out, mesh, config.mesh.fsdp)
 
-    def periodic_eval(step: int, loop: Loop) -> None:
+    def periodic_eval(step: int, engine: TrainEngine) -> None:
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step != tcfg.steps:
-            ev = evaluate(loop.state.params)
+            ev = evaluate(engine.state.params)
             _log.info("eval at step %d: %s", step, ev)
-            loop.metrics.write(step, ev)
+            engine.metrics.write(step, ev)
 
-    loop = Loop(config, pathlib.Path(workdir), mesh, trainee, data, get_loss("sft"))
+    engine = TrainEngine(config, workdir, mesh, trainee, get_loss("sft"))
     t0 = time.perf_counter()
     try:
-        history = loop.run(hooks=[periodic_eval])
+        engine.start(data=data)
+        history = engine.run_sft(hooks=[periodic_eval])
         wall = time.perf_counter() - t0
-        ev = evaluate(loop.state.params)
+        ev = evaluate(engine.state.params)
         if ev:
-            loop.metrics.write(tcfg.steps, ev)
+            engine.metrics.write(tcfg.steps, ev)
     finally:
-        loop.close()
+        engine.close()
     steady = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
     summary = {
-        "job": config.job.value, "steps": tcfg.steps, "start_step": loop.start_step,
+        "job": config.job.value, "steps": tcfg.steps, "start_step": engine.start_step,
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": history[0]["loss"] if history else None,
         "tokens_per_s": float(np.median(steady)) if steady else None,

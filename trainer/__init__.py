@@ -6,11 +6,12 @@ from meshrl.trainer.checkpoint import (
     Restored,
     verify_step_dir,
 )
-from meshrl.trainer.loop import (
-    BATCH_KEYS,
-    Loop,
+from meshrl.trainer.engine import (
     NonFiniteLossError,
+    StaleBatchError,
     Trainee,
+    TrainEngine,
+    check_versions,
     expand_prefix,
     put_batch,
 )
@@ -19,8 +20,9 @@ from meshrl.trainer.state import TrainState, abstract_state, init_state, state_s
 from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
 
 __all__ = [
-    "BATCH_KEYS", "CheckpointMismatchError", "Checkpointer", "Loop", "NonFiniteLossError",
-    "Restored", "Trainee", "TrainState", "abstract_state", "batch_shardings", "decay_mask",
-    "expand_prefix", "init_state", "jit_train_step", "make_optimizer", "make_schedule",
-    "make_train_step", "put_batch", "state_shardings", "verify_step_dir",
+    "CheckpointMismatchError", "Checkpointer", "NonFiniteLossError", "Restored",
+    "StaleBatchError", "TrainEngine", "TrainState", "Trainee", "abstract_state",
+    "batch_shardings", "check_versions", "decay_mask", "expand_prefix", "init_state",
+    "jit_train_step", "make_optimizer", "make_schedule", "make_train_step", "put_batch",
+    "state_shardings", "verify_step_dir",
 ]

@@ -8,7 +8,7 @@ jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before th
 * scores the batch's targets under the reference at the sampler's temperature
   (``token_logprobs(forward(ref, ...), targets, T)``, 0 off the loss mask), microbatched like
   the train step so its logits never outgrow the step's;
-* ``rl.kl_where == "loss"``: adds them to the batch as ``ref_logprobs`` (``make_rl_loss_fn``
+* ``rl.kl_where == "loss"``: sets the batch's ``ref_logprobs`` (``make_rl_loss_fn``
   adds ``kl_coef * KL(current || ref)`` per token and reports it as ``kl_ref``);
 * ``rl.kl_where == "reward"``: replaces ``advantages`` by ``kl_reward_advantages`` (rewards
   minus ``kl_coef`` times each sequence's summed KL(behaviour || ref), advantages recomputed
@@ -23,7 +23,6 @@ pass per step without activations kept for a backward pass.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -32,44 +31,45 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms import kl as kl_lib
+from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
 from meshrl.algorithms.losses import check_temperature, token_logprobs
 from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import RLConfig
 from meshrl.trainer.step import ForwardFn
 
-Batch = Mapping[str, jax.Array]
-REF_KEY = "ref_logprobs"
+
+def ref_fields(rl: RLConfig) -> tuple[str, ...]:
+    """The optional ``RLTrainBatch`` fields the train step gets: ``ref_logprobs`` when the KL
+    is in the loss, else none."""
+    return ("ref_logprobs",) if rl.kl_coef > 0.0 and rl.kl_where == "loss" else ()
 
 
-def ref_batch_keys(rl: RLConfig, keys: tuple[str, ...]) -> tuple[str, ...]:
-    """The train step's batch keys: ``keys`` plus ``ref_logprobs`` when the KL is in the loss."""
-    return keys + (REF_KEY,) if rl.kl_coef > 0.0 and rl.kl_where == "loss" else keys
-
-
-def _by_microbatch(fn: Any, batch: Batch, m: int) -> jax.Array:
+def _by_microbatch(fn: Any, batch: TrainBatch, m: int) -> jax.Array:
     """``fn`` over ``m`` strided microbatches (row i in microbatch i % m, as the train step
     splits), results put back in row order."""
     if m == 1:
         return fn(batch)
-    b = next(iter(batch.values())).shape[0]
+    b = batch.rows
     assert b % m == 0, f"batch {b} not divisible by microbatches {m}"
-    mbs = {k: v.reshape(b // m, m, *v.shape[1:]).swapaxes(0, 1) for k, v in batch.items()}
+    mbs = jax.tree.map(lambda v: v.reshape(b // m, m, *v.shape[1:]).swapaxes(0, 1), batch)
     out_MxbxL = jax.lax.map(fn, mbs)
     return out_MxbxL.swapaxes(0, 1).reshape(b, *out_MxbxL.shape[2:])
 
 
-def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: Batch, *,
+def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch, *,
                        temperature: float, microbatches: int = 1) -> jax.Array:
     """``[B, L]`` log p_ref(target) under softmax(logits / temperature); 0 off the loss mask."""
-    def one(mb: Batch) -> jax.Array:
-        logits_BxLxV = forward_fn(ref_params, mb["input_ids"], mb["positions"],
-                                  mb["segment_ids"])
-        logp_BxL = token_logprobs(logits_BxLxV, mb["targets"], temperature)
-        return jnp.where(mb["loss_mask"] > 0, logp_BxL, 0.0)
+    def one(mb: TrainBatch) -> jax.Array:
+        logits_BxLxV = forward_fn(ref_params, mb.input_ids, mb.positions, mb.segment_ids)
+        logp_BxL = token_logprobs(logits_BxLxV, mb.targets, temperature)
+        return jnp.where(mb.loss_mask > 0, logp_BxL, 0.0)
 
-    keys = ("input_ids", "positions", "segment_ids", "targets", "loss_mask")
-    ref_BxL = _by_microbatch(one, {k: batch[k] for k in keys}, microbatches)
-    assert ref_BxL.shape == batch["targets"].shape, (ref_BxL.shape, batch["targets"].shape)
+    # Only the fields the forward pass reads are split into microbatches.
+    core = TrainBatch(input_ids=batch.input_ids, targets=batch.targets,
+                      loss_mask=batch.loss_mask, positions=batch.positions,
+                      segment_ids=batch.segment_ids)
+    ref_BxL = _by_microbatch(one, core, microbatches)
+    assert ref_BxL.shape == batch.targets.shape, (ref_BxL.shape, batch.targets.shape)
     return ref_BxL
 
 
@@ -77,7 +77,7 @@ class ReferencePolicy:
     """Frozen step-0 params and the per-step function that puts the KL into the batch."""
 
     def __init__(self, rl: RLConfig, forward_fn: ForwardFn, params: Any, params_sh: Any,
-                 mesh: Mesh, batch_sh: Mapping[str, NamedSharding], rewards_sh: NamedSharding,
+                 mesh: Mesh, batch_sh: RLTrainBatch, rewards_sh: NamedSharding,
                  *, temperature: float, group_size: int, microbatches: int = 1) -> None:
         if not rl.kl_coef > 0.0:
             raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
@@ -86,34 +86,31 @@ class ReferencePolicy:
         self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
                               out_shardings=params_sh)(params)
         self.rewards_sh = rewards_sh
-        in_keys = tuple(k for k in batch_sh if k != REF_KEY)
         kl_fn = kl_lib.get(rl.kl_estimator)
         in_loss = rl.kl_where == "loss"
 
-        def apply(ref_params: Any, batch: Batch, rewards_B: jax.Array
-                  ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+        def apply(ref_params: Any, batch: RLTrainBatch, rewards_B: jax.Array
+                  ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
             ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
                                          microbatches=microbatches)
-            mask_BxL = batch["loss_mask"].astype(jnp.float32)
-            behaviour_BxL = jnp.where(mask_BxL > 0, batch["behaviour_logprobs"], 0.0)
+            mask_BxL = batch.loss_mask.astype(jnp.float32)
+            behaviour_BxL = jnp.where(mask_BxL > 0, batch.behaviour_logprobs, 0.0)
             kl_BxL = kl_fn(behaviour_BxL, ref_BxL) * mask_BxL
             metrics = {"kl_behaviour_ref": kl_BxL.sum() / jnp.maximum(mask_BxL.sum(), 1.0)}
-            out = dict(batch)
             if in_loss:
-                out[REF_KEY] = ref_BxL
-            else:
-                # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
-                ids_BxL = batch["sample_ids"]
-                adv_B = kl_reward_advantages(rl, rewards_B, batch["behaviour_logprobs"], ref_BxL,
-                                             mask_BxL, group_size, sample_ids_BxL=ids_BxL)
-                out["advantages"] = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
-                    batch["advantages"].dtype)
-            return out, metrics
+                return batch.replace(ref_logprobs=ref_BxL), metrics
+            # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
+            ids_BxL = batch.sample_ids
+            adv_B = kl_reward_advantages(rl, rewards_B, batch.behaviour_logprobs, ref_BxL,
+                                         mask_BxL, group_size, sample_ids_BxL=ids_BxL)
+            advantages_BxL = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
+                batch.advantages.dtype)
+            return batch.replace(advantages=advantages_BxL), metrics
 
         replicated = NamedSharding(mesh, PartitionSpec())
-        out_sh = {k: batch_sh[k] for k in (*in_keys, *((REF_KEY,) if in_loss else ()))}
-        self._apply = jax.jit(apply, in_shardings=(params_sh, {k: batch_sh[k] for k in in_keys},
-                                                   rewards_sh),
+        in_sh = batch_sh.replace(ref_logprobs=None)
+        out_sh = batch_sh if in_loss else in_sh
+        self._apply = jax.jit(apply, in_shardings=(params_sh, in_sh, rewards_sh),
                               out_shardings=(out_sh, replicated))
 
     def put_rewards(self, rewards_B: np.ndarray) -> jax.Array:
@@ -121,7 +118,7 @@ class ReferencePolicy:
         return jax.make_array_from_process_local_data(self.rewards_sh,
                                                       np.asarray(rewards_B, np.float32))
 
-    def apply(self, batch: Batch, rewards_B: jax.Array
-              ) -> tuple[dict[str, jax.Array], dict[str, jax.Array]]:
+    def apply(self, batch: RLTrainBatch, rewards_B: jax.Array
+              ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
         """(the train step's batch, ``{"kl_behaviour_ref": scalar}``); no host sync."""
-        return self._apply(self.params, dict(batch), rewards_B)
+        return self._apply(self.params, batch, rewards_B)

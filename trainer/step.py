@@ -9,7 +9,7 @@ donates the state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -17,12 +17,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.algorithms.batch import TrainBatch, abstract_batch, batch_of
 from meshrl.algorithms.losses import LossFn
 from meshrl.mesh import Rules, logical_to_sharding
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 
-Batch = Mapping[str, jax.Array]
+Batch = TrainBatch  # or a subclass (``RLTrainBatch``): device arrays, ``[B, L]`` each
 Metrics = dict[str, jax.Array]
 # forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV
 ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], jax.Array]
@@ -46,8 +47,7 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
     """The pure step. Loss and aux metrics are token-weighted over the whole batch."""
 
     def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
-        logits_BxLxV = forward_fn(params, mb["input_ids"], mb.get("positions"),
-                                  mb.get("segment_ids"))
+        logits_BxLxV = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
         loss_sum, weight, aux = loss_fn(logits_BxLxV, mb)
         return loss_sum, (weight, aux)
 
@@ -60,7 +60,7 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
     def accumulate(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Metrics, Any]:
         if microbatches == 1:
             return flat_grads(params, batch)
-        mbs = {k: _split_microbatches(v, microbatches) for k, v in batch.items()}
+        mbs = jax.tree.map(lambda v: _split_microbatches(v, microbatches), batch)
 
         def body(carry: Any, mb: Batch) -> tuple[Any, None]:
             return jax.tree.map(jnp.add, carry, flat_grads(params, mb)), None
@@ -101,16 +101,18 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
 
 
 def batch_shardings(mesh: Mesh, rules: Rules, batch_size: int, seq_len: int,
-                    keys: tuple[str, ...]) -> dict[str, NamedSharding]:
+                    batch_type: type[TrainBatch] = TrainBatch, *optional: str) -> TrainBatch:
+    """A ``batch_type`` of the one ``[batch, length]`` sharding, in every required field and in
+    the ``optional`` ones (e.g. ``"ref_logprobs"``); other optional fields stay ``None``."""
     sh = logical_to_sharding(BATCH_AXES, mesh, rules, (batch_size, seq_len))
-    return {k: sh for k in keys}
+    return batch_of(batch_type, sh, *optional)
 
 
-def jit_train_step(step_fn: StepFn, state_sh: TrainState, batch_sh: Mapping[str, NamedSharding],
+def jit_train_step(step_fn: StepFn, state_sh: TrainState, batch_sh: TrainBatch,
                    mesh: Mesh) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """Compile-once step: explicit in/out shardings, the incoming state's buffers donated."""
     replicated = NamedSharding(mesh, PartitionSpec())
-    return jax.jit(step_fn, in_shardings=(state_sh, dict(batch_sh)),
+    return jax.jit(step_fn, in_shardings=(state_sh, batch_sh),
                    out_shardings=(state_sh, replicated), donate_argnames=("state",))
 
 
@@ -126,17 +128,16 @@ class BucketedStep:
     ``step(state, batch)`` runs the executable of ``batch``'s row count, compiled on first use
     or by ``precompile``."""
 
-    def __init__(self, jitted: Callable, batch_sh: Mapping[str, NamedSharding], seq_len: int,
-                 buckets: Sequence[int], dtypes: Mapping[str, Any]) -> None:
-        self.jitted, self.batch_sh, self.seq_len = jitted, dict(batch_sh), seq_len
-        self.buckets, self.dtypes = tuple(sorted(buckets)), dict(dtypes)
+    def __init__(self, jitted: Callable, batch_sh: TrainBatch, seq_len: int,
+                 buckets: Sequence[int]) -> None:
+        self.jitted, self.batch_sh, self.seq_len = jitted, batch_sh, seq_len
+        self.buckets = tuple(sorted(buckets))
         self._compiled: dict[int, Any] = {}
 
     def compiled(self, state: Any, rows: int) -> Any:
         fn = self._compiled.get(rows)
         if fn is None:
-            batch = {k: jax.ShapeDtypeStruct((rows, self.seq_len), self.dtypes.get(k, jnp.float32),
-                                             sharding=sh) for k, sh in self.batch_sh.items()}
+            batch = abstract_batch(self.batch_sh, rows, self.seq_len)
             fn = self._compiled[rows] = self.jitted.lower(state, batch).compile()
         return fn
 
@@ -145,7 +146,7 @@ class BucketedStep:
             self.compiled(state, rows)
 
     def __call__(self, state: Any, batch: Batch) -> tuple[Any, Metrics]:
-        rows = next(iter(batch.values())).shape[0]
+        rows = batch.rows
         if rows not in self.buckets:
             raise ValueError(f"batch of {rows} rows: the step is compiled for {self.buckets}")
         return self.compiled(state, rows)(state, batch)

@@ -2,8 +2,6 @@
 and the one ``RolloutBatch`` struct that crosses to the trainer."""
 
 from meshrl.workflows.batch import (
-    TRAIN_BATCH_DTYPES,
-    TRAIN_BATCH_KEYS,
     RolloutBatch,
     Trajectory,
     bucket_length,
@@ -28,7 +26,7 @@ from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_ru
 from meshrl.workflows.staleness import StalenessController
 
 __all__ = [
-    "TRAIN_BATCH_DTYPES", "TRAIN_BATCH_KEYS", "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
+    "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
     "RewardScorer", "RolloutBatch", "RolloutRunner", "StalenessController", "Trajectory",
     "arun_episode", "arun_group", "bucket_length", "build_rollout_batch", "episode_settings",
     "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",

@@ -19,14 +19,7 @@ import flax.struct
 import numpy as np
 
 from meshrl.algorithms import advantages as adv_lib
-
-# Keys of ``RolloutBatch.to_train_batch``: all [rows, L], so one batch sharding fits every key.
-TRAIN_BATCH_KEYS = ("input_ids", "targets", "loss_mask", "positions", "segment_ids",
-                    "behaviour_logprobs", "advantages", "versions", "sample_ids")
-TRAIN_BATCH_DTYPES = {"input_ids": np.int32, "targets": np.int32, "loss_mask": np.float32,
-                      "positions": np.int32, "segment_ids": np.int32,
-                      "behaviour_logprobs": np.float32, "advantages": np.float32,
-                      "versions": np.int32, "sample_ids": np.int32}
+from meshrl.algorithms.batch import RLTrainBatch
 
 
 @dataclasses.dataclass
@@ -88,10 +81,9 @@ class RolloutBatch:
     def shape(self) -> tuple[int, int]:
         return self.tokens_BxL.shape
 
-    def to_train_batch(self, rows: int | Sequence[int] | None = None) -> dict[str, np.ndarray]:
-        """Target-aligned ``[rows, L]`` arrays for the trainer's step (see ``make_rl_loss_fn``):
-        ``input_ids, targets, loss_mask, positions, segment_ids, behaviour_logprobs, advantages,
-        versions, sample_ids``. Per-token fields describe the *target* token of each position;
+    def to_train_batch(self, rows: int | Sequence[int] | None = None) -> RLTrainBatch:
+        """The trainer's step batch (see ``make_rl_loss_fn``): an ``RLTrainBatch`` of
+        target-aligned ``[rows, L]`` numpy arrays (no ``ref_logprobs``). Per-token fields describe the *target* token of each position;
         ``sample_ids`` is the row of this batch the token comes from (-1 on padding).
 
         ``rows=None``: one sequence per row (rows = B). Otherwise the sequences are packed into
@@ -108,13 +100,13 @@ class RolloutBatch:
         advantages_BxL = self.advantages_B[:, None].astype(np.float32) * loss_mask_BxL
         sample_ids_BxL = np.where(self.segment_ids_BxL > 0, np.arange(B, dtype=np.int32)[:, None],
                                   -1).astype(np.int32)
-        out = {"input_ids": self.tokens_BxL, "targets": shift(self.tokens_BxL, self.pad_id),
-               "loss_mask": loss_mask_BxL, "positions": self.positions_BxL,
-               "segment_ids": self.segment_ids_BxL,
-               "behaviour_logprobs": shift(self.behaviour_logprobs_BxL, 0.0),
-               "advantages": advantages_BxL, "versions": shift(self.versions_BxL, -1),
-               "sample_ids": sample_ids_BxL}
-        assert tuple(out) == TRAIN_BATCH_KEYS, tuple(out)
+        out = RLTrainBatch(
+            input_ids=self.tokens_BxL, targets=shift(self.tokens_BxL, self.pad_id),
+            loss_mask=loss_mask_BxL, positions=self.positions_BxL,
+            segment_ids=self.segment_ids_BxL,
+            behaviour_logprobs=shift(self.behaviour_logprobs_BxL, 0.0),
+            advantages=advantages_BxL, versions=shift(self.versions_BxL, -1),
+            sample_ids=sample_ids_BxL)
         if rows is None:
             return out
         return _pack(out, self.lengths(), rows, self.pad_id)
@@ -145,10 +137,10 @@ def pack_rows(lengths: Sequence[int], row_len: int) -> list[int]:
     return row_of
 
 
-def _pack(padded: dict[str, np.ndarray], lengths: list[int], rows: int | Sequence[int],
-          pad_id: int) -> dict[str, np.ndarray]:
-    """Copy each sequence's first n positions of every padded key to its packed place."""
-    B, L = padded["input_ids"].shape
+def _pack(padded: RLTrainBatch, lengths: list[int], rows: int | Sequence[int],
+          pad_id: int) -> RLTrainBatch:
+    """Copy each sequence's first n positions of every padded field to its packed place."""
+    B, L = padded.input_ids.shape
     row_of = pack_rows(lengths, L)
     need = 1 + max(row_of, default=-1)
     fits = [r for r in ([rows] if isinstance(rows, int) else rows) if r >= need]
@@ -156,15 +148,17 @@ def _pack(padded: dict[str, np.ndarray], lengths: list[int], rows: int | Sequenc
         raise ValueError(f"{B} sequences need {need} rows of {L} tokens; got rows = {rows}")
     rows = min(fits)
     fill = {"input_ids": pad_id, "targets": pad_id, "versions": -1, "sample_ids": -1}
-    out = {k: np.full((rows, L), fill.get(k, 0), v.dtype) for k, v in padded.items()}
+    out = padded.map(lambda k, v: np.full((rows, L), fill.get(k, 0), v.dtype))
+    pairs = [(getattr(padded, f.name), getattr(out, f.name)) for f in dataclasses.fields(out)
+             if getattr(padded, f.name) is not None]
     used, count = [0] * rows, [0] * rows
     for b in range(B):  # sample order: segment ids follow it within each row
         r, n = row_of[b], lengths[b]
         o = used[r]
-        for k, v in padded.items():
-            out[k][r, o:o + n] = v[b, :n]
+        for v, packed in pairs:
+            packed[r, o:o + n] = v[b, :n]
         count[r] += 1
-        out["segment_ids"][r, o:o + n] = count[r]
+        out.segment_ids[r, o:o + n] = count[r]
         used[r] += n
     return out
 

@@ -7,7 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshrl.algorithms.batch import TrainBatch
 from meshrl.algorithms.losses import get_loss, register, sft_cross_entropy
+
+
+def _batch(targets, mask) -> TrainBatch:
+    # The loss reads targets and mask only; the forward pass's fields stay unset.
+    return TrainBatch(input_ids=None, targets=targets, loss_mask=mask, positions=None,
+                      segment_ids=None)
 
 
 def test_sft_loss_is_masked_token_sum_of_negative_log_likelihood():
@@ -15,8 +22,7 @@ def test_sft_loss_is_masked_token_sum_of_negative_log_likelihood():
     logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
     targets = rng.integers(0, 7, (2, 5)).astype(np.int32)
     mask = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], np.float32)
-    total, weight, aux = sft_cross_entropy(jnp.asarray(logits), {"targets": targets,
-                                                                 "loss_mask": mask})
+    total, weight, aux = sft_cross_entropy(jnp.asarray(logits), _batch(targets, mask))
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(total, (nll * mask).sum(), rtol=1e-5)
@@ -27,8 +33,8 @@ def test_sft_loss_is_masked_token_sum_of_negative_log_likelihood():
 
 def test_sft_loss_in_bfloat16_logits_is_computed_in_float32():
     logits = jnp.zeros((1, 3, 4), jnp.bfloat16)
-    total, weight, _ = sft_cross_entropy(logits, {"targets": jnp.zeros((1, 3), jnp.int32),
-                                                  "loss_mask": jnp.ones((1, 3))})
+    total, weight, _ = sft_cross_entropy(logits, _batch(jnp.zeros((1, 3), jnp.int32),
+                                                        jnp.ones((1, 3))))
     assert total.dtype == jnp.float32
     np.testing.assert_allclose(total / weight, np.log(4), rtol=1e-6)
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from meshrl.algorithms import kl
 from meshrl.algorithms import policy_loss as pl
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.schema import RLConfig
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -211,16 +212,18 @@ def test_entropy_of_uniform_logits_is_log_vocab():
                                rtol=RTOL, atol=ATOL)
 
 
-def rl_batch(B: int = 2, L: int = 4, V: int = 5) -> tuple[jax.Array, dict[str, jax.Array]]:
+def rl_batch(B: int = 2, L: int = 4, V: int = 5) -> tuple[jax.Array, RLTrainBatch]:
     k = jax.random.split(jax.random.key(1), 3)
     logits = jax.random.normal(k[0], (B, L, V))
     targets = jax.random.randint(k[1], (B, L), 0, V)
     mask = jnp.array([[0, 1, 1, 0], [0, 0, 1, 1]], jnp.float32)
     behav = jnp.where(mask > 0, jax.nn.log_softmax(logits)[
         jnp.arange(B)[:, None], jnp.arange(L)[None], targets] - 0.1, 0.0)
-    return logits, {"targets": targets, "loss_mask": mask, "behaviour_logprobs": behav,
-                    "advantages": mask * jnp.array([[1.0], [-1.0]]),
-                    "ref_logprobs": behav - 0.2}
+    # The loss reads no input ids, positions, versions or sample ids; one sequence per row.
+    return logits, RLTrainBatch(input_ids=None, targets=targets, loss_mask=mask, positions=None,
+                                segment_ids=None, behaviour_logprobs=behav,
+                                advantages=mask * jnp.array([[1.0], [-1.0]]), versions=None,
+                                sample_ids=None, ref_logprobs=behav - 0.2)
 
 
 @pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo", "gspo"])
@@ -238,10 +241,10 @@ def test_rl_loss_fn_is_jittable_and_returns_sums_the_trainer_divides(policy_loss
     np.testing.assert_allclose(np.asarray(grads)[0, 0], 0.0, rtol=0, atol=0)  # masked position
     np.testing.assert_allclose(float(aux["ratio_mean"]) / 4.0,
                                float(pl.policy_loss(policy_loss, pl.PolicyInputs(
-                                   pl.token_logprobs(logits, batch["targets"]),
-                                   pl.token_logprobs(logits, batch["targets"]),
-                                   batch["behaviour_logprobs"], batch["advantages"],
-                                   batch["loss_mask"]), pl.LossParams.from_config(rl))[1][
+                                   pl.token_logprobs(logits, batch.targets),
+                                   pl.token_logprobs(logits, batch.targets),
+                                   batch.behaviour_logprobs, batch.advantages,
+                                   batch.loss_mask), pl.LossParams.from_config(rl))[1][
                                    "ratio_mean"]), rtol=1e-5, atol=1e-6)
 
 
@@ -255,7 +258,7 @@ def test_rl_loss_sums_add_over_microbatches_like_one_batch(aggregation):
     rl = RLConfig(policy_loss="decoupled_ppo", aggregation=aggregation, kl_coef=0.05)
     loss_fn = pl.make_rl_loss_fn(rl)
     logits, batch = rl_batch()
-    halves = [(logits[i:i + 1], {k: v[i:i + 1] for k, v in batch.items()}) for i in range(2)]
+    halves = [(logits[i:i + 1], jax.tree.map(lambda v, i=i: v[i:i + 1], batch)) for i in range(2)]
 
     whole_sum, whole_w, _ = loss_fn(logits, batch)
     parts = [loss_fn(lg, b) for lg, b in halves]
@@ -267,9 +270,9 @@ def test_rl_loss_sums_add_over_microbatches_like_one_batch(aggregation):
 def test_rl_loss_fn_divided_by_weight_equals_the_policy_loss_mean():
     rl = RLConfig(policy_loss="ppo", aggregation="sequence_mean")
     logits, batch = rl_batch()
-    logp = pl.token_logprobs(logits, batch["targets"])
-    inputs = pl.PolicyInputs(logp, logp, batch["behaviour_logprobs"], batch["advantages"],
-                             batch["loss_mask"])
+    logp = pl.token_logprobs(logits, batch.targets)
+    inputs = pl.PolicyInputs(logp, logp, batch.behaviour_logprobs, batch.advantages,
+                             batch.loss_mask)
 
     loss_sum, weight, _ = pl.make_rl_loss_fn(rl)(logits, batch)
     expected, _ = pl.policy_loss("ppo", inputs, pl.LossParams.from_config(rl),

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from meshrl.algorithms import advantages as adv_lib
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import Config
@@ -51,14 +52,14 @@ class Run:
     params0: Any  # host copy of the trainer's params at version 0
     ref_before: Any  # host copy of the reference params before any step
     rollouts: list[Any]  # the RolloutBatch of each step
-    batches: list[dict[str, np.ndarray]]  # the batch each train step received
+    batches: list[RLTrainBatch]  # the batch each train step received (host copies)
 
 
 def _run(config: Config, workdir: Any) -> Run:
     from meshrl.jobs import rl as rl_loop
 
     rollouts: list[Any] = []
-    batches: list[dict[str, np.ndarray]] = []
+    batches: list[RLTrainBatch] = []
     real_make = rl_loop.make_rollout_batch
 
     def make(*args: Any, **kwargs: Any) -> Any:
@@ -73,7 +74,7 @@ def _run(config: Config, workdir: Any) -> Run:
             ref_before = jax.device_get(trainer.reference.params)
             step_call = type(trainer.step).__call__
 
-            def spy(step: Any, state: Any, batch: dict[str, jax.Array]) -> Any:
+            def spy(step: Any, state: Any, batch: RLTrainBatch) -> Any:
                 batches.append(jax.device_get(batch))  # explicit: the transfer guard allows it
                 return step_call(step, state, batch)
 
@@ -84,16 +85,14 @@ def _run(config: Config, workdir: Any) -> Run:
     return Run(trainer, summary, params0, ref_before, rollouts, batches)
 
 
-def _logprobs(trainer: Any, params: Any, batch: dict[str, np.ndarray]) -> np.ndarray:
+def _logprobs(trainer: Any, params: Any, batch: RLTrainBatch) -> np.ndarray:
     """Unsharded, unmicrobatched log p(target) at T on one device, 0 off the loss mask."""
     @jax.jit
-    def fn(p: Any, b: dict[str, jax.Array]) -> jax.Array:
-        logits_BxLxV = trainer.forward(p, b["input_ids"], b["positions"], b["segment_ids"])
-        return jnp.where(b["loss_mask"] > 0, token_logprobs(logits_BxLxV, b["targets"], T), 0.0)
+    def fn(p: Any, b: RLTrainBatch) -> jax.Array:
+        logits_BxLxV = trainer.forward(p, b.input_ids, b.positions, b.segment_ids)
+        return jnp.where(b.loss_mask > 0, token_logprobs(logits_BxLxV, b.targets, T), 0.0)
 
-    return np.asarray(fn(params, {k: batch[k] for k in ("input_ids", "positions",
-                                                         "segment_ids", "targets",
-                                                         "loss_mask")}))
+    return np.asarray(fn(params, batch.replace(ref_logprobs=None)))
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +116,15 @@ def test_kl_in_loss_scores_every_batch_under_the_step0_policy_and_kl_starts_at_z
     for step, batch in enumerate(run.batches, start=1):
         want_BxL = _logprobs(run.trainer, run.params0, batch)
         # Step 1: the trainer's own version-0 logprobs; step 2: still the step-0 policy.
-        np.testing.assert_allclose(batch["ref_logprobs"], want_BxL, err_msg=f"step {step}",
+        np.testing.assert_allclose(batch.ref_logprobs, want_BxL, err_msg=f"step {step}",
                                    **TOL)
     first, second = run.trainer.history
     # KL(current || ref) at step 1 is between identical policies: k3 of a ~1e-6 log-ratio.
     np.testing.assert_allclose(first["train/kl_ref"], 0.0, rtol=0, atol=1e-6)
     # The sampler drew step 1 with the same version-0 weights: its KL to the reference is ~0.
     np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
-    np.testing.assert_allclose(run.batches[0]["ref_logprobs"],
-                               run.batches[0]["behaviour_logprobs"], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(run.batches[0].ref_logprobs,
+                               run.batches[0].behaviour_logprobs, rtol=0, atol=1e-4)
     # Step 2 (synchronous): the policy moved away from the reference, and the sampler's policy
     # is the trainer's, so both KLs are the same positive number.
     assert second["train/kl_ref"] > 1e-6
@@ -141,23 +140,23 @@ def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run)
     assert (run.summary["steps"], run.summary["start_step"]) == (2, 0)
     assert len(run.batches) == 2
     for step, (batch, rb) in enumerate(zip(run.batches, run.rollouts), start=1):
-        assert "ref_logprobs" not in batch  # the loss adds no KL of its own
+        assert batch.ref_logprobs is None  # the loss adds no KL of its own
         ref_BxL = _logprobs(run.trainer, run.params0, batch)
-        mask_BxL = batch["loss_mask"]
-        ids_BxL = batch["sample_ids"]  # rows are packed: each token names its sample
+        mask_BxL = batch.loss_mask
+        ids_BxL = batch.sample_ids  # rows are packed: each token names its sample
         want_B = kl_reward_advantages(rl, jnp.asarray(rb.rewards_B),
-                                      jnp.asarray(batch["behaviour_logprobs"]),
+                                      jnp.asarray(batch.behaviour_logprobs),
                                       jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), group_size,
                                       sample_ids_BxL=jnp.asarray(ids_BxL))
-        np.testing.assert_allclose(batch["advantages"],
+        np.testing.assert_allclose(batch.advantages,
                                    np.asarray(want_B)[np.maximum(ids_BxL, 0)] * mask_BxL,
                                    err_msg=f"step {step}", **TOL)
     first, second = run.trainer.history
     assert "train/kl_ref" not in first
     # At step 2 the policy has moved: the KL visibly changed the rollout's own advantages.
-    ids_BxL = np.maximum(run.batches[1]["sample_ids"], 0)
-    plain_BxL = run.rollouts[1].advantages_B[ids_BxL] * run.batches[1]["loss_mask"]
-    assert np.abs(run.batches[1]["advantages"] - plain_BxL).max() > 1e-5
+    ids_BxL = np.maximum(run.batches[1].sample_ids, 0)
+    plain_BxL = run.rollouts[1].advantages_B[ids_BxL] * run.batches[1].loss_mask
+    assert np.abs(run.batches[1].advantages - plain_BxL).max() > 1e-5
     assert second["train/kl_behaviour_ref"] > 1e-6
     np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
 
@@ -219,10 +218,9 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
     from meshrl.algorithms import kl as kl_lib
     from meshrl.mesh import create_mesh, logical_to_sharding, rules_for
     from meshrl.tests.trainer.tiny import make_trainee
-    from meshrl.trainer.loop import expand_prefix
-    from meshrl.trainer.reference import ReferencePolicy, ref_batch_keys, reference_logprobs
+    from meshrl.trainer.engine import expand_prefix
+    from meshrl.trainer.reference import ReferencePolicy, ref_fields, reference_logprobs
     from meshrl.trainer.step import batch_shardings
-    from meshrl.workflows import TRAIN_BATCH_KEYS
 
     # drgrpo (r - group mean): GRPO's std scaling maps every 2-sample group to +-1, KL or not.
     config = tiny_rl_config(**{"mesh.data": 8, "rl.kl_coef": 0.5, "rl.kl_where": kl_where,
@@ -231,48 +229,50 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
     mesh, rules = create_mesh(config.mesh), rules_for("train", False)
     trainee = make_trainee(config, mesh)
     params_sh = expand_prefix(trainee.params_shardings, trainee.params)
-    batch_sh = batch_shardings(mesh, rules, B, L, ref_batch_keys(rl, TRAIN_BATCH_KEYS))
+    batch_sh = batch_shardings(mesh, rules, B, L, RLTrainBatch, *ref_fields(rl))
     reference = ReferencePolicy(rl, trainee.forward, trainee.params, params_sh, mesh, batch_sh,
                                 logical_to_sharding(("batch",), mesh, rules, (B,)),
                                 temperature=T, group_size=G, microbatches=2)
     rng = np.random.default_rng(0)
     mask_BxL = (np.arange(L) >= 6).astype(np.float32)[None].repeat(B, 0)
-    batch = {"input_ids": rng.integers(3, 250, (B, L)).astype(np.int32),
-             "targets": rng.integers(3, 250, (B, L)).astype(np.int32),
-             "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
-             "segment_ids": np.ones((B, L), np.int32), "loss_mask": mask_BxL,
-             "versions": np.zeros((B, L), np.int32), "advantages": np.zeros((B, L), np.float32),
-             "sample_ids": np.broadcast_to(np.arange(B, dtype=np.int32)[:, None], (B, L)).copy()}
+    batch = RLTrainBatch(
+        input_ids=rng.integers(3, 250, (B, L)).astype(np.int32),
+        targets=rng.integers(3, 250, (B, L)).astype(np.int32),
+        positions=np.broadcast_to(np.arange(L, dtype=np.int32), (B, L)).copy(),
+        segment_ids=np.ones((B, L), np.int32), loss_mask=mask_BxL,
+        behaviour_logprobs=np.zeros((B, L), np.float32), versions=np.zeros((B, L), np.int32),
+        advantages=np.zeros((B, L), np.float32),
+        sample_ids=np.broadcast_to(np.arange(B, dtype=np.int32)[:, None], (B, L)).copy())
     # Unmicrobatched, unsharded reference logprobs; the behaviour policy sits 0.1 (b + 1) nats
     # below on row b, so the sequence KLs differ within each group.
     ref_BxL = np.asarray(jax.jit(functools.partial(
         reference_logprobs, trainee.forward, temperature=T, microbatches=1))(
-            jax.device_get(trainee.params), {k: jnp.asarray(v) for k, v in batch.items()}))
+            jax.device_get(trainee.params), jax.tree.map(jnp.asarray, batch)))
     shift_Bx1 = 0.1 * (1.0 + np.arange(B, dtype=np.float32))[:, None]
-    batch["behaviour_logprobs"] = (ref_BxL - shift_Bx1) * mask_BxL
+    batch = batch.replace(behaviour_logprobs=(ref_BxL - shift_Bx1) * mask_BxL)
     rewards_B = (np.arange(B) % 2).astype(np.float32)
-    placed = {k: jax.device_put(v, batch_sh[k]) for k, v in batch.items()}
+    placed = jax.tree.map(jax.device_put, batch, batch_sh.replace(ref_logprobs=None))
 
     out, metrics = reference.apply(placed, reference.put_rewards(rewards_B))
 
-    assert set(out) == set(batch_sh)
+    assert jax.tree.structure(out) == jax.tree.structure(batch_sh)
     assert np.all(ref_BxL[:, :6] == 0.0) and np.all(ref_BxL[:, 6:] < 0.0)
-    kl_BxL = np.asarray(kl_lib.get(rl.kl_estimator)(jnp.asarray(batch["behaviour_logprobs"]),
+    kl_BxL = np.asarray(kl_lib.get(rl.kl_estimator)(jnp.asarray(batch.behaviour_logprobs),
                                                     jnp.asarray(ref_BxL))) * mask_BxL
     np.testing.assert_allclose(float(metrics["kl_behaviour_ref"]),
                                kl_BxL.sum() / mask_BxL.sum(), **TOL)
     if kl_where == "loss":
-        np.testing.assert_allclose(np.asarray(out["ref_logprobs"]), ref_BxL, **TOL)
-        np.testing.assert_array_equal(np.asarray(out["advantages"]), batch["advantages"])
+        np.testing.assert_allclose(np.asarray(out.ref_logprobs), ref_BxL, **TOL)
+        np.testing.assert_array_equal(np.asarray(out.advantages), batch.advantages)
     else:
         want_B = kl_reward_advantages(rl, jnp.asarray(rewards_B),
-                                      jnp.asarray(batch["behaviour_logprobs"]),
+                                      jnp.asarray(batch.behaviour_logprobs),
                                       jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), G)
         plain_B = kl_reward_advantages(dataclasses.replace(rl, kl_coef=0.0),
                                        jnp.asarray(rewards_B),
-                                       jnp.asarray(batch["behaviour_logprobs"]),
+                                       jnp.asarray(batch.behaviour_logprobs),
                                        jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), G)
-        got_BxL = np.asarray(out["advantages"])
+        got_BxL = np.asarray(out.advantages)
         np.testing.assert_allclose(got_BxL, np.asarray(want_B)[:, None] * mask_BxL, **TOL)
         assert not np.allclose(got_BxL, np.asarray(plain_B)[:, None] * mask_BxL, rtol=1e-3,
                                atol=1e-3)  # the KL really moved the advantages

@@ -38,3 +38,5 @@ def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version
     assert int(trainer.state.weight_version) == 2  # the skipped update never reached the params
     assert trainer.sampler.version == 3  # one published version per consumed batch
     assert summary["max_staleness_seen"] == 0
+    # Synchronous: every loss token came from the version the step updates.
+    assert [h["train/version_lag_max"] for h in trainer.history] == [0.0, 0.0, 0.0]

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
@@ -17,15 +18,18 @@ B, L, V = 3, 5, 11
 
 
 def _batch(logits_BxLxV: jax.Array, behaviour_BxL: jax.Array, targets_BxL: jax.Array
-           ) -> dict[str, jax.Array]:
+           ) -> RLTrainBatch:
     mask_BxL = jnp.array([[0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 1, 0, 0, 0]], jnp.float32)
-    return {"targets": targets_BxL, "loss_mask": mask_BxL,
-            "behaviour_logprobs": jnp.where(mask_BxL > 0, behaviour_BxL, 0.0),
-            "advantages": mask_BxL * jnp.array([[1.0], [-0.5], [2.0]]),
-            "ref_logprobs": jnp.where(mask_BxL > 0, behaviour_BxL - 0.3, 0.0)}
+    # The loss reads no input ids, positions, versions or sample ids; one sequence per row.
+    return RLTrainBatch(input_ids=None, targets=targets_BxL, loss_mask=mask_BxL, positions=None,
+                        segment_ids=None,
+                        behaviour_logprobs=jnp.where(mask_BxL > 0, behaviour_BxL, 0.0),
+                        advantages=mask_BxL * jnp.array([[1.0], [-0.5], [2.0]]),
+                        versions=None, sample_ids=None,
+                        ref_logprobs=jnp.where(mask_BxL > 0, behaviour_BxL - 0.3, 0.0))
 
 
-def _random(seed: int = 0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _random(seed: int = 0) -> tuple[jax.Array, RLTrainBatch]:
     k = jax.random.split(jax.random.key(seed), 3)
     logits_BxLxV = 2.0 * jax.random.normal(k[0], (B, L, V))
     targets_BxL = jax.random.randint(k[1], (B, L), 0, V)
@@ -40,10 +44,10 @@ def test_token_logprobs_at_temperature_one_are_bitwise_the_untempered_log_softma
     logits_BxLxV = logits_BxLxV.astype(dtype)
     l32 = logits_BxLxV.astype(jnp.float32)
     # The formula token_logprobs had before temperature existed.
-    before_BxL = (jnp.take_along_axis(l32, batch["targets"][..., None], axis=-1)[..., 0]
+    before_BxL = (jnp.take_along_axis(l32, batch.targets[..., None], axis=-1)[..., 0]
                   - jax.nn.logsumexp(l32, axis=-1))
 
-    got_BxL = token_logprobs(logits_BxLxV, batch["targets"], temperature=1.0)
+    got_BxL = token_logprobs(logits_BxLxV, batch.targets, temperature=1.0)
 
     np.testing.assert_array_equal(np.asarray(got_BxL), np.asarray(before_BxL))
 
@@ -95,7 +99,7 @@ def test_sampler_logprobs_at_temperature_t_are_the_trainers_tempered_logprobs():
         jnp.arange(n), jnp.zeros((n,), jnp.int32))
     targets_BxL = tokens_N.reshape(B, L)
     batch = _batch(logits_BxLxV, sampled_N.reshape(B, L), targets_BxL)
-    mask = np.asarray(batch["loss_mask"]) > 0
+    mask = np.asarray(batch.loss_mask) > 0
 
     tempered_BxL = token_logprobs(logits_BxLxV, targets_BxL, temperature=T)
     _, weight, aux = make_rl_loss_fn(RLConfig(), temperature=T)(logits_BxLxV, batch)

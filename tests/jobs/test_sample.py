@@ -87,7 +87,7 @@ def run_dir(tmp_path_factory):
                             "logging.tensorboard": False})
     loop = make_loop(config, workdir)
     try:
-        loop.run()
+        loop.run_sft()
     finally:
         loop.close()
     other = split_model(create_model(config.model, seed=5))[1]

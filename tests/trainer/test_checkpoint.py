@@ -23,7 +23,7 @@ from meshrl.trainer.checkpoint import (
     Checkpointer,
     CheckpointMismatchError,
 )
-from meshrl.trainer.loop import expand_prefix
+from meshrl.trainer.engine import expand_prefix
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
 
@@ -40,7 +40,7 @@ _PHASE_ONE = textwrap.dedent("""
         if step == 5:
             loop.checkpointer.wait()
             os._exit(0)
-    loop.run(hooks=[die])
+    loop.run_sft(hooks=[die])
     os._exit(3)
 """)
 
@@ -52,7 +52,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
 
 def _run(config, workdir):
     loop = make_loop(config, workdir)
-    loop.run()
+    loop.run_sft()
     params = jax.device_get(loop.state.params)
     start = loop.start_step
     loop.close()
@@ -146,7 +146,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage):
     assert loop.start_step == 2
     assert any("step 4 is unusable" in r.getMessage() for r in records)
     assert not step4.exists() and list((tmp_path / "checkpoints").glob("corrupt.4.*"))
-    loop.run()  # training continues from step 2 and writes a good step 4 again
+    loop.run_sft()  # training continues from step 2 and writes a good step 4 again
     loop.close()
     assert (step4 / MANIFEST).exists()
 

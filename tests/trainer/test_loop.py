@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
-from meshrl.trainer.loop import NonFiniteLossError
+from meshrl.trainer.engine import NonFiniteLossError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -20,7 +20,7 @@ def test_nonfinite_loss_raises_with_step_number_and_saves_nothing_after_it(tmp_p
     config = tiny_config(**{"trainer.on_nonfinite": "raise", "checkpoint.every_steps": 1})
     loop = make_loop(config, tmp_path, RandomIterator(8, 16, nan_at=2))
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 3"):
-        loop.run()
+        loop.run_sft()
     loop.close()
     # Steps 1 and 2 were checkpointed; the poisoned step 3 never was.
     assert sorted(loop.checkpointer.all_steps()) == [1, 2]
@@ -30,7 +30,7 @@ def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
     config = tiny_config(**{"trainer.steps": 3, "checkpoint.every_steps": 0,
                             "checkpoint.async_save": False})
     loop = make_loop(config, tmp_path)
-    history = loop.run()
+    history = loop.run_sft()
     loop.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] == [h["step"] for h in history]

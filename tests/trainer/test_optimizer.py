@@ -10,7 +10,7 @@ import pytest
 
 from meshrl.configs.schema import OptimizerConfig
 from meshrl.tests.trainer.tiny import make_trainee, mesh_for, tiny_config
-from meshrl.trainer.loop import expand_prefix
+from meshrl.trainer.engine import expand_prefix
 from meshrl.trainer.optimizer import decay_mask, make_optimizer, make_schedule
 from meshrl.trainer.state import state_shardings
 

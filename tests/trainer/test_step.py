@@ -9,11 +9,12 @@ import jax
 import numpy as np
 import pytest
 
+from meshrl.algorithms.batch import TrainBatch
 from meshrl.algorithms.losses import get_loss
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
-from meshrl.trainer.loop import BATCH_KEYS, expand_prefix, put_batch
+from meshrl.trainer.engine import expand_prefix, put_batch
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import TrainState, init_state, state_shardings
 from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
@@ -29,13 +30,13 @@ def _train(config: Config, batches: list[dict[str, np.ndarray]],
     state_sh = state_shardings(params_sh, tx, mesh, trainee.params)
     state = jax.jit(lambda p: init_state(p, tx, 0), out_shardings=state_sh)(trainee.params)
     B, L = batches[0]["input_ids"].shape
-    batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, L, BATCH_KEYS)
+    batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, L)
     step = jit_train_step(make_train_step(trainee.forward, get_loss("sft"), tx, schedule,
                                           microbatches=config.trainer.microbatches),
                           state_sh, batch_sh, mesh)
     history = []
     for b in batches:
-        state, metrics = step(state, put_batch(b, batch_sh))
+        state, metrics = step(state, put_batch(TrainBatch.from_mapping(b), batch_sh))
         # Host copies of every intermediate state (the next step donates the device buffers).
         history.append({**jax.device_get(metrics), "state": jax.device_get(state)})
     return history[-1]["state"], history

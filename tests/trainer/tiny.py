@@ -12,7 +12,7 @@ import numpy as np
 from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import Config
 from meshrl.mesh import create_mesh, rules_for
-from meshrl.trainer.loop import Trainee
+from meshrl.trainer.engine import Trainee
 
 VOCAB = 64
 
@@ -144,11 +144,18 @@ def mesh_for(config: Config, devices: list[jax.Device] | None = None) -> jax.sha
 
 
 def make_loop(config: Config, workdir: Any, data: Any = None) -> Any:
-    """A ``Loop`` on all devices of ``config.mesh`` with the tiny model and random data."""
+    """A started SFT ``TrainEngine`` on all devices of ``config.mesh`` with the tiny model and
+    random data: ``make_loop(...).run_sft()`` trains (resuming from ``workdir``)."""
     from meshrl.algorithms.losses import get_loss
-    from meshrl.trainer.loop import Loop
+    from meshrl.trainer.engine import TrainEngine
 
     mesh = mesh_for(config)
     data = data if data is not None else RandomIterator(config.trainer.batch_size,
                                                         config.trainer.seq_len)
-    return Loop(config, workdir, mesh, make_trainee(config, mesh), data, get_loss("sft"))
+    engine = TrainEngine(config, workdir, mesh, make_trainee(config, mesh), get_loss("sft"))
+    try:
+        engine.start(data=data)
+    except BaseException:
+        engine.close()
+        raise
+    return engine

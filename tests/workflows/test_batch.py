@@ -65,13 +65,13 @@ def test_train_batch_is_target_aligned():
 
     tb = batch.to_train_batch()
 
-    assert all(v.shape == (4, 8) for v in tb.values())
-    np.testing.assert_array_equal(tb["targets"][0], [2, 5, 6, 7, 0, 0, 0, 0])
+    assert all(v.shape == (4, 8) for v in jax.tree.leaves(tb))
+    np.testing.assert_array_equal(tb.targets[0], [2, 5, 6, 7, 0, 0, 0, 0])
     # position t is trained when token t+1 was generated: tokens 5, 6, 7 sit at 2, 3, 4
-    np.testing.assert_array_equal(tb["loss_mask"][0], [0, 1, 1, 1, 0, 0, 0, 0])
-    np.testing.assert_array_equal(tb["versions"][0], [-1, 3, 3, 4, -1, -1, -1, -1])
-    np.testing.assert_allclose(tb["advantages"][0], 0.5 * tb["loss_mask"][0], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(tb["behaviour_logprobs"][0], -0.5 * tb["loss_mask"][0], rtol=0,
+    np.testing.assert_array_equal(tb.loss_mask[0], [0, 1, 1, 1, 0, 0, 0, 0])
+    np.testing.assert_array_equal(tb.versions[0], [-1, 3, 3, 4, -1, -1, -1, -1])
+    np.testing.assert_allclose(tb.advantages[0], 0.5 * tb.loss_mask[0], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(tb.behaviour_logprobs[0], -0.5 * tb.loss_mask[0], rtol=0,
                                atol=0)
 
 

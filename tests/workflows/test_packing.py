@@ -11,12 +11,13 @@ import numpy as np
 import optax
 import pytest
 
+from meshrl.algorithms.batch import RLTrainBatch, field_dtype
 from meshrl.algorithms.policy_loss import kl_reward_advantages, make_rl_loss_fn
 from meshrl.configs.schema import ModelConfig, RLConfig
 from meshrl.models import create_model, forward, split_model
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import BucketedStep, make_train_step, row_buckets
-from meshrl.workflows import TRAIN_BATCH_DTYPES, Trajectory, build_rollout_batch, pack_rows
+from meshrl.workflows import Trajectory, build_rollout_batch, pack_rows
 
 V, L = 32, 16
 
@@ -56,20 +57,24 @@ def test_packed_batch_holds_each_sequence_once_in_a_segment_of_its_own():
     packed = rb.to_train_batch(rows + 1)  # one spare row: all padding
 
     assert rows < rb.shape[0]
-    assert {k: v.dtype for k, v in packed.items()} == TRAIN_BATCH_DTYPES
+    for f in dataclasses.fields(packed):
+        if getattr(packed, f.name) is not None:
+            assert getattr(packed, f.name).dtype == field_dtype(RLTrainBatch, f.name), f.name
     for b, n in enumerate(rb.lengths()):
-        where = packed["sample_ids"] == b
+        where = packed.sample_ids == b
         r = int(np.flatnonzero(where.any(axis=1))[0])
         assert where.sum() == n and where[r].sum() == n  # whole, in one row
-        for k in set(padded) - {"segment_ids"}:  # segment ids: renumbered within the row
-            np.testing.assert_array_equal(packed[k][where], padded[k][b, :n], err_msg=k)
-        assert len(set(packed["segment_ids"][where].tolist())) == 1
-    seg = packed["segment_ids"]
-    assert not (seg[-1] > 0).any() and (packed["sample_ids"][seg == 0] == -1).all()
+        for f in dataclasses.fields(padded):  # segment ids: renumbered within the row
+            if f.name != "segment_ids" and getattr(padded, f.name) is not None:
+                np.testing.assert_array_equal(getattr(packed, f.name)[where],
+                                              getattr(padded, f.name)[b, :n], err_msg=f.name)
+        assert len(set(packed.segment_ids[where].tolist())) == 1
+    seg = packed.segment_ids
+    assert not (seg[-1] > 0).any() and (packed.sample_ids[seg == 0] == -1).all()
     for r in range(rows):  # distinct segments per row
-        ids = packed["sample_ids"][r][seg[r] > 0]
+        ids = packed.sample_ids[r][seg[r] > 0]
         assert len(set(seg[r][seg[r] > 0].tolist())) == len(set(ids.tolist()))
-    assert packed["loss_mask"].sum() == padded["loss_mask"].sum()
+    assert packed.loss_mask.sum() == padded.loss_mask.sum()
 
 
 def test_to_train_batch_with_too_few_rows_fails_and_names_the_need():
@@ -103,7 +108,7 @@ def test_packed_step_equals_the_padded_step(policy_loss, aggregation):
     tx = optax.sgd(0.1)
     step = jax.jit(make_train_step(fwd, make_rl_loss_fn(rl), tx, lambda s: 0.1, microbatches=2))
     rows = rb.packed_rows() + rb.packed_rows() % 2  # microbatches must divide the rows
-    outs = [step(init_state(params, tx, seed=0), {k: jnp.asarray(v) for k, v in b.items()})
+    outs = [step(init_state(params, tx, seed=0), jax.tree.map(jnp.asarray, b))
             for b in (rb.to_train_batch(), rb.to_train_batch(rows))]
 
     (s_pad, m_pad), (s_pack, m_pack) = outs
@@ -120,10 +125,10 @@ def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
                              kl_estimator="k1")
 
     def advantages(rl, b):
-        ref = jnp.asarray(b["behaviour_logprobs"]) - 0.3 * jnp.asarray(b["loss_mask"])
-        return kl_reward_advantages(rl, jnp.asarray(rb.rewards_B), b["behaviour_logprobs"], ref,
-                                    b["loss_mask"], rb.group_size,
-                                    sample_ids_BxL=jnp.asarray(b["sample_ids"]))
+        ref = jnp.asarray(b.behaviour_logprobs) - 0.3 * jnp.asarray(b.loss_mask)
+        return kl_reward_advantages(rl, jnp.asarray(rb.rewards_B), b.behaviour_logprobs, ref,
+                                    b.loss_mask, rb.group_size,
+                                    sample_ids_BxL=jnp.asarray(b.sample_ids))
     padded, packed = rb.to_train_batch(), rb.to_train_batch(rb.packed_rows())
 
     np.testing.assert_allclose(advantages(rl, packed), advantages(rl, padded), rtol=1e-6,
@@ -133,16 +138,17 @@ def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
 
 
 def test_bucketed_step_refuses_row_counts_outside_its_buckets():
-    step = BucketedStep(lambda *a: None, {}, L, (4, 8), TRAIN_BATCH_DTYPES)
+    step = BucketedStep(lambda *a: None, None, L, (4, 8))
+    batch = build_rollout_batch(rollout(), length_buckets=(L,)).to_train_batch(6)
 
     with pytest.raises(ValueError, match=r"6 rows: the step is compiled for \(4, 8\)"):
-        step(None, {"input_ids": np.zeros((6, L), np.int32)})
+        step(None, batch)
 
 
 def test_to_train_batch_packs_into_the_smallest_row_count_that_holds_the_batch():
     rb = build_rollout_batch(rollout(), length_buckets=(L,))
     need = rb.packed_rows()
 
-    assert rb.to_train_batch((need - 1, need + 2, need + 5))["input_ids"].shape == (need + 2, L)
+    assert rb.to_train_batch((need - 1, need + 2, need + 5)).input_ids.shape == (need + 2, L)
     with pytest.raises(ValueError, match=f"need {need} rows"):
         rb.to_train_batch((need - 2, need - 1))

@@ -41,13 +41,13 @@ def test_real_engine_episodes_give_behaviour_logprobs_equal_to_trainer_logprobs(
         engine.shutdown()
     batch = build_rollout_batch(groups, length_buckets=(16,))
     tb = batch.to_train_batch()
-    logits_BxLxV = forward(graphdef, params, tb["input_ids"])
-    logp_BxL = np.asarray(token_logprobs(logits_BxLxV, tb["targets"]))
-    mask = tb["loss_mask"] > 0
+    logits_BxLxV = forward(graphdef, params, tb.input_ids)
+    logp_BxL = np.asarray(token_logprobs(logits_BxLxV, tb.targets))
+    mask = tb.loss_mask > 0
 
     assert counters["accepted_groups"] == 2
     assert all(t.versions == [0] * len(t.completion_ids) for g in groups for t in g)
-    np.testing.assert_allclose(logp_BxL[mask], tb["behaviour_logprobs"][mask], rtol=1e-4,
+    np.testing.assert_allclose(logp_BxL[mask], tb.behaviour_logprobs[mask], rtol=1e-4,
                                atol=1e-4)
     loss_sum, weight, aux = jax.jit(make_rl_loss_fn(RLConfig()))(logits_BxLxV, tb)
     assert float(weight) == mask.sum()
@@ -94,12 +94,12 @@ def test_episodes_at_temperature_t_record_the_logprobs_the_trainer_recomputes_at
 
     for group, t in zip(groups, temperatures):
         tb = build_rollout_batch([group], length_buckets=(16,)).to_train_batch()
-        logits_BxLxV = forward(graphdef, params, tb["input_ids"])
-        mask = tb["loss_mask"] > 0
-        behaviour = tb["behaviour_logprobs"][mask]
+        logits_BxLxV = forward(graphdef, params, tb.input_ids)
+        mask = tb.loss_mask > 0
+        behaviour = tb.behaviour_logprobs[mask]
         # KV-cache decode vs one full forward: float32 summation order differs slightly.
         np.testing.assert_allclose(
-            np.asarray(token_logprobs(logits_BxLxV, tb["targets"], temperature=t))[mask],
+            np.asarray(token_logprobs(logits_BxLxV, tb.targets, temperature=t))[mask],
             behaviour, rtol=1e-4, atol=1e-4, err_msg=f"T={t}")
         _, weight, aux = jax.jit(make_rl_loss_fn(RLConfig(), temperature=t))(logits_BxLxV, tb)
         np.testing.assert_allclose(float(aux["behav_weight_mean"]) / float(weight), 1.0,
@@ -111,6 +111,6 @@ def test_episodes_at_temperature_t_record_the_logprobs_the_trainer_recomputes_at
             # Untempered sampling records exactly the raw log_softmax, as before temperatures.
             np.testing.assert_array_equal(recorded, raw)
         else:
-            untempered = np.asarray(token_logprobs(logits_BxLxV, tb["targets"]))[mask]
+            untempered = np.asarray(token_logprobs(logits_BxLxV, tb.targets))[mask]
             assert np.max(np.abs(untempered - behaviour)) > 1e-2
             assert np.max(np.abs(np.asarray(raw) - np.asarray(recorded))) > 1e-2

@@ -6,11 +6,11 @@ import asyncio
 
 import numpy as np
 
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs import base_config, from_config_dict
 from meshrl.datasets import make_prompt_iterator
 from meshrl.models.tokenizer import CharTokenizer
 from meshrl.tests.workflows.fakes import FakeEngine, FakeRewards
-from meshrl.workflows import TRAIN_BATCH_KEYS
 from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_runner
 
 
@@ -50,5 +50,5 @@ def test_runner_from_config_yields_a_batch_at_trainer_seq_len():
 
     assert runner.controller.batch_size == 3 and runner.controller.max_staleness == 1
     assert batch.shape == (6, 48) and (batch.num_groups, batch.group_size) == (3, 2)
-    assert tuple(train) == TRAIN_BATCH_KEYS
+    assert isinstance(train, RLTrainBatch) and train.ref_logprobs is None
     np.testing.assert_array_equal(batch.loss_mask_BxL.sum(-1), 4)

@@ -45,11 +45,11 @@ def test_rl_train_step_raises_the_logprob_of_positive_advantage_tokens(microbatc
                                    lambda s: 1.0, microbatches=microbatches))
     state = init_state(params, tx, seed=0)
 
-    new_state, metrics = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
-    before = token_logprobs(forward(params, batch["input_ids"]), batch["targets"])
-    after = token_logprobs(forward(new_state.params, batch["input_ids"]), batch["targets"])
+    new_state, metrics = step(state, jax.tree.map(jnp.asarray, batch))
+    before = token_logprobs(forward(params, batch.input_ids), batch.targets)
+    after = token_logprobs(forward(new_state.params, batch.input_ids), batch.targets)
 
-    assert float(metrics["tokens"]) == batch["loss_mask"].sum() == 8
+    assert float(metrics["tokens"]) == batch.loss_mask.sum() == 8
     np.testing.assert_allclose(float(metrics["behav_weight_mean"]), 1.0, rtol=1e-5, atol=1e-5)
     # token 1 -> 2 was sampled in a positive-advantage episode and 2 -> 3 nowhere else
     up = np.asarray(after - before)[0, 0]
@@ -60,7 +60,7 @@ def test_rl_train_step_raises_the_logprob_of_positive_advantage_tokens(microbatc
 def test_rl_train_step_with_microbatches_equals_one_big_batch():
     params = {"table": 0.1 * jax.random.normal(jax.random.key(0), (V, V))}
     batch = build_rollout_batch(groups(params["table"]), length_buckets=(6,)).to_train_batch()
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
+    batch = jax.tree.map(jnp.asarray, batch)
     tx = optax.sgd(0.5)
     outs = []
     for m in (1, 2):

@@ -1,0 +1,100 @@
+"""The train step's batch: one typed pytree per step, all fields ``[rows, L]`` and target-aligned
+(position t predicts ``targets[t]``).
+
+``TrainBatch`` is what SFT trains on; ``RLTrainBatch`` adds the rollout's per-token fields. The
+same classes hold host arrays (numpy, one process's rows), device arrays, abstract
+``ShapeDtypeStruct``s and ``NamedSharding``s (the shardings of a batch are a batch of shardings),
+so one structure crosses every boundary. Each field's dtype is declared with the field. An
+optional field left ``None`` is an empty subtree: no array, no sharding, nothing compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import flax.struct
+import jax
+import numpy as np
+
+B = TypeVar("B", bound="TrainBatch")
+
+
+def _field(dtype: Any, **kwargs: Any) -> Any:
+    return flax.struct.field(pytree_node=True, metadata={"dtype": dtype}, **kwargs)
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """An SFT step's batch (packed rows: ``segment_ids`` 0 is padding, 1.. the sequences)."""
+
+    input_ids: Any = _field(np.int32)
+    targets: Any = _field(np.int32)
+    loss_mask: Any = _field(np.float32)
+    positions: Any = _field(np.int32)
+    segment_ids: Any = _field(np.int32)
+
+    @classmethod
+    def from_mapping(cls: type[B], arrays: Mapping[str, Any]) -> B:
+        """The batch of a data iterator's ``{field name: array}``; an unknown or a missing
+        required name is a ``ValueError`` naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        if unknown := sorted(set(arrays) - names):
+            raise ValueError(f"{cls.__name__} has no field(s) {unknown}; fields: {sorted(names)}")
+        try:
+            return cls(**arrays)
+        except TypeError as e:
+            raise ValueError(f"{cls.__name__} from {sorted(arrays)}: {e}") from None
+
+    @property
+    def rows(self) -> int:
+        return self.input_ids.shape[0]
+
+    def map(self: B, fn: Callable[[str, Any], Any]) -> B:
+        """A batch of ``fn(name, value)`` over the fields that are set (others stay ``None``)."""
+        return self.replace(**{f.name: fn(f.name, getattr(self, f.name))
+                               for f in dataclasses.fields(self)
+                               if getattr(self, f.name) is not None})
+
+
+@flax.struct.dataclass
+class RLTrainBatch(TrainBatch):
+    """An RL step's batch, built from a ``RolloutBatch`` (``to_train_batch``). Per target token:
+    the sampler's logprob (0 off the loss mask), the advantage (0 off the mask), the weight
+    version that generated it (-1 where no model generated it) and the batch row of its sample
+    (-1 on padding). ``ref_logprobs`` (the KL reference, ``trainer.reference``) and
+    ``proximal_logprobs`` (decoupled PPO; default: the current policy) are optional."""
+
+    behaviour_logprobs: Any = _field(np.float32)
+    advantages: Any = _field(np.float32)
+    versions: Any = _field(np.int32)
+    sample_ids: Any = _field(np.int32)
+    ref_logprobs: Any = _field(np.float32, default=None)
+    proximal_logprobs: Any = _field(np.float32, default=None)
+
+    def oldest_version(self) -> int | None:
+        """Oldest weight version of a loss-masked token (host arrays; None without one)."""
+        versions = np.asarray(self.versions)[np.asarray(self.loss_mask) > 0]
+        return int(versions.min()) if versions.size else None
+
+
+def field_dtype(cls: type[TrainBatch], name: str) -> Any:
+    return next(f.metadata["dtype"] for f in dataclasses.fields(cls) if f.name == name)
+
+
+def batch_of(cls: type[B], value: Any, *names: str) -> B:
+    """A ``cls`` holding ``value`` in every required field and in the optional ``names``:
+    e.g. the one ``NamedSharding`` all ``[rows, L]`` fields share."""
+    fields = {f.name for f in dataclasses.fields(cls)
+              if f.default is dataclasses.MISSING or f.name in names}
+    if unknown := sorted(set(names) - {f.name for f in dataclasses.fields(cls)}):
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}")
+    return cls(**{n: value for n in fields})
+
+
+def abstract_batch(shardings: B, rows: int, seq_len: int) -> B:
+    """``ShapeDtypeStruct``s ``[rows, seq_len]`` with each field's dtype and sharding."""
+    cls = type(shardings)
+    return shardings.map(lambda name, sh: jax.ShapeDtypeStruct(
+        (rows, seq_len), field_dtype(cls, name), sharding=sh))
