@@ -198,7 +198,11 @@ def _config(**sections: dict) -> object:
 def good_inputs(tmp_path: pathlib.Path) -> pathlib.Path:
     """A model directory, a tokenizer directory and data files with the files the job reads."""
     (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256,
+        "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}))
     (tmp_path / "model" / "model-00001-of-00001.safetensors").write_bytes(b"")
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
