@@ -172,7 +172,7 @@ class Sampler:
     def install_weights(self, flat: dict[str, jax.Array], version: int) -> None:
         """``update_weights``' second half: swap in the copies; in-flight slots re-prefill."""
         self._install(flat, version)
-        log.info("sampler weights -> version %d (in-process)", version)
+        log.debug("sampler weights -> version %d (in-process)", version)
 
     def load_weights(self, version: int, workdir: str | None = None) -> None:
         """Restore ``<workdir>/weights/<version>`` (published by the trainer) onto the sampler."""
@@ -182,7 +182,7 @@ class Sampler:
         restored = wts.restore_weights(workdir, version, self._expected, self._shardings)
         flat = wts.reshard_cast(restored, self._expected, self._shardings, self._copy_cast)
         self._install(flat, version)
-        log.info("sampler weights -> version %d (from %s)", version, workdir)
+        log.debug("sampler weights -> version %d (from %s)", version, workdir)
 
     # ---- scheduling ----------------------------------------------------------------------
 

@@ -30,8 +30,23 @@ def get_logger(component: str) -> logging.Logger:
     return logging.getLogger(f"{_ROOT}.{component}")
 
 
+# Libraries that log routine progress at INFO through absl (Orbax: hundreds of records per
+# run, grain): shown only at DEBUG, so a run's console is meshrl's own records.
+_CHATTY = ("absl", "orbax", "grain")
+
+
 def setup(level: str = "INFO", stream=None) -> None:
-    """Attach one tagged handler to the meshrl root logger (idempotent)."""
+    """Attach one tagged handler to the meshrl root logger (idempotent). Third-party records
+    below WARNING are hidden unless ``level`` is DEBUG."""
+    quiet = logging.DEBUG if level == "DEBUG" else logging.WARNING
+    for name in _CHATTY:
+        logging.getLogger(name).setLevel(quiet)
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.DEBUG if level == "DEBUG" else absl_logging.WARNING)
+    except ImportError:  # absl is a dependency; guard only for trimmed environments
+        pass
     root = logging.getLogger(_ROOT)
     root.setLevel(level)
     root.propagate = False

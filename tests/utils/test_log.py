@@ -25,3 +25,22 @@ def test_setup_is_idempotent():
     log.setup("INFO", stream=stream)
     log.get_logger("mesh").warning("once")
     assert stream.getvalue().count("once") == 1
+
+
+def test_third_party_info_is_hidden_unless_debug():
+    import logging
+
+    from absl import logging as absl_logging
+
+    try:
+        log.setup("INFO", stream=io.StringIO())
+        assert not logging.getLogger("orbax").isEnabledFor(logging.INFO)
+        assert not logging.getLogger("absl").isEnabledFor(logging.INFO)
+        assert absl_logging.get_verbosity() == absl_logging.WARNING
+        assert logging.getLogger("absl").isEnabledFor(logging.WARNING)
+
+        log.setup("DEBUG", stream=io.StringIO())
+        assert logging.getLogger("orbax").isEnabledFor(logging.INFO)
+        assert absl_logging.get_verbosity() == absl_logging.DEBUG
+    finally:
+        log.setup("INFO", stream=io.StringIO())
