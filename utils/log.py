@@ -38,13 +38,14 @@ _CHATTY = ("absl", "orbax", "grain")
 def setup(level: str = "INFO", stream=None) -> None:
     """Attach one tagged handler to the meshrl root logger (idempotent). Third-party records
     below WARNING are hidden unless ``level`` is DEBUG."""
-    quiet = logging.DEBUG if level == "DEBUG" else logging.WARNING
+    # DEBUG shows their INFO records (absl's own default), not their DEBUG chatter.
+    quiet = logging.INFO if level == "DEBUG" else logging.WARNING
     for name in _CHATTY:
         logging.getLogger(name).setLevel(quiet)
     try:
         from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.DEBUG if level == "DEBUG" else absl_logging.WARNING)
+        absl_logging.set_verbosity(absl_logging.INFO if level == "DEBUG" else absl_logging.WARNING)
     except ImportError:  # absl is a dependency; guard only for trimmed environments
         pass
     root = logging.getLogger(_ROOT)

@@ -41,6 +41,6 @@ def test_third_party_info_is_hidden_unless_debug():
 
         log.setup("DEBUG", stream=io.StringIO())
         assert logging.getLogger("orbax").isEnabledFor(logging.INFO)
-        assert absl_logging.get_verbosity() == absl_logging.DEBUG
+        assert absl_logging.get_verbosity() == absl_logging.INFO
     finally:
         log.setup("INFO", stream=io.StringIO())
