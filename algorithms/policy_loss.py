@@ -33,13 +33,12 @@ from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms.advantages import Registry
 from meshrl.algorithms.batch import RLTrainBatch
-from meshrl.algorithms.kl import entropy_from_logits
+from meshrl.algorithms.logits import ModelOutput, output_shape, token_stats
 from meshrl.algorithms.losses import (
     LossFn,
     LossOutput,
     check_temperature,
-    tempered,
-    token_logprobs,
+    token_logprobs,  # noqa: F401 -- re-exported: callers score logits with pl.token_logprobs
 )
 from meshrl.configs.schema import RLConfig
 
@@ -253,7 +252,8 @@ def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_
 
 
 def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
-    """The trainer's ``LossFn`` for RL: ``(logits_BxLxV, batch) -> (loss_sum, weight, aux)``.
+    """The trainer's ``LossFn`` for RL: ``(out, batch) -> (loss_sum, weight, aux)``, ``out``
+    the model's logits or a ``Hidden`` (logits computed in float32 chunks, ``logits``).
 
     ``temperature`` is the sampler's (``sampler.temperature``, > 0): the current and the default
     proximal logprobs and the entropy bonus are those of softmax(logits / temperature), the
@@ -275,11 +275,13 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     kl_fn = kl_lib.get(rl.kl_estimator)
     kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
 
-    def loss_fn(logits_BxLxV: jax.Array, batch: RLTrainBatch) -> LossOutput:
+    def loss_fn(out: ModelOutput, batch: RLTrainBatch) -> LossOutput:
         targets_BxL = batch.targets
-        assert logits_BxLxV.shape[:2] == targets_BxL.shape, (logits_BxLxV.shape,
-                                                              targets_BxL.shape)
-        logp_BxL = token_logprobs(logits_BxLxV, targets_BxL, temperature)
+        assert output_shape(out)[:2] == targets_BxL.shape, (output_shape(out),
+                                                             targets_BxL.shape)
+        # One pass over the logits (chunked for a ``Hidden``) gives logprobs and entropy.
+        token = token_stats(out, targets_BxL, temperature, entropy=rl.entropy_coef > 0.0)
+        logp_BxL = token.logprobs_BxL
         prox_BxL = batch.proximal_logprobs
         if prox_BxL is None:
             prox_BxL = jax.lax.stop_gradient(logp_BxL)
@@ -295,7 +297,7 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
             loss_BxL = loss_BxL + rl.kl_coef * kl_BxL
             stats["kl_ref"] = jax.lax.stop_gradient(kl_BxL)
         if rl.entropy_coef > 0.0:
-            entropy_BxL = entropy_from_logits(tempered(logits_BxLxV, temperature))
+            entropy_BxL = token.entropy_BxL
             loss_BxL = loss_BxL - rl.entropy_coef * entropy_BxL
             stats["entropy"] = jax.lax.stop_gradient(entropy_BxL)
         loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation, seg_BxL)

@@ -70,9 +70,10 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
     from meshrl.algorithms.losses import get_loss
     from meshrl.configs.loader import base_config, from_config_dict
     from meshrl.mesh import create_mesh, rules_for
-    from meshrl.models import create_model, forward, param_count, param_shardings, split_model
+    from meshrl.models import create_model, param_count, param_shardings, split_model
     from meshrl.trainer import (
         batch_shardings,
+        decoder_forward,
         expand_prefix,
         init_state,
         jit_train_step,
@@ -99,8 +100,10 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
     state = jax.jit(lambda p: init_state(p, tx, 0), out_shardings=state_sh)(params)
     del params
     batch_sh = batch_shardings(mesh, rules, BATCH, SEQ)
-    step = jit_train_step(make_train_step(functools.partial(forward, graphdef), get_loss("sft"),
-                                          tx, schedule), state_sh, batch_sh, mesh)
+    # The jobs' forward: the loss computes float32 logits in trainer.logits_chunk-token chunks.
+    forward = decoder_forward(graphdef, config.trainer.logits_chunk)
+    step = jit_train_step(make_train_step(forward, get_loss("sft"), tx, schedule), state_sh,
+                          batch_sh, mesh)
     batch = put_batch(TrainBatch.from_mapping(_batch_np()), batch_sh)
     holder = {"state": state}
 

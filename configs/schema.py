@@ -106,6 +106,13 @@ class ModelConfig(Section):
     qk_norm: bool = field(False, "RMSNorm on per-head q and k (Qwen3).")
     param_dtype: DType = field("float32", "Dtype of stored parameters (master weights).")
     compute_dtype: DType = field("float32", "Dtype of activations and matmuls.")
+    attention: Literal["blockwise", "einsum", "cudnn", "splash"] = field(
+        "blockwise", "Attention kernel of the no-cache forward (training, logprobs) and of "
+                     "prefills over 512 tokens: blockwise (pure JAX online softmax in blocks of "
+                     "<= 512 queries x keys, any platform; up to 512 tokens the einsum itself), "
+                     "einsum (the reference: full L x L float32 scores), cudnn (GPU, needs "
+                     "compute_dtype bfloat16/float16), splash (TPU Pallas). Decode always "
+                     "attends over the cache in one pass. See docs/attention.md.")
     remat: Literal["none", "full", "dots"] = field(
         "none", "Rematerialisation policy per layer: none, full, or save only matmul outputs.")
     scan_layers: bool = field(False, "Run layers with a scan (faster compile, one layer's code).")
@@ -117,6 +124,10 @@ class ModelConfig(Section):
         if self.head_dim == 0 and self.hidden_size % self.num_heads:
             raise ConfigError(f"model.hidden_size = {self.hidden_size}: must be divisible by "
                               f"model.num_heads = {self.num_heads} when model.head_dim = 0")
+        if self.attention == "cudnn" and self.compute_dtype == "float32":
+            raise ConfigError("model.attention = 'cudnn': needs model.compute_dtype = "
+                              "'bfloat16' or 'float16' (cuDNN flash attention has no float32 "
+                              "kernel), got 'float32'")
 
     @property
     def resolved_head_dim(self) -> int:
@@ -152,12 +163,18 @@ class TrainerConfig(Section):
     seed: int = field(0, "Seed of params init, dropout-free RNG stream and data order.")
     microbatches: int = field(1, "Gradient-accumulation microbatches per step; must divide "
                                  "batch_size.", at_least(1))
-    log_every: int = field(10, "Steps between metric writes.", at_least(1))
+    log_every: int = field(10, "Steps between metric writes (and RL console step lines).",
+                           at_least(1))
     eval_every: int = field(0, "Steps between held-out evaluations; 0 disables.", at_least(0))
     on_nonfinite: Literal["raise", "skip"] = field(
         "raise", "A non-finite loss raises, or skips the update and counts it.")
     peak_flops: float = field(0.0, "Peak FLOP/s per device for MFU; 0 looks up the device.",
                               at_least(0.0))
+    logits_chunk: int = field(
+        1024, "Tokens (rows x positions, whole microbatch) whose float32 logits the loss, "
+              "the KL reference and the eval compute at a time; the backward pass recomputes "
+              "each chunk's logits instead of keeping them. 0: all at once (full [B, L, V] "
+              "float32 logits). See docs/memory.md.", at_least(0))
 
     def validate(self) -> None:
         if self.batch_size % self.microbatches:

@@ -117,8 +117,8 @@ class Sampler:
 
     def _row_buckets(self) -> tuple[int, ...]:
         S = self.cfg.slots
-        slots_per_shard = self._cache_sh.k[0].shard_shape(KVCache.shapes(
-            self.model_cfg, S, self.cfg.max_len)[0])[0]
+        slots_per_shard = KVCache.slots_per_shard(self.model_cfg, S, self.cfg.max_len,
+                                                  self.mesh, self.rules)
         if slots_per_shard < S:  # packing rows low would move work onto one shard
             return (S,)
         if self.cfg.decode_row_buckets:

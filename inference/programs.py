@@ -16,7 +16,7 @@ from flax import nnx, struct
 from meshrl.configs.schema import ModelConfig
 from meshrl.inference.sampling import sample
 from meshrl.models import KVCache
-from meshrl.models.decoder import forward
+from meshrl.models.decoder import apply_head, forward
 
 MAX_STOP_IDS = 8  # static width of the per-slot stop-id table
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -61,7 +61,12 @@ def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Ar
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int) -> Callable:
-    """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample)."""
+    """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
+
+    Writes the prompts' keys/values into ``slots_N``; with ``resample`` samples each prompt's
+    next token from the logits at its last position only: the head runs on N hidden states,
+    not N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
+    """
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
                 lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
@@ -69,12 +74,15 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int) -> Call
         N, P = tokens_NxP.shape
         pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
         tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
-        logits_NxPxV, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp)
+        hidden_NxPxD, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
+                                    return_hidden=True)
         # Padding rows use slot index S: every scatter below drops them.
         cache = cache.put_slots(tmp, slots_N)
         if not resample:
             return cache, st, ()
-        last_NxV = jnp.take_along_axis(logits_NxPxV, (lens_N - 1)[:, None, None], axis=1)[:, 0]
+        last_NxD = jnp.take_along_axis(hidden_NxPxD, (lens_N - 1)[:, None, None], axis=1)[:, 0]
+        last_NxV = apply_head(graphdef, params, last_NxD)
+        assert last_NxV.shape == (N, cfg.vocab_size), last_NxV.shape
         sub = st.replace(
             pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
             reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)

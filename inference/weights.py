@@ -127,7 +127,7 @@ def publish_weights(params: Any, workdir: str | pathlib.Path, version: int) -> p
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(path, nested(flat_params(params)))
     ckptr.wait_until_finished()
-    log.info("published weights version %d at %s", version, path)
+    log.debug("published weights version %d at %s", version, path)
     return path
 
 

@@ -19,15 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.algorithms.logits import token_stats
 from meshrl.algorithms.losses import get_loss
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_sft_iterator
 from meshrl.datasets.pipeline import response_ids
+from meshrl.jobs.report import sft_summary_table
 from meshrl.mesh import create_mesh, initialize_distributed, logical_to_sharding, rules_for
 from meshrl.models import (
     build_model,
     flops_per_token,
-    forward,
     param_count,
     param_shardings,
     resolve_model_config,
@@ -35,7 +36,7 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.trainer.engine import Trainee, TrainEngine
-from meshrl.trainer.step import ForwardFn
+from meshrl.trainer.step import ForwardFn, decoder_forward
 from meshrl.utils import log
 
 _log = log.get_logger("trainer.sft")
@@ -77,7 +78,9 @@ def eval_batches(examples: list[dict], seq_len: int, batch_size: int, pad_id: in
 def make_evaluator(forward_fn: ForwardFn, batches: list[dict[str, np.ndarray]], mesh: Mesh,
                    fsdp: bool) -> Callable[[Any], dict[str, float]]:
     """``params -> metrics``: teacher-forced token accuracy, exact match (every answer token
-    right) and loss over ``batches``; compiled once, reused by periodic and final evals."""
+    right) and loss over ``batches``; compiled once, reused by periodic and final evals.
+    A token is right when its target's logit is the row maximum (ties count as right); the
+    logits come in float32 chunks when ``forward_fn`` returns a ``Hidden``."""
     if not batches:
         return lambda params: {}
     B, L = batches[0]["input_ids"].shape
@@ -87,16 +90,14 @@ def make_evaluator(forward_fn: ForwardFn, batches: list[dict[str, np.ndarray]], 
 
     @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
     def counts(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-        logits_BxLxV = forward_fn(params, batch["input_ids"], batch["positions"],
-                                  batch["segment_ids"]).astype(jnp.float32)
+        out = forward_fn(params, batch["input_ids"], batch["positions"], batch["segment_ids"])
+        stats = token_stats(out, batch["targets"], correct=True)
         mask_BxL = batch["loss_mask"]
-        right_BxL = (jnp.argmax(logits_BxLxV, -1) == batch["targets"]).astype(jnp.float32)
-        logz_BxL = jax.nn.logsumexp(logits_BxLxV, -1)
-        picked_BxL = jnp.take_along_axis(logits_BxLxV, batch["targets"][..., None], -1)[..., 0]
+        right_BxL = stats.correct_BxL
         has_B = mask_BxL.sum(-1) > 0
         exact_B = ((right_BxL * mask_BxL).sum(-1) == mask_BxL.sum(-1)) & has_B
         return jnp.stack([(right_BxL * mask_BxL).sum(), mask_BxL.sum(),
-                          ((logz_BxL - picked_BxL) * mask_BxL).sum(), exact_B.sum(),
+                          (-stats.logprobs_BxL * mask_BxL).sum(), exact_B.sum(),
                           has_B.sum()])
 
     def evaluate(params: Any) -> dict[str, float]:
@@ -126,7 +127,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     model = build_model(config.model, mesh=mesh, rules=rules, seed=tcfg.seed)
     graphdef, params = split_model(model)
     del model
-    trainee = Trainee(forward=functools.partial(forward, graphdef), params=params,
+    trainee = Trainee(forward=decoder_forward(graphdef, tcfg.logits_chunk), params=params,
                       params_shardings=param_shardings(params, mesh, rules),
                       flops_per_token=flops_per_token(model_cfg, tcfg.seq_len))
     n_params = param_count(model_cfg)
@@ -166,5 +167,5 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     }
     if jax.process_index() == 0:
         (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    _log.info("summary: %s", json.dumps(summary))
+        _log.info("%s", sft_summary_table(summary, workdir))
     return summary

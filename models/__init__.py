@@ -4,9 +4,11 @@ from meshrl.models.build import RUNTIME_FIELDS, build_model, resolve_model_confi
 from meshrl.models.decoder import (
     Decoder,
     abstract_model,
+    apply_head,
     create_model,
     flops_per_token,
     forward,
+    forward_hidden,
     param_count,
     split_model,
 )
@@ -25,7 +27,7 @@ from meshrl.models.sharding import ShardingContext, logical_axes, param_sharding
 __all__ = [
     "RUNTIME_FIELDS", "build_model", "resolve_model_config",
     "CheckpointError", "Decoder", "K_CACHE_AXES", "KVCache", "V_CACHE_AXES", "ShardingContext", "abstract_model",
-    "create_model", "flops_per_token", "forward", "hf_config_from_model", "load_hf_checkpoint", "load_hf_config",
+    "apply_head", "create_model", "flops_per_token", "forward", "forward_hidden", "hf_config_from_model", "load_hf_checkpoint", "load_hf_config",
     "logical_axes", "model_config_from_hf", "model_from_config", "param_count", "param_shardings", "save_hf_checkpoint",
     "split_model",
 ]

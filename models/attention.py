@@ -1,20 +1,44 @@
-"""Grouped-query self-attention with RoPE, optional q/k/v bias and per-head q/k RMSNorm."""
+"""Grouped-query self-attention with RoPE, optional q/k/v bias and per-head q/k RMSNorm.
+
+``model.attention`` picks the kernel of the no-cache forward (training, logprob recompute):
+
+* ``blockwise`` (default): ``attention_kernels.blockwise_attention``, an online softmax over
+  blocks of at most ``BLOCK`` (512) queries x keys; up to 512 tokens it is the einsum reference
+  itself (one block), so short sequences run exactly the old code.
+* ``einsum``: the reference, the full [B, N, L, L] float32 scores.
+* ``cudnn`` / ``splash``: the GPU / TPU fused kernels of ``attention_fused``; the wrong platform
+  is a ``ConfigError`` naming ``model.attention`` at the first call (trace), not at build, so a
+  CPU host can still build the model (export, param counts).
+
+With a KV cache: decode (at most ``BLOCK`` queries) attends over the cache layout in one pass,
+for every value; a longer prefill uses ``blockwise_cache_attention`` unless ``einsum``.
+Docs: docs/attention.md.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import kv_cache as kvc
+from meshrl.models.attention_fused import cudnn_attention, splash_attention
+from meshrl.models.attention_kernels import (
+    BLOCK,
+    MASK_VALUE,
+    blockwise_attention,
+    blockwise_cache_attention,
+    causal_segment_mask,
+    einsum_attention,
+)
 from meshrl.models.layers import Projection, RMSNorm, dtype_of
 from meshrl.models.rope import apply_rope
 from meshrl.models.sharding import ShardingContext, constrain
 
-# Finite mask value: a fully masked row (padding) gives a uniform average instead of NaN.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+# Fused kernels -> (the platform they need, in words).
+_PLATFORMS = {"cudnn": ("gpu", "a GPU"), "splash": ("tpu", "a TPU")}
 
 
 class Attention(nnx.Module):
@@ -38,6 +62,7 @@ class Attention(nnx.Module):
         self.num_kv_heads, self.head_dim = K, H
         self.compute_dtype = cd
         self.sharding = sharding
+        self.impl = cfg.attention
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
@@ -59,40 +84,55 @@ class Attention(nnx.Module):
         k_BxLxKxH = apply_rope(k_BxLxKxH, cos_BxLxH, sin_BxLxH)
 
         if cache is None:
-            L = x_BxLxD.shape[1]
-            causal_LxL = jnp.tril(jnp.ones((L, L), bool))
-            same_seg_BxLxL = segment_ids_BxL[:, :, None] == segment_ids_BxL[:, None, :]
-            mask_BxLxT = causal_LxL[None] & same_seg_BxLxL
-            out_BxLxNxH = _attend(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, mask_BxLxT)
+            out_BxLxNxH = self_attention(self.impl, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                         segment_ids_BxL, ctx)
         else:
             cache = kvc.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
             keys_BxKxHxT, values_BxKxTxH = cache.layer(layer)
-            T = keys_BxKxHxT.shape[-1]
-            mask_BxLxT = jnp.arange(T)[None, None, :] <= positions_BxL[:, :, None]
-            out_BxLxNxH = _attend_cache(q_BxLxNxH, keys_BxKxHxT.astype(self.compute_dtype),
-                                        values_BxKxTxH.astype(self.compute_dtype), mask_BxLxT)
+            keys_BxKxHxT = keys_BxKxHxT.astype(self.compute_dtype)
+            values_BxKxTxH = values_BxKxTxH.astype(self.compute_dtype)
+            if self.impl != "einsum" and x_BxLxD.shape[1] > BLOCK:
+                out_BxLxNxH = blockwise_cache_attention(q_BxLxNxH, keys_BxKxHxT, values_BxKxTxH,
+                                                        positions_BxL)
+            else:
+                T = keys_BxKxHxT.shape[-1]
+                mask_BxLxT = jnp.arange(T)[None, None, :] <= positions_BxL[:, :, None]
+                out_BxLxNxH = _attend_cache(q_BxLxNxH, keys_BxKxHxT, values_BxKxTxH, mask_BxLxT)
         out_BxLxNxH = constrain(out_BxLxNxH, ("batch", "length", "act_heads", "head_dim"), ctx)
         return self.o(out_BxLxNxH), cache
 
 
-def _attend(q_BxLxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
-            mask_BxLxT: jax.Array) -> jax.Array:
-    """Softmax attention with GQA; scores and softmax in float32 (as HF eager)."""
-    B, L, N, H = q_BxLxNxH.shape
-    K = k_BxTxKxH.shape[2]
-    if K == N:  # no GQA: 4-D einsums; the 5-D form's unit group axis cost extra transposes
-        scores_BxNxLxT = jnp.einsum("blnh,btnh->bnlt", q_BxLxNxH, k_BxTxKxH,
-                                    preferred_element_type=jnp.float32) * (H ** -0.5)
-        scores_BxNxLxT = jnp.where(mask_BxLxT[:, None], scores_BxNxLxT, _MASK_VALUE)
-        probs_BxNxLxT = jax.nn.softmax(scores_BxNxLxT, axis=-1).astype(v_BxTxKxH.dtype)
-        return jnp.einsum("bnlt,btnh->blnh", probs_BxNxLxT, v_BxTxKxH)
-    q_BxLxKxGxH = q_BxLxNxH.reshape(B, L, K, N // K, H)
-    scores_BxKxGxLxT = jnp.einsum("blkgh,btkh->bkglt", q_BxLxKxGxH, k_BxTxKxH,
-                                  preferred_element_type=jnp.float32) * (H ** -0.5)
-    scores_BxKxGxLxT = jnp.where(mask_BxLxT[:, None, None], scores_BxKxGxLxT, _MASK_VALUE)
-    probs = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(v_BxTxKxH.dtype)
-    out_BxLxKxGxH = jnp.einsum("bkglt,btkh->blkgh", probs, v_BxTxKxH)
-    return out_BxLxKxGxH.reshape(B, L, N, H)
+def self_attention(impl: str, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array,
+                   v_BxLxKxH: jax.Array, segment_ids_BxL: jax.Array,
+                   ctx: ShardingContext | None = None) -> jax.Array:
+    """Causal attention within equal segment ids with the ``model.attention`` kernel ``impl``."""
+    L = q_BxLxNxH.shape[1]
+    if impl == "einsum" or (impl == "blockwise" and L <= BLOCK):
+        return einsum_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                causal_segment_mask(segment_ids_BxL))
+    if impl == "blockwise":
+        return blockwise_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
+    if impl not in _PLATFORMS:
+        raise ConfigError(f"model.attention = {impl!r}: must be one of "
+                          f"['blockwise', 'einsum', 'cudnn', 'splash']")
+    check_platform(impl, _platform(ctx))
+    if impl == "cudnn":
+        return cudnn_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL)
+    return splash_attention(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, segment_ids_BxL, ctx)
+
+
+def check_platform(impl: str, platform: str) -> None:
+    """Raise ``ConfigError`` when kernel ``impl`` cannot run on ``platform`` ('cpu', 'gpu', ...)."""
+    need = _PLATFORMS.get(impl)
+    if need is not None and platform != need[0]:
+        raise ConfigError(f"model.attention = {impl!r} needs {need[1]}; this run's devices are "
+                          f"{platform}: use 'blockwise' (any platform) or 'einsum'")
+
+
+def _platform(ctx: ShardingContext | None) -> str:
+    if ctx is not None:
+        return ctx.mesh.devices.flat[0].platform
+    return jax.default_backend()
 
 
 def _attend_cache(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKxTxH: jax.Array,
@@ -106,7 +146,7 @@ def _attend_cache(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKxTxH: jax.Arr
     scores_BxKxQxT = jnp.einsum("bkqh,bkht->bkqt", q_BxKxQxH, k_BxKxHxT,
                                 preferred_element_type=jnp.float32) * (H ** -0.5)
     scores_BxKxGxLxT = scores_BxKxQxT.reshape(B, K, G, L, T)
-    scores_BxKxGxLxT = jnp.where(mask_BxLxT[:, None, None], scores_BxKxGxLxT, _MASK_VALUE)
+    scores_BxKxGxLxT = jnp.where(mask_BxLxT[:, None, None], scores_BxKxGxLxT, MASK_VALUE)
     probs_BxKxQxT = jax.nn.softmax(scores_BxKxGxLxT, axis=-1).astype(v_BxKxTxH.dtype).reshape(
         B, K, G * L, T)
     out_BxKxQxH = jnp.einsum("bkqt,bkth->bkqh", probs_BxKxQxT, v_BxKxTxH)

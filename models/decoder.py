@@ -58,7 +58,9 @@ def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, pos: 
 
 class Decoder(nnx.Module):
     """Token ids -> logits. ``model(ids, positions=None, segment_ids=None)`` -> logits [B, L, V];
-    with ``cache=KVCache`` returns ``(logits, new_cache)``.
+    with ``cache=KVCache`` returns ``(logits, new_cache)``. ``return_hidden=True`` returns the
+    final hidden states [B, L, D] (after the final norm) in place of the logits; ``head`` maps
+    them to logits, ``head_weight`` is the head's matrix (for losses that chunk the logits).
 
     Segment ids pack several sequences in one row: no attention across different ids; id 0 is
     padding (it only attends to padding). Positions default to 0..L-1 and drive RoPE (and, with a
@@ -85,7 +87,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None, *, cache: KVCache | None = None,
-                 ) -> jax.Array | tuple[jax.Array, KVCache]:
+                 return_hidden: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
         cfg, ctx = self.cfg, self.sharding
         B, L = input_ids_BxL.shape
         cd = dtype_of(cfg.compute_dtype)
@@ -120,19 +122,34 @@ class Decoder(nnx.Module):
         cache = kv
 
         x_BxLxD = self.final_norm(x_BxLxD)
-        if self.lm_head is None:
-            logits_BxLxV = jnp.einsum("bld,vd->blv", x_BxLxD, self.embed[...].astype(cd))
+        if return_hidden:
+            out = x_BxLxD
         else:
-            logits_BxLxV = jnp.einsum("bld,dv->blv", x_BxLxD, self.lm_head[...].astype(cd))
-        logits_BxLxV = constrain(logits_BxLxV, ("batch", "length", "act_vocab"), ctx)
-        assert logits_BxLxV.shape == (B, L, cfg.vocab_size), logits_BxLxV.shape
-        return logits_BxLxV if cache is None else (logits_BxLxV, cache)
+            out = self.head(x_BxLxD)
+            assert out.shape == (B, L, cfg.vocab_size), out.shape
+        return out if cache is None else (out, cache)
+
+    def head_weight(self) -> tuple[jax.Array, bool]:
+        """(the output head's matrix, tied): ``lm_head`` [D, V], or the [V, D] embedding."""
+        if self.lm_head is None:
+            return self.embed[...], True
+        return self.lm_head[...], False
+
+    def head(self, x_xD: jax.Array) -> jax.Array:
+        """Final hidden states [..., D] (batch first) -> logits [..., V], compute dtype."""
+        cd = dtype_of(self.cfg.compute_dtype)
+        w, tied = self.head_weight()
+        spec = "...d,vd->...v" if tied else "...d,dv->...v"
+        logits_xV = jnp.einsum(spec, x_xD.astype(cd), w.astype(cd))
+        axes = ("batch",) + ("length",) * (x_xD.ndim - 2) + ("act_vocab",)
+        return constrain(logits_xV, axes, self.sharding)
 
     def _scan(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
               positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
               kv: KVCache | None) -> tuple[jax.Array, KVCache | None]:
         """Layers as a lax.scan over the stacked params. The KV cache rides in the carry (not
-        in xs/ys) so each layer's write is an in-place update at a traced layer index."""
+        in xs/ys) so each layer's write is an in-place update at a traced layer index; a
+        layer-stacked cache (``KVCache.init`` with ``scan_layers``) is carried as it is."""
         graphdef, layer_params_stack = nnx.split(self.layers)
 
         def body(carry, xs):
@@ -146,12 +163,13 @@ class Decoder(nnx.Module):
             body = jax.checkpoint(body, policy=_REMAT_POLICIES[self.cfg.remat],
                                   prevent_cse=False)
         layer_ids = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        # A traced layer index needs the cache stacked; this copies it once per forward.
-        stacked = None if kv is None else kv.stacked()
+        # A traced layer index needs the cache stacked. A per-layer cache (tuple) is stacked
+        # and unstacked here, a copy of the whole cache per forward; a stacked one is not.
+        per_layer = kv is not None and not kv.is_stacked
+        stacked = kv.stacked() if per_layer else kv
         (x_BxLxD, stacked), _ = jax.lax.scan(body, (x_BxLxD, stacked),
                                              (layer_params_stack, layer_ids))
-        kv = None if stacked is None else stacked.unstacked()
-        return x_BxLxD, kv
+        return x_BxLxD, stacked.unstacked() if per_layer else stacked
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, sharding: ShardingContext | None,
@@ -181,12 +199,33 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
             positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
-            cache: KVCache | None = None) -> Any:
-    """Pure forward over params: logits, or (logits, cache) when a cache is given."""
+            cache: KVCache | None = None, *, return_hidden: bool = False) -> Any:
+    """Pure forward over params: logits, or (logits, cache) when a cache is given; with
+    ``return_hidden`` the final hidden states [B, L, D] take the logits' place."""
     model = nnx.merge(graphdef, params)
     if cache is None:
-        return model(input_ids_BxL, positions_BxL, segment_ids_BxL)
-    return model(input_ids_BxL, positions_BxL, segment_ids_BxL, cache=cache)
+        return model(input_ids_BxL, positions_BxL, segment_ids_BxL,
+                     return_hidden=return_hidden)
+    return model(input_ids_BxL, positions_BxL, segment_ids_BxL, cache=cache,
+                 return_hidden=return_hidden)
+
+
+def forward_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
+                   positions_BxL: jax.Array | None = None,
+                   segment_ids_BxL: jax.Array | None = None,
+                   ) -> tuple[jax.Array, jax.Array, bool]:
+    """(final hidden states [B, L, D] in the compute dtype, head matrix, tied): the forward
+    without its output head, for losses that compute the logits chunk by chunk. The head is
+    ``lm_head`` [D, V], or with ``tied`` the [V, D] embedding (its param dtype)."""
+    model = nnx.merge(graphdef, params)
+    hidden_BxLxD = model(input_ids_BxL, positions_BxL, segment_ids_BxL, return_hidden=True)
+    return (hidden_BxLxD, *model.head_weight())
+
+
+def apply_head(graphdef: nnx.GraphDef, params: nnx.State, hidden_xD: jax.Array) -> jax.Array:
+    """The model's output head on final hidden states [..., D]: logits [..., V] in the compute
+    dtype, the same math as ``forward``'s last step."""
+    return nnx.merge(graphdef, params).head(hidden_xD)
 
 
 def abstract_model(cfg: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,

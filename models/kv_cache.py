@@ -1,7 +1,7 @@
 """Static-shape KV cache for the sampler.
 
-One array per layer (a tuple over layers), in the canonical batched-matmul layouts for
-``q @ k^T`` and ``p @ v`` with (B, K) as batch dims:
+Per layer, in the canonical batched-matmul layouts for ``q @ k^T`` and ``p @ v`` with (B, K)
+as batch dims:
 
 * keys ``k[layer]``:   [slots B, kv_heads K, head_dim H, max_len T]  (stored transposed)
 * values ``v[layer]``: [slots B, kv_heads K, max_len T, head_dim H]
@@ -17,11 +17,22 @@ entries t <= p. A new sequence in a slot therefore needs no reset as long as it 
 position 0 upward (prompts right-padded; padding positions are overwritten by the decoded
 tokens that take them).
 
-Inside a layer scan (``scan_layers``) the cache is stacked over a leading layers axis for the
-duration of the forward (see ``stacked``); ``write`` and ``layer`` accept both forms.
+Two layouts hold those per-layer arrays (``KVCache.init`` picks by ``model.scan_layers``):
+
+* unrolled layers: a tuple with one array per layer;
+* ``scan_layers``: one array per k and v stacked over a leading layers axis
+  ``[layers, B, K, H, T]`` / ``[layers, B, K, T, H]``. The layer scan carries it as it is and
+  writes each layer's entries in place at the traced layer index; a per-layer tuple would have
+  to be stacked and unstacked around the scan, a copy of the whole cache on every forward
+  (every decode step).
+
+Every method below accepts both layouts and keeps the one it gets; ``layer(i)`` is the same
+per-layer pair in either.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +45,8 @@ from meshrl.mesh.rules import Rules, logical_to_sharding
 K_CACHE_AXES = ("cache_slots", "kv_heads", "head_dim", "cache_len")
 V_CACHE_AXES = ("cache_slots", "kv_heads", "cache_len", "head_dim")
 
-Layers = tuple[jax.Array, ...] | jax.Array  # per-layer tuple, or stacked inside a layer scan
+Layers = tuple[jax.Array, ...] | jax.Array  # per-layer tuple, or stacked over layers
+LayerFn = Callable[..., jax.Array]
 
 
 @struct.dataclass
@@ -47,7 +59,11 @@ class KVCache:
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int,
              dtype: jnp.dtype | str = jnp.float32) -> KVCache:
+        """Zeros; stacked over layers when ``cfg.scan_layers``, else one array per layer."""
         k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+        if cfg.scan_layers:
+            return cls(jnp.zeros((cfg.num_layers, *k_shape), dtype),
+                       jnp.zeros((cfg.num_layers, *v_shape), dtype))
         return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
                    tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)))
 
@@ -61,27 +77,50 @@ class KVCache:
     @classmethod
     def shardings(cls, cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh,
                   rules: Rules) -> KVCache:
-        """A KVCache of NamedShardings (for jit in/out_shardings)."""
+        """A KVCache of NamedShardings (for jit in/out_shardings), in ``init``'s layout."""
         k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+        if cfg.scan_layers:
+            L = cfg.num_layers
+            return cls(logical_to_sharding(("layers", *K_CACHE_AXES), mesh, rules, (L, *k_shape)),
+                       logical_to_sharding(("layers", *V_CACHE_AXES), mesh, rules, (L, *v_shape)))
         k_sh = logical_to_sharding(K_CACHE_AXES, mesh, rules, k_shape)
         v_sh = logical_to_sharding(V_CACHE_AXES, mesh, rules, v_shape)
         return cls((k_sh,) * cfg.num_layers, (v_sh,) * cfg.num_layers)
 
+    @classmethod
+    def slots_per_shard(cls, cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh,
+                        rules: Rules) -> int:
+        """Cache slots each device holds under ``shardings``."""
+        sh = cls.shardings(cfg, batch, max_len, mesh, rules)
+        k_shape = cls.shapes(cfg, batch, max_len)[0]
+        if sh.is_stacked:
+            return sh.k.shard_shape((cfg.num_layers, *k_shape))[1]
+        return sh.k[0].shard_shape(k_shape)[0]
+
+    @property
+    def is_stacked(self) -> bool:
+        """True for the layer-stacked layout (one array per k and v)."""
+        return not isinstance(self.k, tuple)
+
     @property
     def max_len(self) -> int:
-        return self.k[0].shape[-1]
+        return (self.k if self.is_stacked else self.k[0]).shape[-1]
+
+    @property
+    def slots(self) -> int:
+        return (self.k if self.is_stacked else self.k[0]).shape[-4]
 
     def window(self, length: int, rows: int | None = None, lo: int = 0) -> KVCache:
         """Entries [0, length) of slots [lo, lo + rows) (a copy the decode loop updates in place)."""
         hi = None if rows is None else lo + rows
-        return KVCache(tuple(k[lo:hi, ..., :length] for k in self.k),
-                       tuple(v[lo:hi, :, :length] for v in self.v))
+        return KVCache(_per_layer(lambda k: k[lo:hi, ..., :length], self.k),
+                       _per_layer(lambda v: v[lo:hi, :, :length], self.v))
 
     def put_band(self, window: KVCache, start_B: jax.Array, width: int, lo: int = 0) -> KVCache:
         """Write back entries [start_B[b], start_B[b] + width) of each window row b into slot
         lo + b, the only entries a ``width``-step decode chunk changes. Bands reaching past the
         window's end are shifted left to fit (their extra entries are unchanged copies)."""
-        B, W = window.k[0].shape[0], window.max_len
+        B, W = window.slots, window.max_len
         width = min(width, W)
         idx_BxC = jnp.clip(start_B, 0, W - width)[:, None] + jnp.arange(width)
         b_BxC = jnp.broadcast_to(lo + jnp.arange(B)[:, None], idx_BxC.shape)
@@ -95,27 +134,30 @@ class KVCache:
             band_BxKxCxH = jnp.take_along_axis(part, idx_BxC[:, None, :, None], axis=2)
             return full.at[b_BxC, :, idx_BxC].set(band_BxKxCxH.transpose(0, 2, 1, 3))
 
-        return KVCache(tuple(map(put_k, self.k, window.k)), tuple(map(put_v, self.v, window.v)))
+        return KVCache(_per_layer(put_k, self.k, window.k), _per_layer(put_v, self.v, window.v))
 
     def put_slots(self, part: KVCache, slots_N: jax.Array) -> KVCache:
         """Write ``part`` (N slots, P entries) over entries [0, P) of slots ``slots_N``;
         out-of-range slot indices are dropped (padding rows)."""
         P = part.max_len
         return KVCache(
-            tuple(f.at[slots_N, :, :, :P].set(p, mode="drop") for f, p in zip(self.k, part.k)),
-            tuple(f.at[slots_N, :, :P].set(p, mode="drop") for f, p in zip(self.v, part.v)))
+            _per_layer(lambda f, p: f.at[slots_N, :, :, :P].set(p, mode="drop"), self.k, part.k),
+            _per_layer(lambda f, p: f.at[slots_N, :, :P].set(p, mode="drop"), self.v, part.v))
 
     def move_slots(self, src_M: jax.Array, dst_M: jax.Array) -> KVCache:
         """Copy slot ``src_M[i]`` to ``dst_M[i]``; out-of-range destinations are dropped."""
-        return KVCache(tuple(k.at[dst_M].set(k[src_M], mode="drop") for k in self.k),
-                       tuple(v.at[dst_M].set(v[src_M], mode="drop") for v in self.v))
+        def move(x: jax.Array) -> jax.Array:
+            return x.at[dst_M].set(x[src_M], mode="drop")
+
+        return KVCache(_per_layer(move, self.k), _per_layer(move, self.v))
 
     def stacked(self) -> KVCache:
-        """Layers stacked on a leading axis (for a scan over layers)."""
-        return KVCache(jnp.stack(self.k), jnp.stack(self.v))
+        """Layers stacked on a leading axis (a copy unless already stacked)."""
+        return self if self.is_stacked else KVCache(jnp.stack(self.k), jnp.stack(self.v))
 
     def unstacked(self) -> KVCache:
-        return KVCache(tuple(self.k), tuple(self.v))
+        """One array per layer (a copy unless already per layer)."""
+        return KVCache(tuple(self.k), tuple(self.v)) if self.is_stacked else self
 
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         """(keys B x K x H x T, values B x K x T x H) of one layer."""
@@ -131,7 +173,7 @@ def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKx
     b_BxL = jnp.broadcast_to(jnp.arange(k_BxLxKxH.shape[0])[:, None], positions_BxL.shape)
     # Advanced indices split by slices: numpy puts their (B, L) dims first, so each update is
     # [B, L, K, H] whatever the layout.
-    if isinstance(cache.k, tuple):
+    if not cache.is_stacked:
         k_l, v_l = cache.k[layer], cache.v[layer]
         k_l = k_l.at[b_BxL, :, :, positions_BxL].set(k_BxLxKxH.astype(k_l.dtype), mode="drop")
         v_l = v_l.at[b_BxL, :, positions_BxL].set(v_BxLxKxH.astype(v_l.dtype), mode="drop")
@@ -145,3 +187,12 @@ def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKx
 
 def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:
     return layers[:i] + (x,) + layers[i + 1:]
+
+
+def _per_layer(fn: LayerFn, layers: Layers, *others: Layers) -> Layers:
+    """``fn`` of one layer's arrays, over every layer, in the layout of ``layers``: per tuple
+    entry, or vmapped over the stacked layers axis (one op on the whole stack, which XLA
+    updates in place like the per-layer ops)."""
+    if isinstance(layers, tuple):
+        return tuple(fn(*xs) for xs in zip(layers, *others))
+    return jax.vmap(fn)(layers, *others)

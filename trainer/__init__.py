@@ -17,12 +17,17 @@ from meshrl.trainer.engine import (
 )
 from meshrl.trainer.optimizer import decay_mask, make_optimizer, make_schedule
 from meshrl.trainer.state import TrainState, abstract_state, init_state, state_shardings
-from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+from meshrl.trainer.step import (
+    batch_shardings,
+    decoder_forward,
+    jit_train_step,
+    make_train_step,
+)
 
 __all__ = [
     "CheckpointMismatchError", "Checkpointer", "NonFiniteLossError", "Restored",
     "StaleBatchError", "TrainEngine", "TrainState", "Trainee", "abstract_state",
-    "batch_shardings", "check_versions", "decay_mask", "expand_prefix", "init_state",
-    "jit_train_step", "make_optimizer", "make_schedule", "make_train_step", "put_batch",
-    "state_shardings", "verify_step_dir",
+    "batch_shardings", "check_versions", "decay_mask", "decoder_forward", "expand_prefix",
+    "init_state", "jit_train_step", "make_optimizer", "make_schedule", "make_train_step",
+    "put_batch", "state_shardings", "verify_step_dir",
 ]

@@ -7,7 +7,8 @@ jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before th
 
 * scores the batch's targets under the reference at the sampler's temperature
   (``token_logprobs(forward(ref, ...), targets, T)``, 0 off the loss mask), microbatched like
-  the train step so its logits never outgrow the step's;
+  the train step and, from the jobs' ``decoder_forward``, with the logits in float32 chunks of
+  ``trainer.logits_chunk`` tokens, so its logits never outgrow the step's;
 * ``rl.kl_where == "loss"``: sets the batch's ``ref_logprobs`` (``make_rl_loss_fn``
   adds ``kl_coef * KL(current || ref)`` per token and reports it as ``kl_ref``);
 * ``rl.kl_where == "reward"``: replaces ``advantages`` by ``kl_reward_advantages`` (rewards
@@ -60,8 +61,8 @@ def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch
                        temperature: float, microbatches: int = 1) -> jax.Array:
     """``[B, L]`` log p_ref(target) under softmax(logits / temperature); 0 off the loss mask."""
     def one(mb: TrainBatch) -> jax.Array:
-        logits_BxLxV = forward_fn(ref_params, mb.input_ids, mb.positions, mb.segment_ids)
-        logp_BxL = token_logprobs(logits_BxLxV, mb.targets, temperature)
+        out = forward_fn(ref_params, mb.input_ids, mb.positions, mb.segment_ids)
+        logp_BxL = token_logprobs(out, mb.targets, temperature)
         return jnp.where(mb.loss_mask > 0, logp_BxL, 0.0)
 
     # Only the fields the forward pass reads are split into microbatches.

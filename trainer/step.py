@@ -5,6 +5,10 @@ over microbatches with ``lax.scan`` (token-weighted, so it equals one big batch)
 clipping and the optax update, and a non-finite guard that keeps the old params and optimizer
 state on the device (no host sync). ``jit_train_step`` compiles it once with explicit shardings and
 donates the state.
+
+The forward hands the loss either logits or (``decoder_forward``, what the jobs use) a
+``Hidden``: the final hidden states and the head, whose float32 logits the loss computes
+``trainer.logits_chunk`` tokens at a time, so no [B, L, V] float32 array is ever held.
 """
 
 from __future__ import annotations
@@ -18,17 +22,34 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms.batch import TrainBatch, abstract_batch, batch_of
+from meshrl.algorithms.logits import Hidden, ModelOutput
 from meshrl.algorithms.losses import LossFn
 from meshrl.mesh import Rules, logical_to_sharding
+from meshrl.models.decoder import forward_hidden
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 
 Batch = TrainBatch  # or a subclass (``RLTrainBatch``): device arrays, ``[B, L]`` each
 Metrics = dict[str, jax.Array]
-# forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV
-ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], jax.Array]
+# forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV or Hidden
+ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], ModelOutput]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 BATCH_AXES = ("batch", "length")
+
+
+def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
+    """The trainer's forward of a meshrl ``Decoder`` (``graphdef``): a ``Hidden`` whose logits
+    the losses compute in float32, ``logits_chunk`` tokens at a time (0: all at once)."""
+    if logits_chunk < 0:
+        raise ValueError(f"logits_chunk = {logits_chunk}: must be >= 0")
+
+    def forward(params: Any, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None,
+                segment_ids_BxL: jax.Array | None) -> Hidden:
+        hidden_BxLxD, head, tied = forward_hidden(graphdef, params, input_ids_BxL,
+                                                  positions_BxL, segment_ids_BxL)
+        return Hidden(hidden_BxLxD, head, tied=tied, chunk=logits_chunk)
+
+    return forward
 
 
 def _split_microbatches(x_BxL: jax.Array, m: int) -> jax.Array:
@@ -47,8 +68,8 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
     """The pure step. Loss and aux metrics are token-weighted over the whole batch."""
 
     def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
-        logits_BxLxV = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
-        loss_sum, weight, aux = loss_fn(logits_BxLxV, mb)
+        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
+        loss_sum, weight, aux = loss_fn(out, mb)
         return loss_sum, (weight, aux)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

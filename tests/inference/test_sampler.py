@@ -49,6 +49,7 @@ def test_continuous_batching_more_requests_than_slots_matches_solo_generation(ti
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~30 s; the doubling-row-bucket test checks packed tokens in the default run
 def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params):
     _, params = tiny_params
     prompts = _prompts(7, seed=4)

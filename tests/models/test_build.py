@@ -28,7 +28,8 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.utils.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-RUNTIME = {"model.compute_dtype": "bfloat16", "model.remat": "full", "model.scan_layers": True}
+RUNTIME = {"model.compute_dtype": "bfloat16", "model.remat": "full", "model.scan_layers": True,
+           "model.attention": "einsum"}  # not the default (blockwise)
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +48,14 @@ def llama_dir(tmp_path_factory) -> tuple[pathlib.Path, object]:
 
 def _assert_runtime(cfg: ModelConfig) -> None:
     assert (cfg.compute_dtype, cfg.remat, cfg.scan_layers) == ("bfloat16", "full", True)
+    assert cfg.attention == "einsum"
     assert (cfg.param_dtype, cfg.vocab_size) == ("float32", 256)  # arch from config.json
 
 
 def test_build_model_loads_hf_path_weights_with_runtime_fields_of_model(llama_dir):
     path, torch_model = llama_dir
     cfg = ModelConfig(hf_path=str(path), compute_dtype="bfloat16", remat="full",
-                      scan_layers=True, num_layers=5)  # num_layers: the checkpoint decides
+                      scan_layers=True, attention="einsum", num_layers=5)  # num_layers: the checkpoint decides
 
     model = build_model(cfg)
 

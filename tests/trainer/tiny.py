@@ -3,7 +3,6 @@ iterator and a real (tiny) meshrl decoder placed on a given mesh."""
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -124,12 +123,14 @@ class RandomIterator:
 
 
 def make_trainee(config: Config, mesh: jax.sharding.Mesh) -> Trainee:
-    from meshrl.models import create_model, flops_per_token, forward, param_shardings, split_model
+    """The jobs' trainee: the decoder's hidden states + head (chunked float32 logits)."""
+    from meshrl.models import create_model, flops_per_token, param_shardings, split_model
+    from meshrl.trainer.step import decoder_forward
 
     rules = rules_for("train", config.mesh.fsdp)
     model = create_model(config.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
     graphdef, params = split_model(model)
-    return Trainee(forward=functools.partial(forward, graphdef), params=params,
+    return Trainee(forward=decoder_forward(graphdef, config.trainer.logits_chunk), params=params,
                    params_shardings=param_shardings(params, mesh, rules),
                    flops_per_token=flops_per_token(config.model, config.trainer.seq_len))
 

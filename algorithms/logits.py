@@ -1,0 +1,148 @@
+"""Per-token statistics of a model's output, in float32, computed over sequence chunks.
+
+A loss receives the model output either as full logits ``[B, L, V]`` (any dtype) or as a
+``Hidden``: the final hidden states ``[B, L, D]`` (after the final norm) and the output head.
+``token_stats`` turns either into per-target-position ``[B, L]`` float32 statistics:
+
+* ``logprobs_BxL``: log p(target) under softmax(logits / temperature);
+* ``entropy_BxL``: the entropy of that distribution (on request);
+* ``correct_BxL``: 1 where the target's logit is the row maximum, ties counting as right
+  (on request; it reuses the max the log-sum-exp needs instead of a separate ``argmax``).
+
+From a ``Hidden`` the head matmul and the log-softmax run in float32 whatever the model's
+compute dtype. With ``chunk > 0`` they run ``chunk`` tokens at a time (all rows, ``chunk // B``
+positions) inside a ``lax.map`` whose body is rematerialised (``jax.checkpoint``): neither the
+forward nor the backward pass ever holds more than one chunk's float32 logits, where the
+unchunked path holds ``[B, L, V]`` (Qwen's vocabulary x 8 x 1,024 tokens: ~5 GB). The price is
+one more head matmul per token in the backward pass. Chunked and unchunked results agree to
+float32 rounding, values and gradients (see docs/memory.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class Hidden:
+    """The model output a loss scores chunk by chunk: logits = hidden @ head (float32)."""
+
+    hidden_BxLxD: jax.Array  # noqa: N815 -- final hidden states, the model's compute dtype
+    head: jax.Array  # [D, V]; with ``tied`` the [V, D] input embedding
+    tied: bool = flax.struct.field(pytree_node=False, default=False)
+    chunk: int = flax.struct.field(pytree_node=False, default=0)  # tokens per chunk; 0: all
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(B, L, V): the shape of the logits this output stands for."""
+        B, L, _ = self.hidden_BxLxD.shape
+        return B, L, self.head.shape[0 if self.tied else 1]
+
+
+ModelOutput = jax.Array | Hidden  # what a train-time forward hands to a loss
+
+
+class TokenStats(NamedTuple):
+    logprobs_BxL: jax.Array  # noqa: N815
+    entropy_BxL: jax.Array | None = None  # noqa: N815
+    correct_BxL: jax.Array | None = None  # noqa: N815
+
+
+def check_temperature(temperature: float) -> None:
+    """Raise ValueError unless ``temperature > 0``: greedy decoding (0) has no distribution."""
+    if not temperature > 0.0:
+        raise ValueError(f"temperature = {temperature}: must be > 0 (greedy decoding has no "
+                         f"distribution to score)")
+
+
+def tempered(logits_BxLxV: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """float32 ``logits / temperature``: the distribution the sampler draws from at that
+    temperature (``inference.sampling.filter_logits`` casts, then divides, in the same order)."""
+    check_temperature(temperature)
+    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
+    if temperature == 1.0:  # no division at all: T = 1 stays bitwise what it always was
+        return logits_BxLxV
+    return logits_BxLxV / temperature
+
+
+def logits_f32(head: jax.Array, hidden_xD: jax.Array, tied: bool) -> jax.Array:
+    """``hidden [..., D] @ head`` -> float32 ``[..., V]`` (operands cast to float32)."""
+    spec = "...d,vd->...v" if tied else "...d,dv->...v"
+    return jnp.einsum(spec, hidden_xD.astype(jnp.float32), head.astype(jnp.float32),
+                      preferred_element_type=jnp.float32)
+
+
+def output_shape(out: ModelOutput) -> tuple[int, ...]:
+    """(B, L, V) of logits or of a ``Hidden``."""
+    return out.shape
+
+
+def token_stats(out: ModelOutput, targets_BxL: jax.Array, temperature: float = 1.0, *,
+                entropy: bool = False, correct: bool = False) -> TokenStats:
+    """Per-position statistics of softmax(logits / temperature) (module docstring); the
+    fields not asked for are ``None``. ``temperature`` is a static Python float > 0."""
+    check_temperature(temperature)
+    B, L, _ = output_shape(out)
+    assert targets_BxL.shape == (B, L), (targets_BxL.shape, (B, L))
+    stats = functools.partial(_stats, temperature=temperature, entropy=entropy,
+                              correct=correct)
+    if not isinstance(out, Hidden):
+        return stats(out, targets_BxL)
+    c = chunk_positions(out.chunk, B, L)
+    if c >= L:
+        return stats(logits_f32(out.head, out.hidden_BxLxD, out.tied), targets_BxL)
+    return _chunked(stats, out, targets_BxL, c)
+
+
+def chunk_positions(chunk: int, rows: int, length: int) -> int:
+    """Sequence positions per chunk: ``chunk`` tokens over ``rows`` rows (at least one
+    position); ``length`` (one chunk) when ``chunk`` is 0 or covers every token."""
+    if chunk <= 0 or chunk >= rows * length:
+        return length
+    return max(1, chunk // rows)
+
+
+def _chunked(stats: functools.partial, out: Hidden, targets_BxL: jax.Array, c: int
+             ) -> TokenStats:
+    """``stats`` over chunks of ``c`` positions (the sequence padded to a multiple of c)."""
+    B, L, D = out.hidden_BxLxD.shape
+    n = -(-L // c)
+    hidden_BxLxD, pad = out.hidden_BxLxD, n * c - L
+    if pad:
+        hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
+        targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)))
+    hidden_NxBxCxD = hidden_BxLxD.reshape(B, n, c, D).swapaxes(0, 1)
+    targets_NxBxC = targets_BxL.reshape(B, n, c).swapaxes(0, 1)
+    head = out.head.astype(jnp.float32)  # cast once, not per chunk
+
+    # Remat: the backward pass saves only each chunk's inputs and recomputes its logits, so
+    # no [n, B, c, V] stack of residuals is ever built (the head is loop-invariant).
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one(head: jax.Array, hidden_BxCxD: jax.Array, targets_BxC: jax.Array) -> TokenStats:
+        return stats(logits_f32(head, hidden_BxCxD, out.tied), targets_BxC)
+
+    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxCxD, targets_NxBxC))
+    return jax.tree.map(lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(B, n * c)[:, :L],
+                        per_chunk)
+
+
+def _stats(logits_BxLxV: jax.Array, targets_BxL: jax.Array, *, temperature: float,
+           entropy: bool, correct: bool) -> TokenStats:
+    logits_BxLxV = tempered(logits_BxLxV, temperature)
+    max_BxL = jax.lax.stop_gradient(jnp.max(logits_BxLxV, axis=-1))
+    shifted_BxLxV = logits_BxLxV - max_BxL[..., None]
+    log_sum_BxL = jnp.log(jnp.sum(jnp.exp(shifted_BxLxV), axis=-1))
+    picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    logprobs_BxL = picked_BxL - (max_BxL + log_sum_BxL)
+    entropy_BxL = correct_BxL = None
+    if entropy:
+        logp_BxLxV = shifted_BxLxV - log_sum_BxL[..., None]
+        entropy_BxL = -(jnp.exp(logp_BxLxV) * logp_BxLxV).sum(-1)
+    if correct:
+        correct_BxL = jax.lax.stop_gradient((picked_BxL >= max_BxL).astype(jnp.float32))
+    return TokenStats(logprobs_BxL, entropy_BxL, correct_BxL)

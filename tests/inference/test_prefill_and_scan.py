@@ -1,0 +1,98 @@
+"""Prefill scores only each prompt's last position; a scan_layers sampler (layer-stacked KV
+cache) generates what the unrolled one does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from jax.extend.core import ClosedJaxpr, Jaxpr
+
+from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
+from meshrl.inference import programs
+from meshrl.inference.engine import Request, Sampler
+from meshrl.inference.requests import slot_settings
+from meshrl.mesh import create_mesh
+from meshrl.models import create_model, split_model
+from meshrl.tests.inference.tiny import TINY
+from meshrl.tests.models.layer_stacking import unrolled_and_scanned
+
+WIDE = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, max_position_embeddings=256)
+N, P = 4, 64  # prefill rows, prompt bucket
+
+
+def _sampler(cfg: ModelConfig, params, **kw) -> Sampler:
+    sampler_cfg = SamplerConfig(**{**dict(max_len=96, slots=4, max_new_tokens=8,
+                                          temperature=0.0, decode_chunk=4,
+                                          prompt_buckets=(16, P)), **kw})
+    mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
+    return Sampler(cfg, sampler_cfg, mesh, params)
+
+
+def _prefill_args(sampler: Sampler, bucket: int) -> tuple:
+    tokens_NxP = np.ones((N, bucket), np.int32)
+    lens_N = np.array([bucket, 3, 1, bucket // 2], np.int32)
+    return (sampler.params, sampler.cache, sampler.state, tokens_NxP, lens_N,
+            np.arange(N, dtype=np.int32), slot_settings([], N, sampler.cfg))
+
+
+def _shapes(jaxpr: Jaxpr) -> set[tuple[int, ...]]:
+    """Every intermediate's shape, nested jaxprs (scan, cond, pjit) included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                if isinstance(sub, ClosedJaxpr):
+                    out |= _shapes(sub.jaxpr)
+                elif isinstance(sub, Jaxpr):
+                    out |= _shapes(sub)
+    return out
+
+
+def test_prefill_computes_logits_at_the_last_prompt_position_only():
+    _, params = split_model(create_model(WIDE, seed=0))
+    sampler = _sampler(WIDE, params)
+    prefill = programs.make_prefill(sampler.graphdef, sampler.model_cfg, sampler.cfg.max_len)
+    V = WIDE.vocab_size
+
+    jaxpr = jax.make_jaxpr(prefill, static_argnums=(7,))(*_prefill_args(sampler, P), True)
+    shapes = _shapes(jaxpr.jaxpr)
+    temp_B = {bucket: sampler._prefill.lower(*_prefill_args(sampler, bucket), resample=True)
+              .compile().memory_analysis().temp_size_in_bytes for bucket in (16, P)}
+
+    assert (N, V) in shapes
+    assert not any(len(s) >= 2 and s[-1] == V and P in s for s in shapes), sorted(shapes)
+    # [N, P, V] float32 logits would be 4 MiB at P = 64; the P = 16 -> 64 growth is the
+    # prompt's activations and keys/values, not P x V.
+    assert temp_B[P] < N * P * V * 4 // 4, temp_B
+    assert temp_B[P] - temp_B[16] < N * (P - 16) * V * 4 // 8, temp_B
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(3, 96, size=int(rng.integers(3, 17))).tolist() for _ in range(n)]
+
+
+@pytest.mark.slow  # ~20 s; tests/models/test_kv_cache_stacked.py checks scanned prefill/decode in the default run
+def test_scan_layers_sampler_generates_the_unrolled_samplers_tokens():
+    (_, params), (_, s_params) = unrolled_and_scanned(TINY, seed=1)
+    # More requests than slots and row packing: prefill, windowed decode, band write-back
+    # and slot swaps all run on the stacked cache (one window and one prompt bucket: few
+    # compiles).
+    kw = dict(max_len=32, slots=8, decode_row_buckets=(2,), decode_split_windows=False,
+              prompt_buckets=(16,))
+    unrolled, scanned = _sampler(TINY, params, **kw), _sampler(
+        dataclasses.replace(TINY, scan_layers=True), s_params, **kw)
+    budgets = [2, 14, 3, 12, 4, 5, 6, 9, 11]
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(_prompts(9, seed=4), budgets)]
+
+    want, got = unrolled.generate(requests), scanned.generate(requests)
+
+    assert scanned.cache.is_stacked and not unrolled.cache.is_stacked
+    for w, g, b in zip(want, got, budgets):
+        assert g.tokens == w.tokens and len(g.tokens) == b
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=1e-4, atol=1e-5)
