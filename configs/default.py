@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.rl.warm_start_steps = 500  # SFT steps before RL
     cfg.trainer.batch_size = 32  # SFT warm-start sequences per step
     cfg.trainer.seq_len = 32  # prompt + completion fit in 32 tokens
-    cfg.trainer.log_every = 1
+    cfg.trainer.log_every = 10  # metric rows and console step lines: 30 over the RL run
     cfg.trainer.eval_every = 100  # held-out greedy accuracy and pass@k with the sampler
     cfg.optimizer.warmup_steps = 10
     cfg.optimizer.schedule = "constant"  # warm start and RL alike
@@ -60,6 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.checkpoint.publish_every = 50  # Orbax weight versions under <workdir>/weights
     if arg == "smoke":
         cfg.trainer.steps = 4  # the whole pipeline, end to end, in well under a minute
+        cfg.trainer.log_every = 1
         cfg.rl.warm_start_steps = 4
         cfg.trainer.eval_every = 2
         cfg.checkpoint.every_steps = 2

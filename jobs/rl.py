@@ -28,6 +28,7 @@ from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
+from meshrl.jobs.report import rl_step_line, rl_summary_table
 from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.jobs.rl_setup import (
     rl_batch_size,
@@ -41,7 +42,6 @@ from meshrl.mesh.placement import create_meshes
 from meshrl.models import (
     build_model,
     flops_per_token,
-    forward,
     param_shardings,
     resolve_model_config,
     split_model,
@@ -50,7 +50,9 @@ from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.engine import Trainee, check_versions, put_batch
 from meshrl.trainer.reference import ReferencePolicy
+from meshrl.trainer.step import decoder_forward
 from meshrl.utils import log as log_lib
+from meshrl.utils.aio import run_sync
 from meshrl.workflows import RolloutBatch, make_rollout_batch, make_runner
 
 __all__ = ["RLTrainer", "host_stats", "rl_batch_size", "run", "warm_start_config",
@@ -100,7 +102,7 @@ class RLTrainer:
         self.mesh, self.sampler_mesh = create_meshes(config)
         rules = rules_for("train", config.mesh.fsdp)
         graphdef, params, self.model_cfg, self.tokenizer = _load_model(config, self.mesh)
-        self.forward = functools.partial(forward, graphdef)
+        self.forward = decoder_forward(graphdef, t.logits_chunk)
         shardings = param_shardings(params, self.mesh, rules)
         self.B, self.L = rl_batch_size(config), t.seq_len
 
@@ -205,7 +207,8 @@ class RLTrainer:
                              version=self.start_step)
         if "runner" in self.counters:
             runner.load_state_dict(self.counters["runner"])
-        train.open_progress()
+        train.open_progress(on_log=lambda step, record: log.info(
+            rl_step_line(step, t.steps, record, train.progress.eta(step))))
         every, publish_every = c.checkpoint.every_steps, c.checkpoint.publish_every
         generated = samples = 0.0
         t_rl = None
@@ -301,14 +304,11 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     trainer = RLTrainer(config, workdir)
     try:
-        summary = asyncio.run(trainer.arun())
+        summary = run_sync(trainer.arun())  # asyncio.run, in a notebook cell too
     finally:
         trainer.close()
     summary["wall_s"] = time.perf_counter() - t0
     if jax.process_index() == 0:
         (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
-    log.info("RL summary: accuracy %.3f -> %.3f in %d steps, %.0f generated tokens/s, "
-             "max staleness seen %d, %.0f s", summary["accuracy_before"] or 0.0,
-             summary["accuracy_after"] or 0.0, summary["steps"], summary["tokens_per_s"],
-             summary["max_staleness_seen"], summary["wall_s"])
+        log.info("%s", rl_summary_table(summary, workdir))
     return summary

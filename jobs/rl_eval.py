@@ -5,12 +5,14 @@ greedy accuracy (temperature 0, one completion per prompt) and, when ``n > 1``, 
 pass@k from ``n`` sampled completions per prompt (the unbiased estimator of Chen et al. 2021).
 A completion is correct when the verifier, the first reward of ``reward.names``, scores it
 > 0.5. Every generated token must come from the version being evaluated: a mismatch is an error,
-never a silently mixed number.
+never a silently mixed number. ``sample_versions`` shows a finished run's published weight
+versions side by side: greedy completions of a few held-out prompts per version, with rewards.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import pathlib
@@ -19,7 +21,15 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config
+from meshrl.datasets import eval_examples
 from meshrl.inference.engine import Completion, Request
+from meshrl.inference.weights import published_versions, weights_dir
+from meshrl.jobs.sample import build_sampler, resolve_source
+from meshrl.mesh import create_mesh
+from meshrl.models.tokenizer import tokenizer_for
+from meshrl.rewards import RewardPool
 from meshrl.utils.log import get_logger
 from meshrl.workflows.episode import reward_fields
 
@@ -93,6 +103,54 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
     return out
 
 
+def sample_versions(config: Config, workdir: str | pathlib.Path,
+                    versions: Sequence[int] | None = None, num_prompts: int = 4) -> list[dict]:
+    """Greedy completions of the first ``num_prompts`` held-out prompts (``data.eval_*``, as the
+    RL job's evaluation reads them) under each published weight version of the run in
+    ``workdir`` (``versions``; None: all of them), scored by ``reward.*``: one record per version
+    and prompt, versions ascending, with ``version``, ``prompt``, ``completion``, ``tokens``,
+    ``reward`` and ``finish_reason``. Weights, model and tokenizer are loaded as the sample job
+    loads ``sample.source = 'version'``; no held-out prompts gives no records. A version not
+    published is a ``ConfigError`` listing the published ones."""
+    published = published_versions(workdir)
+    wanted = published if versions is None else sorted(set(versions))
+    unknown = sorted(set(wanted) - set(published))
+    if unknown:
+        raise ConfigError(f"versions = {unknown}: not published under "
+                          f"{weights_dir(workdir, 0).parent} (published: {published}): pick "
+                          f"some of them, or None for all")
+    # sample.version = -1 when nothing is published: resolve_source then names the problem.
+    cfg = dataclasses.replace(config, sample=dataclasses.replace(
+        config.sample, source="version", version=wanted[0] if wanted else -1))
+    src = resolve_source(cfg, workdir)
+    tokenizer = tokenizer_for(src.model, src.arch.vocab_size)
+    examples = eval_examples(config.data, tokenizer)[:num_prompts]
+    if not examples:
+        return []
+    sampler = build_sampler(cfg, workdir, src, create_mesh(config.mesh))
+    requests = [Request(list(ex["prompt_ids"]), temperature=0.0, stop_ids=(tokenizer.eos_id,),
+                        seed=config.trainer.seed * 1_000_003 + i, id=("versions", i))
+                for i, ex in enumerate(examples)]
+    fields: dict[str, list[Any]] = {}
+    for ex in examples:
+        for k, v in reward_fields(ex).items():
+            fields.setdefault(k, []).extend(v)
+    records = []
+    with RewardPool.from_config(config.reward) as pool:
+        for version in wanted:
+            if version != sampler.version:
+                sampler.load_weights(version)
+            outs = sampler.generate(requests)
+            _check_versions(outs, version)
+            completions = [tokenizer.decode(o.tokens) for o in outs]
+            rewards = pool.score([ex["prompt"] for ex in examples], completions, **fields)
+            records += [{"version": version, "prompt": ex["prompt"], "completion": text,
+                         "tokens": list(o.tokens), "reward": float(r),
+                         "finish_reason": o.finish_reason}
+                        for ex, o, text, r in zip(examples, outs, completions, rewards)]
+    return records
+
+
 def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
     """``metrics.jsonl`` merged per step; a step re-run after a resume keeps its newest values."""
     by_step: dict[int, dict[str, float]] = {}
@@ -109,12 +167,12 @@ def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
 
 def plot_curves(metrics: dict[int, dict[str, float]], path: pathlib.Path) -> None:
     """PNG of the batch reward and the held-out greedy accuracy over RL steps."""
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    # A bare Figure, not pyplot: no backend switch or figure registry in the calling process
+    # (a notebook that runs the job keeps its inline plots).
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     for key, label, style in (("rollout/reward_mean", "batch reward (mean)", "-"),
                               ("eval/greedy_accuracy", "held-out greedy accuracy", "o-"),
                               ("eval/pass_at_1", "held-out pass@1", "s--")):
@@ -128,4 +186,3 @@ def plot_curves(metrics: dict[int, dict[str, float]], path: pathlib.Path) -> Non
     ax.set_title("meshrl: asynchronous GRPO")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)

@@ -177,6 +177,7 @@ class TrainEngine:
         self.state: TrainState | None = None
         self.data: DataIterator | None = None
         self.progress: Progress | None = None
+        self.on_log: Callable[[int, dict[str, float]], None] | None = None
         self.history: list[dict[str, float]] = []
         self._pending: _Pending | None = None
         self._last_done: float | None = None
@@ -200,10 +201,15 @@ class TrainEngine:
             _log.info("resuming at step %d", self.start_step)
         self.trainee.params = None  # the state owns the params now (they get donated)
 
-    def open_progress(self) -> None:
+    def open_progress(self, on_log: Callable[[int, dict[str, float]], None] | None = None
+                      ) -> None:
+        """The progress bar; with ``on_log``, ``on_log(step, record)`` runs at every metric
+        write (every ``trainer.log_every`` steps) on process 0 and replaces the bar's own
+        every-10% log lines (the job writes its own step line)."""
+        self.on_log = on_log if jax.process_index() == 0 else None
         self.progress = Progress(self.config.trainer.steps, self.start_step,
                                  enabled=self.config.logging.progress_bar and
-                                 jax.process_index() == 0)
+                                 jax.process_index() == 0, log_lines=on_log is None)
 
     # -- the step, its metrics one step late -------------------------------------------------
 
@@ -241,6 +247,8 @@ class TrainEngine:
         self.history.append({"step": p.step, **record})
         if p.step % self.config.trainer.log_every == 0 or p.step == self.config.trainer.steps:
             self.metrics.write(p.step, record)
+            if self.on_log is not None:
+                self.on_log(p.step, record)
         if self.progress is not None:
             self.progress.update(p.step, values["loss"], record[self.rate_key])
 

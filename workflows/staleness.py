@@ -85,7 +85,7 @@ class StalenessController:
             self.accepted -= 1
             self.dropped_stale += 1
             self.dropped_stale_samples += len(group)
-            log.info("dropped stale group: oldest token version %d < %d - max_staleness %d",
+            log.debug("dropped stale group: oldest token version %d < %d - max_staleness %d",
                      oldest, self.version, self.max_staleness)
             return False
         self.consumed += 1

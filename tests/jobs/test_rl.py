@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 
 from meshrl.inference.engine import Completion, Request
-from meshrl.jobs.rl_eval import EvalVersionError, aevaluate, pass_at_k, read_metrics
+from meshrl.jobs.rl_eval import (
+    EvalVersionError,
+    aevaluate,
+    pass_at_k,
+    plot_curves,
+    read_metrics,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
@@ -83,6 +89,12 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
         assert 0.0 < m["perf/process_cpu_s"] <= m["perf/step_time_s"] * os.cpu_count() + 0.05, m
     assert "eval/greedy_accuracy" in metrics[0] and "eval/greedy_accuracy" in metrics[4]
     assert wall < 120, wall
+    # A quiet console: one line per logged step, a closing table, no third-party INFO records.
+    console = (workdir.parent / f"{workdir.name}.log").read_text().splitlines()
+    assert len(console) <= 40, "\n".join(console)
+    assert sum(" version " in line and " reward " in line for line in console) == 4
+    assert any(line.endswith("RL summary") for line in console)
+    assert not [line for line in console if "orbax" in line.lower() or line.startswith("I1")]
 
 
 @pytest.mark.slow  # three smoke runs, ~90 s on 2 CPU cores
@@ -163,6 +175,23 @@ def test_evaluation_with_tokens_of_another_version_raises():
     with pytest.raises(EvalVersionError, match="versions"):
         asyncio.run(aevaluate(_FakeEngine(3, drift_after=1), _ExactPool(), _examples(),
                               version=3, decode=_decode, eos_id=2, max_new_tokens=4))
+
+
+def test_plot_curves_writes_the_png_and_leaves_the_callers_matplotlib_backend(tmp_path):
+    import matplotlib
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # stands in for a notebook's inline backend
+    try:
+        plot_curves({1: {"rollout/reward_mean": 0.2}, 2: {"rollout/reward_mean": 0.4,
+                                                          "eval/greedy_accuracy": 0.5}},
+                    tmp_path / "curves.png")
+        backend = matplotlib.get_backend()
+    finally:
+        matplotlib.use(before)
+
+    assert backend == "svg"
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def _rl_config(**overrides):

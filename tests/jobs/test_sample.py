@@ -17,11 +17,12 @@ from meshrl.configs import sample as sample_config
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.loader import from_config_dict
 from meshrl.configs.schema import MeshConfig
-from meshrl.datasets import make_prompt_iterator
+from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
 from meshrl.inference.engine import Request, Sampler
 from meshrl.inference.weights import flat_params, publish_weights
 from meshrl.jobs import sample as job
+from meshrl.jobs.rl_eval import sample_versions
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
 from meshrl.models.hf import save_hf_checkpoint
@@ -286,3 +287,33 @@ def test_sample_job_refuses_model_vocab_smaller_than_tokenizer(tmp_path):
 
     with pytest.raises(ConfigError, match="model.vocab_size = 96"):
         job.run(from_config_dict(cfg), str(tmp_path))
+
+
+def test_sample_versions_gives_each_published_versions_greedy_held_out_completions(
+        run_dir, direct_sampler):
+    workdir, _, params = run_dir
+    config = from_config_dict(_config())  # held-out arithmetic prompts; the run's saved model
+    tokenizer = tokenizer_for(config.model, 256)
+    examples = eval_examples(config.data, tokenizer)[:2]
+
+    records = sample_versions(config, workdir, num_prompts=2)
+
+    assert [r["version"] for r in records] == [2, 2, 7, 7]
+    requests = [Request(ex["prompt_ids"], temperature=0.0, stop_ids=(tokenizer.eos_id,))
+                for ex in examples]
+    for version, key in zip(RUN_VERSIONS, ("checkpoint", "version")):
+        rows = [r for r in records if r["version"] == version]
+        direct_sampler.update_weights(params[key], version)
+        assert [r["tokens"] for r in rows] == [c.tokens for c in
+                                               direct_sampler.generate(requests)]
+        assert [r["prompt"] for r in rows] == [ex["prompt"] for ex in examples]
+        assert all(r["completion"] == tokenizer.decode(r["tokens"]) for r in rows)
+        assert all(0.0 <= r["reward"] <= 1.0 for r in rows)
+
+
+def test_sample_versions_of_an_unpublished_version_is_an_error_listing_the_published(run_dir):
+    workdir, _, _ = run_dir
+
+    with pytest.raises(ConfigError, match=r"versions = \[3\]: not published under .*"
+                                          r"\(published: \[2, 7\]\)"):
+        sample_versions(from_config_dict(_config()), workdir, versions=[3, 7])

@@ -66,3 +66,25 @@ def test_disabled_or_finished_run_writes_nothing(monkeypatch):
         progress.close()
 
         assert progress._stream.getvalue() == "" and records.lines == []
+
+
+def test_on_a_terminal_log_records_print_through_tqdm_and_the_handler_comes_back(monkeypatch):
+    import logging
+    import sys
+
+    from meshrl.utils import log
+
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    log.setup("INFO")  # the meshrl handler writes to (this) stderr
+    root = logging.getLogger("meshrl")
+    before = list(root.handlers)
+    progress = Progress(4, 0, stream=terminal)
+
+    redirected = list(root.handlers)
+    log.get_logger("test").info("eval at version 2")
+    progress.update(4, 0.5, 10.0)
+    progress.close()
+
+    assert redirected != before and root.handlers == before
+    assert "eval at version 2" in terminal.getvalue() and "4/4" in terminal.getvalue()

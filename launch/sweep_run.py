@@ -1,0 +1,164 @@
+"""Running a sweep's trials: local subprocesses, or an XManager experiment.
+
+Both launchers start the same command line per trial (``sweep.trial_command``) and leave the
+verdict to the trial's workdir: a trial is finished when its ``summary.json`` exists, so a
+rerun of the sweep starts only the others (``main.py`` resumes them from their checkpoints).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import pathlib
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from meshrl.launch.sweep import (
+    Sweep,
+    SweepError,
+    Trial,
+    is_finished,
+    trial_command,
+)
+from meshrl.utils.log import get_logger
+
+log = get_logger("launch.sweep")
+LOG = "sweep.log"
+XMANAGER_MISSING = ("--launcher xmanager needs the xmanager package, which is not installed: "
+                    "pip install xmanager (it is no meshrl dependency: it pins protobuf < 7); "
+                    "or use --launcher local")
+
+
+def log_tail(path: pathlib.Path, lines: int = 8) -> list[str]:
+    """The last non-empty ``lines`` of ``path`` (none when it does not exist)."""
+    if not path.is_file():
+        return []
+    with open(path, errors="replace") as f:
+        tail = collections.deque((ln.rstrip() for ln in f if ln.strip()), maxlen=lines)
+    return list(tail)
+
+
+def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,
+                runner: Callable[[Sweep, Sequence[Trial], pathlib.Path, int], None]) -> None:
+    """Run, with ``runner``, the trials of ``spec`` that have no summary.json yet."""
+    todo = [t for t in spec.trials if not is_finished(workdir, t)]
+    log.info("sweep %s: %d trials, %d finished, %d to run (up to %d at once) under %s",
+             spec.path, len(spec.trials), len(spec.trials) - len(todo), len(todo), parallel,
+             workdir)
+    if todo:
+        workdir.mkdir(parents=True, exist_ok=True)
+        runner(spec, todo, workdir, parallel)
+
+
+def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> int:
+    tdir = workdir / trial.name
+    tdir.mkdir(parents=True, exist_ok=True)
+    cmd = trial_command(spec, trial, workdir)
+    t0 = time.perf_counter()
+    log.info("trial %s: started", trial.name)
+    with open(tdir / LOG, "a") as f:  # appended: a resumed trial keeps its earlier attempts
+        f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {shlex.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL).returncode
+    wall = time.perf_counter() - t0
+    if rc == 0 and is_finished(workdir, trial):
+        log.info("trial %s: finished in %.0f s", trial.name, wall)
+    else:
+        tail = "\n  ".join(log_tail(tdir / LOG, 5))
+        log.error("trial %s: failed (exit code %d) after %.0f s; the end of %s:\n  %s",
+                  trial.name, rc, wall, tdir / LOG, tail)
+    return rc
+
+
+def run_local(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
+              parallel: int) -> None:
+    """Each trial as a subprocess, at most ``parallel`` at once; a failure stops no other."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
+        for future in [pool.submit(_run_one, spec, t, workdir) for t in trials]:
+            future.result()
+
+
+# --- XManager ------------------------------------------------------------------------------
+
+
+def xmanager_jobs(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
+                  executable: Any = None) -> list[Any]:
+    """One ``xm.Job`` per trial on the local executor: this interpreter running ``main.py``
+    with the trial's arguments, named after the trial. ``executable`` is the interpreter as
+    ``experiment.package([python_packageable()])`` returns it; None builds the
+    ``LocalBinary`` that packaging gives for the local executor, which needs no experiment
+    (to inspect the jobs without launching them)."""
+    from xmanager import xm, xm_local
+
+    if executable is None:
+        from xmanager.xm_local.executables import LocalBinary
+
+        executable = LocalBinary(name="python", command=sys.executable)
+    return [xm.Job(executable=executable, executor=xm_local.Local(), name=t.name,
+                   args=trial_command(spec, t, workdir)[1:]) for t in trials]
+
+
+def python_packageable() -> Any:
+    """This interpreter as an XManager binary for the local executor."""
+    from xmanager import xm, xm_local
+
+    return xm.binary(executor_spec=xm_local.Local.Spec(), path=sys.executable)
+
+
+async def _run_experiment(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
+                          parallel: int) -> None:
+    from xmanager import xm, xm_local
+
+    title = f"meshrl sweep {spec.path.name} -> {workdir}"
+    failed: list[str] = []
+    done = False
+    try:
+        async with xm_local.create_experiment(experiment_title=title) as experiment:
+            [executable] = experiment.package([python_packageable()])
+            jobs = xmanager_jobs(spec, trials, workdir, executable)
+            slots = asyncio.Semaphore(parallel)
+
+            async def one(job: Any) -> None:
+                async with slots:
+                    unit = await experiment.add(job)
+                    log.info("trial %s: started as XManager work unit %d", job.name,
+                             unit.work_unit_id)
+                    try:
+                        await unit.wait_until_complete()
+                        log.info("trial %s: exited with code 0", job.name)
+                    except xm.ExperimentUnitError as e:
+                        failed.append(job.name)
+                        log.error("trial %s: failed: %s", job.name, e)
+
+            await asyncio.gather(*(one(j) for j in jobs))
+            done = True
+    except RuntimeError:
+        # Leaving the experiment re-raises the exit code of a failed job, already reported
+        # above; the trials' summary.json files give the verdict.
+        if not (done and failed):
+            raise
+
+
+def require_xmanager() -> None:
+    """Raise ``SweepError`` saying what to install when xmanager cannot be imported."""
+    try:
+        import xmanager  # noqa: F401 (only probing)
+    except ImportError:
+        raise SweepError(XMANAGER_MISSING) from None
+
+
+def run_xmanager(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
+                 parallel: int) -> None:
+    """The trials as one XManager experiment, at most ``parallel`` work units at once."""
+    require_xmanager()
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():  # xmanager reads its absl flags; this CLI uses argparse
+        flags.FLAGS.mark_as_parsed()
+    asyncio.run(_run_experiment(spec, trials, workdir, parallel))

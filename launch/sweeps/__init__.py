@@ -1,0 +1,1 @@
+"""Sweep files for ``launch/sweep.py``: each sets ``CONFIG`` and defines ``sweep()``."""

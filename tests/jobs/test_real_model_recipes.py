@@ -1,0 +1,151 @@
+"""The real-model recipes rehearsed end to end on CPU, nothing downloaded: a Qwen2 checkpoint saved
+by transformers (with a BPE tokenizer and a ChatML template) goes through
+``configs/rl_gsm8k.py:tiny`` on GSM8K-format JSONL, is exported and loaded by transformers, then
+through ``configs/sft_chat.py:tiny`` on chat-format JSONL from that export, exported and loaded
+again. Every run is ``main.py`` in a subprocess; the command-line overrides are what fits a
+2-core CPU, plus ``rollout.filter_equal_groups=False`` (a random-init model earns no reward, so
+every group would be filtered and the run would wait for ever; a real checkpoint does not)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from meshrl.tests.jobs import real_model
+
+pytestmark = pytest.mark.distributed  # 8 fake CPU devices: the recipes' FSDP meshes
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+# What fits a 2-core CPU in seconds instead of an accelerator in minutes.
+CPU_FIT = ["--config.trainer.seq_len=128", "--config.data.max_prompt_len=64",
+           "--config.data.eval_examples=4", "--config.trainer.microbatches=1"]
+RL_CPU_FIT = [*CPU_FIT, "--config.sampler.max_len=128", "--config.sampler.max_new_tokens=16",
+              "--config.sampler.prompt_buckets=(64,)", "--config.sampler.slots=16",
+              "--config.sampler.decode_chunk=8", "--config.rollout.group_size=4",
+              "--config.rollout.prompts_per_step=2", "--config.reward.num_workers=1",
+              "--config.rollout.filter_equal_groups=False"]
+SFT_CPU_FIT = [*CPU_FIT, "--config.trainer.batch_size=8"]
+
+
+def _main(config: str, workdir: pathlib.Path, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
+                           str(ROOT / "configs" / config), f"--workdir={workdir}", *args],
+                          cwd=ROOT, env=dict(os.environ), capture_output=True, text=True,
+                          timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("recipes")
+    hf = root / "qwen2"
+    real_model.save_qwen2(hf)
+    return {"hf": hf, "root": root,
+            "train": real_model.write_jsonl(root / "train.jsonl", real_model.gsm8k_rows(32, 1)),
+            "test": real_model.write_jsonl(root / "test.jsonl", real_model.gsm8k_rows(8, 2)),
+            "chat": real_model.write_jsonl(root / "chat.jsonl", real_model.chat_rows(32, 3)),
+            "chat_eval": real_model.write_jsonl(root / "chat_eval.jsonl",
+                                                real_model.chat_rows(8, 4))}
+
+
+@pytest.fixture(scope="module")
+def rl_run(files) -> tuple[pathlib.Path, pathlib.Path, list[str]]:
+    """rl_gsm8k.py:tiny from the Qwen2 checkpoint, then its export."""
+    workdir, out = files["root"] / "rl", files["root"] / "rl_hf"
+    args = [f"--config.model.hf_path={files['hf']}", f"--config.data.path={files['train']}",
+            f"--config.data.eval_path={files['test']}", *RL_CPU_FIT]
+    _main("rl_gsm8k.py:tiny", workdir, *args)
+    _main("rl_gsm8k.py:tiny", workdir, *args, "--config.job=export",
+          f"--config.export.path={out}")
+    return workdir, out, args
+
+
+def test_rl_gsm8k_recipe_from_a_transformers_qwen2_trains_publishes_and_exports(rl_run, files):
+    workdir, out, _ = rl_run
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["warm_start_steps"] == 0  # no warm start from HF
+    assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
+    assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [2, 4]
+    assert (workdir / "weights" / "4").is_dir()
+    exported, source = _tensors(out), _tensors(files["hf"])
+    assert sorted(exported) == sorted(source)  # tied embeddings stay tied: no lm_head.weight
+    assert all(np.isfinite(t).all() for t in exported.values())
+    # The run's tokenizer and chat template travel with the weights.
+    assert (out / "tokenizer.json").read_bytes() == (files["hf"] / "tokenizer.json").read_bytes()
+
+
+def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(rl_run, files):
+    import torch
+
+    from meshrl.configs.loader import base_config, from_config_dict
+    from meshrl.configs.schema import SamplerConfig
+    from meshrl.inference.engine import Sampler
+    from meshrl.mesh import create_mesh, rules_for
+    from meshrl.models import build_model, forward
+    from meshrl.models.tokenizer import tokenizer_for
+
+    workdir, out, _ = rl_run
+    cfg = base_config("sft")
+    cfg.model.hf_path = str(files["hf"])
+    config = from_config_dict(cfg)  # float32 compute: compared with transformers in float32
+    mesh = create_mesh(config.mesh)
+    built = build_model(config.model, mesh=mesh, rules=rules_for("train", False))
+    sampler = Sampler(built.cfg, SamplerConfig(max_len=64, slots=2, prompt_buckets=(32,)), mesh,
+                      workdir=str(workdir))
+    sampler.load_weights(4)  # the version the run published last
+    ours = tokenizer_for(config.model, real_model.QWEN2_TINY["vocab_size"])
+    messages = [{"role": "user", "content": real_model.gsm8k_rows(1, 5)[0]["question"]}]
+    ids = ours.encode(ours.apply_chat_template(messages, add_generation_prompt=True))
+
+    model, hf_tok = real_model.load_in_transformers(out)
+    hf_ids = real_model.hf_chat_ids(hf_tok, messages, add_generation_prompt=True)
+
+    assert hf_ids == ids
+    ids_BxL = np.asarray([ids], np.int32)
+    want = np.asarray(forward(sampler.graphdef, sampler.params, ids_BxL))
+    with torch.no_grad():
+        got = model(input_ids=torch.tensor(ids_BxL.astype(np.int64))).logits.float().numpy()
+    # float32 both sides; the remaining difference is op order (XLA vs torch matmuls).
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(rl_run, files):
+    import torch
+
+    _, rl_hf, _ = rl_run
+    workdir, out = files["root"] / "sft", files["root"] / "sft_hf"
+    args = [f"--config.model.hf_path={rl_hf}", f"--config.data.path={files['chat']}",
+            f"--config.data.eval_path={files['chat_eval']}", *SFT_CPU_FIT]
+
+    _main("sft_chat.py:tiny", workdir, *args)
+    _main("sft_chat.py:tiny", workdir, *args, "--config.job=export",
+          f"--config.export.path={out}")
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4 and np.isfinite(summary["first_loss"])
+    assert np.isfinite(summary["final_loss"]) and summary["eval_sequences"] == 4
+    before, after = _tensors(rl_hf), _tensors(out)
+    assert sorted(after) == sorted(before)
+    assert any(not np.array_equal(after[k], before[k]) for k in before)  # it trained
+    model, hf_tok = real_model.load_in_transformers(out)
+    row = real_model.chat_rows(1, 4)[0]["messages"]
+    ids = real_model.hf_chat_ids(hf_tok, row)
+    with torch.no_grad():
+        loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
+    assert np.isfinite(float(loss))

@@ -1,0 +1,58 @@
+"""Running a job's coroutine to completion from synchronous code, inside a notebook too."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(coro)``. In a thread that already runs an event loop (a Jupyter or Colab
+    cell, where ``asyncio.run`` refuses to nest) the same ``asyncio.run`` runs in a helper
+    thread while the caller waits; an interrupt of the waiting caller (``KeyboardInterrupt``)
+    cancels ``coro``, waits for its clean-up, then propagates."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    started, done = threading.Event(), threading.Event()
+    state: dict[str, Any] = {}
+
+    async def main() -> T:
+        state["loop"], state["task"] = asyncio.get_running_loop(), asyncio.current_task()
+        started.set()
+        return await coro
+
+    def target() -> None:
+        try:
+            state["result"] = asyncio.run(main())
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            state["error"] = e
+        finally:
+            started.set()  # asyncio.run failed before main() ran
+            done.set()
+
+    thread = threading.Thread(target=target, name="meshrl-run-sync")
+    thread.start()
+    # Timed waits on an Event, not Thread.join: an interrupt is seen however it arrives, and a
+    # join that an interrupt cut short can return early from the next join (CPython).
+    try:
+        while not done.wait(0.25):
+            pass
+    except KeyboardInterrupt:
+        started.wait()
+        if "task" in state:
+            try:
+                state["loop"].call_soon_threadsafe(state["task"].cancel)
+            except RuntimeError:  # the loop already closed: nothing left to cancel
+                pass
+        done.wait()
+        raise
+    thread.join()
+    if "error" in state:
+        raise state["error"]
+    return state["result"]
