@@ -15,6 +15,7 @@ from flax import nnx
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import Decoder, KVCache, create_model, forward, split_model
 from meshrl.tests.models.conftest import random_ids
+from meshrl.tests.models.layer_stacking import stacked_like
 
 RTOL, ATOL = 1e-5, 1e-5  # float32, same math in a different order/shape only
 
@@ -45,18 +46,6 @@ def _perturb(params: nnx.State, key: jax.Array) -> nnx.State:
     keys = iter(jax.random.split(key, len(jax.tree.leaves(params))))
     return jax.tree.map(lambda p: p + 0.2 * jax.random.normal(next(keys), p.shape, p.dtype),
                         params)
-
-
-def _stacked_like(params: nnx.State, stacked: nnx.State) -> nnx.State:
-    flat = dict(nnx.to_flat_state(params))
-    out = jax.tree.map(lambda x: x, stacked)
-    for key, var in nnx.to_flat_state(out):
-        if key[0] == "layers":
-            n = var[...].shape[0]
-            var.set_value(jnp.stack([flat[("layers", i, *key[1:])][...] for i in range(n)]))
-        else:
-            var.set_value(flat[key][...])
-    return out
 
 
 def _unstacked_like(params: nnx.State, stacked: nnx.State) -> nnx.State:
@@ -159,7 +148,7 @@ def test_remat_and_scan_keep_logits_and_gradients(remat, scan):
     remat_cfg = dataclasses.replace(cfg, remat=remat, scan_layers=scan)
     remat_graphdef, remat_params = split_model(_model(remat_cfg))
     if scan:  # same weights, stacked over a leading layers axis
-        remat_params = _stacked_like(params, remat_params)
+        remat_params = stacked_like(params, remat_params)
 
     value, grads = _value_and_grad(params, graphdef, ids_BxL)
     r_value, r_grads = _value_and_grad(remat_params, remat_graphdef, ids_BxL)
