@@ -44,6 +44,17 @@ def _main(config: str, workdir: pathlib.Path, *args: str) -> str:
     return out
 
 
+def _train_and_export(config: str, workdir: pathlib.Path, out: pathlib.Path,
+                      hf_path: pathlib.Path, data: pathlib.Path, eval_data: pathlib.Path,
+                      cpu_fit: list[str]) -> None:
+    """The recipe's run from ``hf_path`` on ``data``, then ``job = export`` of it into ``out``
+    (the same command line plus the export fields, as a user would type it)."""
+    args = [f"--config.model.hf_path={hf_path}", f"--config.data.path={data}",
+            f"--config.data.eval_path={eval_data}", *cpu_fit]
+    _main(config, workdir, *args)
+    _main(config, workdir, *args, "--config.job=export", f"--config.export.path={out}")
+
+
 def _tensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     from safetensors.numpy import load_file
 
@@ -64,19 +75,16 @@ def files(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def rl_run(files) -> tuple[pathlib.Path, pathlib.Path, list[str]]:
+def rl_run(files) -> tuple[pathlib.Path, pathlib.Path]:
     """rl_gsm8k.py:tiny from the Qwen2 checkpoint, then its export."""
     workdir, out = files["root"] / "rl", files["root"] / "rl_hf"
-    args = [f"--config.model.hf_path={files['hf']}", f"--config.data.path={files['train']}",
-            f"--config.data.eval_path={files['test']}", *RL_CPU_FIT]
-    _main("rl_gsm8k.py:tiny", workdir, *args)
-    _main("rl_gsm8k.py:tiny", workdir, *args, "--config.job=export",
-          f"--config.export.path={out}")
-    return workdir, out, args
+    _train_and_export("rl_gsm8k.py:tiny", workdir, out, files["hf"], files["train"],
+                      files["test"], RL_CPU_FIT)
+    return workdir, out
 
 
 def test_rl_gsm8k_recipe_from_a_transformers_qwen2_trains_publishes_and_exports(rl_run, files):
-    workdir, out, _ = rl_run
+    workdir, out = rl_run
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["warm_start_steps"] == 0  # no warm start from HF
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
@@ -100,7 +108,7 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
     from meshrl.models import build_model, forward
     from meshrl.models.tokenizer import tokenizer_for
 
-    workdir, out, _ = rl_run
+    workdir, out = rl_run
     cfg = base_config("sft")
     cfg.model.hf_path = str(files["hf"])
     config = from_config_dict(cfg)  # float32 compute: compared with transformers in float32
@@ -128,14 +136,11 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
 def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(rl_run, files):
     import torch
 
-    _, rl_hf, _ = rl_run
+    _, rl_hf = rl_run
     workdir, out = files["root"] / "sft", files["root"] / "sft_hf"
-    args = [f"--config.model.hf_path={rl_hf}", f"--config.data.path={files['chat']}",
-            f"--config.data.eval_path={files['chat_eval']}", *SFT_CPU_FIT]
 
-    _main("sft_chat.py:tiny", workdir, *args)
-    _main("sft_chat.py:tiny", workdir, *args, "--config.job=export",
-          f"--config.export.path={out}")
+    _train_and_export("sft_chat.py:tiny", workdir, out, rl_hf, files["chat"],
+                      files["chat_eval"], SFT_CPU_FIT)
 
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 4 and np.isfinite(summary["first_loss"])

@@ -1,0 +1,91 @@
+"""The ``rl`` config section: the RL job's algorithm (advantages, policy loss, KL), packing,
+placement and SFT warm start. Re-exported by ``meshrl.configs.schema``; cross-section rules
+(with ``rollout``, ``sampler``, ``model``) live in ``configs/cross_section.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from meshrl.configs.fields import ConfigError, Section, at_least, field, greater_than
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig(Section):
+    _section = "rl"
+    advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = field(
+        "grpo", "Advantage estimator: grpo (group mean/std), drgrpo (group mean only), rloo "
+                "(leave-one-out baseline), reinforce_pp (REINFORCE++: whole-batch normalised).")
+    policy_loss: Literal["ppo", "decoupled_ppo", "gspo"] = field(
+        "decoupled_ppo", "Policy loss: ppo (ratio vs behaviour), decoupled_ppo (AReaL: ratio vs "
+                         "the proximal policy times a capped behaviour weight), gspo "
+                         "(sequence-level ratio).")
+    eps_low: float = field(0.2, "Lower clip: the ratio is clipped at 1 - eps_low; in [0, 1).",
+                           at_least(0.0))
+    eps_high: float = field(0.28, "Upper clip: the ratio is clipped at 1 + eps_high (DAPO "
+                                  "clip-higher when > eps_low).", at_least(0.0))
+    aggregation: Literal["token_mean", "sequence_mean"] = field(
+        "token_mean", "Loss aggregation: mean over all loss tokens, or mean of per-sequence "
+                      "token means.")
+    kl_coef: float = field(0.0, "Weight of the KL to the reference model; 0 disables.",
+                           at_least(0.0))
+    kl_estimator: Literal["k1", "k2", "k3"] = field(
+        "k3", "KL estimator (Schulman): k1 = log-ratio, k2 = half squared log-ratio, k3 = "
+              "ratio - 1 - log-ratio.")
+    kl_where: Literal["loss", "reward"] = field(
+        "loss", "Apply the KL penalty in the loss, or subtract it from the sequence reward.")
+    entropy_coef: float = field(0.0, "Weight of the entropy bonus; 0 disables.", at_least(0.0))
+    dual_clip_c: float = field(0.0, "Dual-clip bound c for negative advantages; 0 disables, "
+                                    "otherwise must be > 1.", at_least(0.0))
+    behav_weight_cap: float = field(5.0, "decoupled_ppo: cap on pi_prox / pi_behav; tokens above "
+                                         "it are masked out; 0 disables, otherwise must be >= 1.",
+                                    at_least(0.0))
+    adv_eps: float = field(1e-6, "Epsilon added to standard deviations in advantages.",
+                           at_least(0.0))
+    overlong_buffer: int = field(0, "DAPO soft overlong punishment: linear penalty over the last "
+                                    "overlong_buffer tokens before overlong_max_len; 0 disables.",
+                                 at_least(0))
+    overlong_max_len: int = field(0, "Completion length at which the overlong penalty reaches "
+                                     "-overlong_penalty; must exceed overlong_buffer when on.",
+                                  at_least(0))
+    overlong_penalty: float = field(1.0, "Largest overlong penalty (subtracted from the reward).",
+                                    at_least(0.0))
+    pack_sequences: bool = field(
+        True, "Pack each step's sequences into as few rows of trainer.seq_len as they fit "
+              "(first-fit decreasing; the row count rounded up to a quarter of the batch, one "
+              "compiled step per quarter). The loss is the same; the step then costs the tokens "
+              "it trains on, not the padded batch.")
+    placement: Literal["colocated", "split"] = field(
+        "colocated", "Where the sampler runs: colocated (on the trainer's devices) or split (on "
+                     "its own rl.sampler_devices devices, disjoint from the trainer's; one "
+                     "process).")
+    sampler_devices: int = field(0, "split: devices given to the sampler (the last n of "
+                                    "jax.devices()); mesh.* must multiply to the remaining ones. "
+                                    "Must be 0 when colocated.", at_least(0))
+    warm_start_steps: int = field(-1, "SFT warm-start steps before RL when model.hf_path is empty; "
+                                      "-1: as many as trainer.steps, 0: no warm start. Must stay "
+                                      "-1 or 0 with model.hf_path.", at_least(-1))
+    warm_start_lr: float = field(1e-3, "Peak learning rate of the SFT warm start (always AdamW); "
+                                       "RL itself runs at trainer.learning_rate.",
+                                 greater_than(0.0))
+
+    def validate(self) -> None:
+        if self.placement == "split" and self.sampler_devices < 1:
+            raise ConfigError(f"rl.sampler_devices = {self.sampler_devices}: must be >= 1 when "
+                              f"rl.placement = 'split'")
+        if self.placement == "colocated" and self.sampler_devices != 0:
+            raise ConfigError(f"rl.sampler_devices = {self.sampler_devices}: must be 0 when "
+                              f"rl.placement = 'colocated' (the sampler shares the trainer's "
+                              f"devices)")
+        if self.eps_low >= 1.0:
+            raise ConfigError(f"rl.eps_low = {self.eps_low}: must be < 1 (the ratio is clipped "
+                              f"at 1 - eps_low > 0)")
+        if 0.0 < self.dual_clip_c <= 1.0:
+            raise ConfigError(f"rl.dual_clip_c = {self.dual_clip_c}: must be 0 (off) or > 1")
+        if 0.0 < self.behav_weight_cap < 1.0:
+            raise ConfigError(f"rl.behav_weight_cap = {self.behav_weight_cap}: must be 0 (off) "
+                              f"or >= 1 (a cap below 1 masks on-policy tokens)")
+        if self.overlong_buffer and self.overlong_max_len <= self.overlong_buffer:
+            raise ConfigError(f"rl.overlong_max_len = {self.overlong_max_len}: must be > "
+                              f"rl.overlong_buffer = {self.overlong_buffer} when the overlong "
+                              f"penalty is on")
