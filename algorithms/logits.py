@@ -26,6 +26,7 @@ from typing import NamedTuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 @flax.struct.dataclass
@@ -36,6 +37,12 @@ class Hidden:
     head: jax.Array  # [D, V]; with ``tied`` the [V, D] input embedding
     tied: bool = flax.struct.field(pytree_node=False, default=False)
     chunk: int = flax.struct.field(pytree_node=False, default=0)  # tokens per chunk; 0: all
+    # Chunked path on a mesh: each chunk's logits are sharded over the vocabulary on these
+    # mesh axes, the chunk's hidden states replicated (module docstring). None: no constraint.
+    mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
+    vocab_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    # The mesh axes of the hidden states' batch dimension (kept outside the chunk loop).
+    batch_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -116,28 +123,54 @@ def _chunked(stats: functools.partial, out: Hidden, targets_BxL: jax.Array, c: i
     if pad:
         hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
         targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)))
-    hidden_NxBxCxD = hidden_BxLxD.reshape(B, n, c, D).swapaxes(0, 1)
+    constrain = _vocab_sharding(out)
+    hidden_NxBxCxD = constrain(hidden_BxLxD.reshape(B, n, c, D).swapaxes(0, 1), "stack")
     targets_NxBxC = targets_BxL.reshape(B, n, c).swapaxes(0, 1)
-    head = out.head.astype(jnp.float32)  # cast once, not per chunk
+    # Cast once, not per chunk; on a mesh, resharded once to vocabulary shards.
+    head = constrain(out.head.astype(jnp.float32), "head")
 
     # Remat: the backward pass saves only each chunk's inputs and recomputes its logits, so
     # no [n, B, c, V] stack of residuals is ever built (the head is loop-invariant).
     @functools.partial(jax.checkpoint, prevent_cse=False)
     def one(head: jax.Array, hidden_BxCxD: jax.Array, targets_BxC: jax.Array) -> TokenStats:
-        return stats(logits_f32(head, hidden_BxCxD, out.tied), targets_BxC)
+        hidden_BxCxD = constrain(hidden_BxCxD, "hidden")
+        logits_BxCxV = constrain(logits_f32(head, hidden_BxCxD, out.tied), "logits")
+        return stats(logits_BxCxV, targets_BxC, vocab_sharded=bool(out.mesh and out.vocab_axes))
 
     per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxCxD, targets_NxBxC))
     return jax.tree.map(lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(B, n * c)[:, :L],
                         per_chunk)
 
 
+def _vocab_sharding(out: Hidden):  # noqa: ANN202 -- (array, role) -> array
+    """The chunked path's sharding constraints: logits sharded over the vocabulary on
+    ``out.vocab_axes``, hidden states replicated; the identity without a mesh."""
+    if out.mesh is None or not out.vocab_axes:
+        return lambda x, role: x
+    vocab, batch = (axes[0] if len(axes) == 1 else axes or None
+                    for axes in (out.vocab_axes, out.batch_axes))
+    # "stack": the chunks' hidden states keep the batch sharding outside the loop, or the
+    # in-loop "replicated" would propagate into the whole forward.
+    specs = {"head": PartitionSpec(vocab, None) if out.tied else PartitionSpec(None, vocab),
+             "hidden": PartitionSpec(), "logits": PartitionSpec(None, None, vocab),
+             "stack": PartitionSpec(None, batch)}
+    return lambda x, role: jax.lax.with_sharding_constraint(
+        x, NamedSharding(out.mesh, specs[role]))
+
+
 def _stats(logits_BxLxV: jax.Array, targets_BxL: jax.Array, *, temperature: float,
-           entropy: bool, correct: bool) -> TokenStats:
+           entropy: bool, correct: bool, vocab_sharded: bool = False) -> TokenStats:
     logits_BxLxV = tempered(logits_BxLxV, temperature)
     max_BxL = jax.lax.stop_gradient(jnp.max(logits_BxLxV, axis=-1))
     shifted_BxLxV = logits_BxLxV - max_BxL[..., None]
     log_sum_BxL = jnp.log(jnp.sum(jnp.exp(shifted_BxLxV), axis=-1))
-    picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    if vocab_sharded:
+        # A masked sum (exact: one nonzero term) instead of a gather: over vocabulary shards it
+        # is a local reduction plus a small all-reduce, where a gather would collect the logits.
+        vocab_V = jax.lax.broadcasted_iota(jnp.int32, (logits_BxLxV.shape[-1],), 0)
+        picked_BxL = jnp.where(vocab_V == targets_BxL[..., None], logits_BxLxV, 0.0).sum(-1)
+    else:
+        picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
     logprobs_BxL = picked_BxL - (max_BxL + log_sum_BxL)
     entropy_BxL = correct_BxL = None
     if entropy:

@@ -5,13 +5,17 @@ logits it computes in float32 chunks, see ``logits``) and a ``TrainBatch``. It r
 ``(loss_sum, weight_sum, aux_sums)``: sums, not means, so the train step can add them over
 microbatches and divide once by the total weight. That makes gradient accumulation equal one
 big batch (token-weighted), whatever the microbatch split.
-``aux_sums`` are divided by the same total weight before they are reported.
+``aux_sums`` are divided by the same total weight before they are reported, except a
+``MeanMax`` entry: a statistic over its own selection of tokens (e.g. the RL job's
+``logprob_mismatch``), whose sums and max the step combines itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -24,8 +28,57 @@ from meshrl.algorithms.logits import (
     token_stats,
 )
 
-__all__ = ["Hidden", "LossFn", "LossOutput", "ModelOutput", "check_temperature", "get_loss",
-           "register", "sft_cross_entropy", "tempered", "token_logprobs"]
+__all__ = ["Hidden", "LossFn", "LossOutput", "MeanMax", "ModelOutput", "check_temperature",
+           "add_outputs", "get_loss", "register", "report_aux", "sft_cross_entropy", "tempered",
+           "token_logprobs"]
+
+
+
+@flax.struct.dataclass
+class MeanMax:
+    """An aux statistic of non-negative per-token values over the tokens it selects, not over the
+    loss weight: ``total`` and ``count`` add and ``max`` takes the maximum over microbatches, and
+    ``report_aux`` reports ``name`` = total / count, ``name_max`` and ``name_tokens`` (all 0
+    when no token is selected)."""
+
+    total: jax.Array
+    count: jax.Array
+    max: jax.Array
+
+    @classmethod
+    def of(cls, x_BxL: jax.Array, selected_BxL: jax.Array) -> MeanMax:
+        """Of the values ``x_BxL >= 0`` where ``selected_BxL`` (bool) is true."""
+        x_BxL = jnp.where(selected_BxL, x_BxL, 0.0)
+        return cls(x_BxL.sum(), selected_BxL.astype(jnp.float32).sum(), x_BxL.max())
+
+    def merge(self, other: MeanMax) -> MeanMax:
+        return MeanMax(self.total + other.total, self.count + other.count,
+                       jnp.maximum(self.max, other.max))
+
+
+def is_mean_max(x: object) -> bool:
+    return isinstance(x, MeanMax)
+
+
+def add_outputs(a: Any, b: Any) -> Any:
+    """Sum of two microbatches' loss outputs (or any pytree holding aux dicts): leaves add,
+    ``MeanMax`` entries merge."""
+    return jax.tree.map(lambda x, y: x.merge(y) if is_mean_max(x) else jnp.add(x, y), a, b,
+                        is_leaf=is_mean_max)
+
+
+def report_aux(aux: dict[str, jax.Array | MeanMax], denom: jax.Array) -> dict[str, jax.Array]:
+    """The reported values of accumulated aux sums: each sum / ``denom`` (the loss weight), and
+    for a ``MeanMax`` ``name`` its mean, ``name_max`` and ``name_tokens``."""
+    out: dict[str, jax.Array] = {}
+    for k, v in aux.items():
+        if is_mean_max(v):
+            out.update({k: v.total / jnp.maximum(v.count, 1.0), f"{k}_max": v.max,
+                        f"{k}_tokens": v.count})
+        else:
+            out[k] = v / denom
+    return out
+
 
 LossOutput = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 LossFn = Callable[[ModelOutput, TrainBatch], LossOutput]

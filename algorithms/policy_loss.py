@@ -37,6 +37,7 @@ from meshrl.algorithms.logits import ModelOutput, output_shape, token_stats
 from meshrl.algorithms.losses import (
     LossFn,
     LossOutput,
+    MeanMax,
     check_temperature,
     token_logprobs,  # noqa: F401 -- re-exported: callers score logits with pl.token_logprobs
 )
@@ -268,6 +269,10 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     one optimizer step) and ``ref_logprobs`` (required when
     ``rl.kl_coef > 0`` and ``rl.kl_where == "loss"``). With ``rl.kl_where == "reward"`` the KL
     is already in ``advantages`` (``kl_reward_advantages``) and this loss adds none.
+
+    ``loss_fn(out, batch, version=v)`` (``v`` the weight version of the params being trained,
+    a traced int scalar) adds ``aux["logprob_mismatch"]``, a ``MeanMax`` of |behaviour -
+    current logprob| over the loss tokens of version ``v`` (``logprob_mismatch``).
     """
     params = LossParams.from_config(rl)
     check_temperature(temperature)  # fail when the loss is built, not when it is traced
@@ -275,7 +280,8 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     kl_fn = kl_lib.get(rl.kl_estimator)
     kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
 
-    def loss_fn(out: ModelOutput, batch: RLTrainBatch) -> LossOutput:
+    def loss_fn(out: ModelOutput, batch: RLTrainBatch, version: jax.Array | None = None
+                ) -> LossOutput:
         targets_BxL = batch.targets
         assert output_shape(out)[:2] == targets_BxL.shape, (output_shape(out),
                                                              targets_BxL.shape)
@@ -303,8 +309,38 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
         loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation, seg_BxL)
         # The trainer divides aux sums by the loss weight; rescale each statistic's own mean
         # (over the input mask) so the reported value is that mean.
-        aux = {k: _mean(aggregate(v, in_mask_BxL, rl.aggregation, seg_BxL)) * weight
-               for k, v in stats.items()}
+        aux: dict[str, jax.Array | MeanMax] = {
+            k: _mean(aggregate(v, in_mask_BxL, rl.aggregation, seg_BxL)) * weight
+            for k, v in stats.items()}
+        if version is not None:
+            aux["logprob_mismatch"] = logprob_mismatch(logp_BxL, batch, version)
         return loss_sum, weight, aux
 
     return loss_fn
+
+
+def logprob_mismatch(logprobs_BxL: jax.Array, batch: RLTrainBatch, version: jax.Array
+                     ) -> MeanMax:
+    """|behaviour - trainer logprob| over the loss tokens the sampler generated with weight
+    version ``version`` (all loss tokens when the batch has no ``versions``): with the
+    trainer's own params, sampler and trainer compute the same distribution, so any gap is
+    numerics (dtype, kernels, summation order)."""
+    selected_BxL = batch.loss_mask > 0
+    if batch.versions is not None:
+        selected_BxL = selected_BxL & (batch.versions == version)
+    gap_BxL = jnp.abs(jax.lax.stop_gradient(logprobs_BxL) - batch.behaviour_logprobs)
+    return MeanMax.of(gap_BxL, selected_BxL)
+
+
+def loss_weight(rl: RLConfig, batch: RLTrainBatch) -> jax.Array:
+    """The weight ``make_rl_loss_fn`` divides by, of the whole ``batch`` (with its
+    ``proximal_logprobs``): the loss tokens (token_mean) or sequences (sequence_mean) left
+    after ``rl.policy_loss``'s own masking. No loss masks tokens by the current logprobs, so
+    it needs no model output."""
+    in_mask_BxL = batch.loss_mask.astype(jnp.float32)
+    prox_BxL = batch.proximal_logprobs
+    assert prox_BxL is not None, "loss_weight needs the batch's proximal_logprobs"
+    inputs = PolicyInputs(prox_BxL, prox_BxL, batch.behaviour_logprobs, batch.advantages,
+                          in_mask_BxL, batch.segment_ids)
+    mask_BxL = get(rl.policy_loss)(inputs, LossParams.from_config(rl)).mask_BxL
+    return aggregate(jnp.zeros_like(mask_BxL), mask_BxL, rl.aggregation, batch.segment_ids)[1]

@@ -34,6 +34,13 @@ def _rl(config: Config) -> None:
     if B % config.trainer.microbatches:
         raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
                           f"rollout.prompts_per_step * rollout.group_size = {B}")
+    K, M = config.rl.ppo_minibatches, config.trainer.microbatches
+    if B % (K * M):
+        # Packed row buckets are multiples of K * M (jobs/rl_setup.py), so B is the one to check.
+        raise ConfigError(f"rl.ppo_minibatches = {K}: rl.ppo_minibatches * trainer.microbatches "
+                          f"= {K * M} must divide rollout.prompts_per_step * "
+                          f"rollout.group_size = {B} (each minibatch is split into "
+                          f"trainer.microbatches)")
     s = config.sampler
     # The behaviour policy is softmax(logits / T) and the trainer rescores with logits / T; a
     # greedy or truncated (top-k/top-p) sampler has a distribution the trainer cannot rebuild.

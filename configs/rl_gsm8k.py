@@ -26,6 +26,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.mesh.fsdp = True  # trainer params and moments sharded over data (ZeRO-3)
     cfg.model.arch = "qwen2"  # informative: the HF config.json in model.hf_path decides
     cfg.model.remat = "full"  # 1024-token sequences: recompute activations per layer
+    # Layers in a scan: one layer's code to compile, and the remat recompute stays inside the
+    # backward loop (unrolled, XLA may schedule it early and keep every layer's activations:
+    # benchmarks/memory.py --unrolled shows it on CPU).
+    cfg.model.scan_layers = True
     cfg.model.compute_dtype = "bfloat16"  # float32 master weights, bf16 matmuls
     cfg.data.source = "jsonl"
     # Placeholders relative to the launch directory; pass the real files as overrides.
@@ -40,7 +44,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.trainer.learning_rate = 1e-6  # the usual GRPO rate for sub-1B instruct models
     cfg.trainer.steps = 200
     cfg.trainer.seq_len = 1024  # prompt + completion budget of every episode
-    cfg.trainer.microbatches = 8  # 128 sequences per step in 8 accumulation microbatches
+    cfg.trainer.microbatches = 2  # per minibatch of 32 sequences: 2 microbatches of 16
     cfg.trainer.log_every = 1
     cfg.trainer.eval_every = 25
     cfg.optimizer.warmup_steps = 10
@@ -57,6 +61,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.rollout.max_staleness = 1
     cfg.rl.advantage = "grpo"
     cfg.rl.policy_loss = "decoupled_ppo"
+    # 4 optimizer updates per rollout batch (AReaL's GSM8K setting): after the first, the ratio
+    # to the pre-batch proximal policy moves off 1 and decoupled PPO's clip acts.
+    cfg.rl.ppo_minibatches = 4
     cfg.checkpoint.every_steps = 25
     cfg.checkpoint.publish_every = 25
     if arg == "tiny":

@@ -50,6 +50,14 @@ class RLConfig(Section):
                                   at_least(0))
     overlong_penalty: float = field(1.0, "Largest overlong penalty (subtracted from the reward).",
                                     at_least(0.0))
+    ppo_minibatches: int = field(
+        1, "Optimizer updates per rollout batch and epoch: the batch's rows are split into this "
+           "many strided minibatches, each one update (trainer.microbatches accumulate inside "
+           "each). Every minibatch loss is divided by the whole batch's token (or sequence) "
+           "count; decoupled PPO's proximal policy is the pre-batch one. Must divide the rows "
+           "(cross-section rule). 1: one update per batch, as without minibatches.", at_least(1))
+    ppo_epochs: int = field(1, "Passes over the minibatches of each rollout batch (same split "
+                               "every pass).", at_least(1))
     pack_sequences: bool = field(
         True, "Pack each step's sequences into as few rows of trainer.seq_len as they fit "
               "(first-fit decreasing; the row count rounded up to a quarter of the batch, one "

@@ -60,12 +60,15 @@ def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Ar
                       active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
 
 
-def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int) -> Callable:
+def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
+                 all_positions: bool = False) -> Callable:
     """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
 
     Writes the prompts' keys/values into ``slots_N``; with ``resample`` samples each prompt's
     next token from the logits at its last position only: the head runs on N hidden states,
     not N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
+    ``all_positions`` is the reference program (head on every position, then the last row
+    kept), same tokens and logprobs; benchmarks/memory.py measures what it costs.
     """
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
@@ -74,14 +77,14 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int) -> Call
         N, P = tokens_NxP.shape
         pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
         tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
-        hidden_NxPxD, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
-                                    return_hidden=True)
+        out_NxPxX, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
+                                 return_hidden=not all_positions)
         # Padding rows use slot index S: every scatter below drops them.
         cache = cache.put_slots(tmp, slots_N)
         if not resample:
             return cache, st, ()
-        last_NxD = jnp.take_along_axis(hidden_NxPxD, (lens_N - 1)[:, None, None], axis=1)[:, 0]
-        last_NxV = apply_head(graphdef, params, last_NxD)
+        last_NxX = jnp.take_along_axis(out_NxPxX, (lens_N - 1)[:, None, None], axis=1)[:, 0]
+        last_NxV = last_NxX if all_positions else apply_head(graphdef, params, last_NxX)
         assert last_NxV.shape == (N, cfg.vocab_size), last_NxV.shape
         sub = st.replace(
             pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),

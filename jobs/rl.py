@@ -2,9 +2,10 @@
 
   python main.py --config configs/default.py --workdir /tmp/meshrl
 
-Contract: per optimizer step ``v -> v + 1`` the trainer takes one batch of groups from the rollout
+Contract: per train step ``v -> v + 1`` the trainer takes one batch of groups from the rollout
 runner, every loss token at most ``rollout.max_staleness`` versions old (checked again here),
-runs one step of the ``TrainEngine``, hands version ``v + 1`` to the sampler in process and
+runs one step of the ``TrainEngine`` (``rl.ppo_minibatches x rl.ppo_epochs`` optimizer updates,
+``trainer/rl_step.py``), hands version ``v + 1`` to the sampler in process and
 publishes it under ``<workdir>/weights`` at checkpoints. A rerun resumes from the newest
 checkpoint. The design (packing, temperature, placement, warm start, KL reference, recovery)
 is in ``docs/rl.md``.
@@ -145,6 +146,11 @@ class RLTrainer:
                 microbatches=t.microbatches)
             self.engine.start(params)
             del params
+            # The step's logprob_mismatch takes state.step as the version of the params it
+            # starts from: it must be the version the sampler labels their tokens with.
+            if (step0 := int(jax.device_get(self.state.step))) != self.start_step:
+                raise ValueError(f"train state at step {step0}, RL counters at step "
+                                 f"{self.start_step}: the checkpoint is inconsistent")
             if restored is not None:
                 self.prompts.set_state(restored.data["prompts"])
                 self.counters = dict(restored.counters)

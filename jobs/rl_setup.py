@@ -4,6 +4,7 @@ random policy (``docs/rl.md``), and the training engine of the RL step."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 from typing import Any
 
@@ -12,11 +13,13 @@ import jax
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.losses import get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import make_sft_iterator
 from meshrl.mesh import rules_for
 from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.reference import ref_fields
+from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
 from meshrl.trainer.step import batch_shardings, row_buckets
 from meshrl.utils import log as log_lib
 
@@ -79,9 +82,19 @@ def rl_engine(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee
     batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, t.seq_len,
                                RLTrainBatch, *ref_fields(config.rl))
     rows_per_shard = batch_sh.input_ids.shard_shape((B, t.seq_len))[0]
-    buckets = (row_buckets(B, B // rows_per_shard * t.microbatches)
+    # Every bucket splits into rl.ppo_minibatches minibatches of trainer.microbatches
+    # microbatches, each spread over all data shards.
+    split = t.microbatches * config.rl.ppo_minibatches
+    buckets = (row_buckets(B, B // rows_per_shard * split)
                if config.rl.pack_sequences else (B,))
-    return TrainEngine(config, workdir, mesh, trainee,
-                       make_rl_loss_fn(config.rl, temperature=config.sampler.temperature),
+    if bad := [r for r in buckets if r % split]:  # the cross-section rule makes this unreachable
+        raise ConfigError(f"rl.ppo_minibatches = {config.rl.ppo_minibatches}: packed row "
+                          f"buckets {bad} are not divisible by rl.ppo_minibatches * "
+                          f"trainer.microbatches = {split}")
+    T = config.sampler.temperature
+    return TrainEngine(config, workdir, mesh, trainee, make_rl_loss_fn(config.rl, temperature=T),
                        batch_sh=batch_sh, row_buckets=buckets, metric_prefix="train/",
-                       step_timing=False, rate_key="perf/tokens_per_s", what="RL loss")
+                       step_timing=False, rate_key="perf/tokens_per_s", what="RL loss",
+                       make_step=functools.partial(make_rl_train_step, rl=config.rl,
+                                                   temperature=T, microbatches=t.microbatches),
+                       updates_per_step=updates_per_step(config.rl))

@@ -20,8 +20,14 @@ Model code names only logical axes. This module alone decides where they go:
 | act_kv_heads   | tensor                               | tensor               |
 | act_mlp        | tensor                               | tensor               |
 | act_vocab      | tensor                               | tensor               |
+| loss_vocab     | (tensor, data, expert, context,      | tensor               |
+|                |  expert_tensor)                      |                      |
 | cache_slots    | (data, expert)                       | (data, expert)       |
 | cache_len      | -                                    | -                    |
+
+``loss_vocab`` shards the vocabulary of the chunked float32 logits of the losses
+(``algorithms.logits``) over every axis: each chunk's few hidden states are gathered instead
+of the [V, D] head, whose gradient then stays sharded too.
 
 Resolution: each logical name takes its rule's mesh axes, minus axes already used earlier in the
 same spec and minus axes whose size does not divide the dimension (when the shape is known), so
@@ -62,11 +68,12 @@ _COMMON: Rules = (
 
 
 def train_rules(fsdp: bool) -> Rules:
-    return (("length", ("context",)), ("embed", ("data",) if fsdp else ())) + _COMMON
+    return (("length", ("context",)), ("embed", ("data",) if fsdp else ()),
+            ("loss_vocab", ("tensor", "data", "expert", "context", "expert_tensor"))) + _COMMON
 
 
 def sample_rules() -> Rules:
-    return (("length", ()), ("embed", ())) + _COMMON
+    return (("length", ()), ("embed", ()), ("loss_vocab", ("tensor",))) + _COMMON
 
 
 def rules_for(role: Role, fsdp: bool = False) -> Rules:

@@ -222,6 +222,20 @@ def forward_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax
     return (hidden_BxLxD, *model.head_weight())
 
 
+def loss_vocab_axes(graphdef: nnx.GraphDef, params: nnx.State, vocab_size: int, rows: int
+                    ) -> tuple[Mesh | None, tuple[str, ...], tuple[str, ...]]:
+    """(mesh, the mesh axes the losses shard the vocabulary of their logits over: the
+    ``loss_vocab`` rule, the axes of the batch of ``rows`` rows); ``(None, (), ())`` for a
+    model built without a mesh."""
+    ctx = nnx.merge(graphdef, params).sharding
+    if ctx is None:
+        return None, (), ()
+    vocab = ctx.sharding(("loss_vocab",), (vocab_size,)).spec[0]
+    batch = ctx.sharding(("batch",), (rows,)).spec[0]
+    as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
+    return ctx.mesh, as_tuple(vocab), as_tuple(batch)
+
+
 def apply_head(graphdef: nnx.GraphDef, params: nnx.State, hidden_xD: jax.Array) -> jax.Array:
     """The model's output head on final hidden states [..., D]: logits [..., V] in the compute
     dtype, the same math as ``forward``'s last step."""

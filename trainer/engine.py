@@ -16,6 +16,7 @@ metrics), ``save`` and ``publish``; ``finish`` waits for pending saves, ``close`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pathlib
 import shutil
 import time
@@ -39,6 +40,7 @@ from meshrl.trainer.state import TrainState, abstract_state, init_state, state_s
 from meshrl.trainer.step import (
     BucketedStep,
     ForwardFn,
+    StepBuilder,
     batch_shardings,
     jit_train_step,
     make_train_step,
@@ -137,20 +139,25 @@ class TrainEngine:
     (``BucketedStep``, packed RL batches) instead of one plain jitted step. Metric records are
     ``metric_prefix`` + the step's metrics, then with ``step_timing`` the engine's step time,
     tokens/s, FLOP/s and MFU, then what ``annotate`` added; the progress line shows
-    ``record[rate_key]``. ``what`` names the loss in a non-finite error.
+    ``record[rate_key]``. ``what`` names the loss in a non-finite error. ``make_step(forward,
+    loss_fn, tx, schedule)`` builds the pure step (default: ``make_train_step`` with
+    ``trainer.microbatches``); ``updates_per_step``: optimizer updates per step, whose
+    learning-rate schedule then counts steps (``make_optimizer``).
     """
 
     def __init__(self, config: Config, workdir: str | pathlib.Path, mesh: Mesh,
                  trainee: Trainee, loss_fn: LossFn, *, batch_sh: TrainBatch | None = None,
                  row_buckets: Sequence[int] | None = None, metric_prefix: str = "",
                  step_timing: bool = True, rate_key: str = "tokens_per_s",
-                 what: str = "loss") -> None:
+                 what: str = "loss", make_step: StepBuilder | None = None,
+                 updates_per_step: int = 1) -> None:
         t = config.trainer
         self.config, self.workdir, self.mesh, self.trainee = (config, pathlib.Path(workdir), mesh,
                                                               trainee)
         self.metric_prefix, self.step_timing, self.rate_key, self.what = (
             metric_prefix, step_timing, rate_key, what)
-        self.tx, self.schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps)
+        self.tx, self.schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
+                                                updates_per_step)
         params_sh = expand_prefix(trainee.params_shardings, trainee.params)
         self.state_sh = state_shardings(params_sh, self.tx, mesh, trainee.params)
         self.batch_sh = batch_sh if batch_sh is not None else batch_shardings(
@@ -164,8 +171,9 @@ class TrainEngine:
             self.checkpointer.close()  # no orphaned Orbax threads when resume is refused
             raise
         self.start_step = 0 if self.restored is None else int(self.restored.counters["step"])
-        step_fn = make_train_step(trainee.forward, loss_fn, self.tx, self.schedule,
-                                  microbatches=t.microbatches)
+        if make_step is None:
+            make_step = functools.partial(make_train_step, microbatches=t.microbatches)
+        step_fn = make_step(trainee.forward, loss_fn, self.tx, self.schedule)
         jitted = jit_train_step(step_fn, self.state_sh, self.batch_sh, mesh)
         self.step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, Any]] = (
             jitted if row_buckets is None

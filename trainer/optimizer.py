@@ -64,10 +64,19 @@ def decay_mask(params: Any) -> Any:
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def make_optimizer(cfg: OptimizerConfig, learning_rate: float,
-                   total_steps: int) -> tuple[optax.GradientTransformation, Schedule]:
-    """``(tx, schedule)`` for ``cfg``; ``tx.update`` needs ``params`` (weight decay)."""
+def make_optimizer(cfg: OptimizerConfig, learning_rate: float, total_steps: int,
+                   updates_per_step: int = 1) -> tuple[optax.GradientTransformation, Schedule]:
+    """``(tx, schedule)`` for ``cfg``; ``tx.update`` needs ``params`` (weight decay).
+
+    ``schedule`` is indexed by train step. With ``updates_per_step > 1`` (the RL job's PPO
+    minibatches x epochs) every update of a train step applies that step's rate, as in verl:
+    warmup and decay count train steps (rollout batches), not updates."""
+    if updates_per_step < 1:
+        raise ValueError(f"updates_per_step = {updates_per_step}: must be >= 1")
     schedule = make_schedule(cfg, learning_rate, total_steps)
+    # optax counts applied updates; 1 keeps the schedule itself (bitwise the old optimizer).
+    by_update = schedule if updates_per_step == 1 else (
+        lambda count: schedule(count // updates_per_step))
     parts: list[optax.GradientTransformation] = []
     if cfg.grad_clip_norm > 0:
         parts.append(optax.clip_by_global_norm(cfg.grad_clip_norm))
@@ -84,5 +93,5 @@ def make_optimizer(cfg: OptimizerConfig, learning_rate: float,
         raise ValueError(f"optimizer.name = {cfg.name!r}: unknown")
     if cfg.weight_decay > 0:
         parts.append(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask))
-    parts.append(optax.scale_by_learning_rate(schedule))
+    parts.append(optax.scale_by_learning_rate(by_update))
     return optax.chain(*parts), schedule

@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms.batch import TrainBatch, abstract_batch, batch_of
 from meshrl.algorithms.logits import Hidden, ModelOutput
-from meshrl.algorithms.losses import LossFn
+from meshrl.algorithms.losses import LossFn, add_outputs, report_aux
 from meshrl.mesh import Rules, logical_to_sharding
-from meshrl.models.decoder import forward_hidden
+from meshrl.models.decoder import forward_hidden, loss_vocab_axes
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 
@@ -34,6 +34,8 @@ Metrics = dict[str, jax.Array]
 # forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV or Hidden
 ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], ModelOutput]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
+# make_step(forward, loss_fn, tx, schedule) -> the pure step (e.g. make_train_step, partial)
+StepBuilder = Callable[[ForwardFn, LossFn, optax.GradientTransformation, Schedule], StepFn]
 BATCH_AXES = ("batch", "length")
 
 
@@ -47,12 +49,15 @@ def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
                 segment_ids_BxL: jax.Array | None) -> Hidden:
         hidden_BxLxD, head, tied = forward_hidden(graphdef, params, input_ids_BxL,
                                                   positions_BxL, segment_ids_BxL)
-        return Hidden(hidden_BxLxD, head, tied=tied, chunk=logits_chunk)
+        mesh, vocab_axes, batch_axes = loss_vocab_axes(
+            graphdef, params, head.shape[0 if tied else 1], hidden_BxLxD.shape[0])
+        return Hidden(hidden_BxLxD, head, tied=tied, chunk=logits_chunk, mesh=mesh,
+                      vocab_axes=vocab_axes, batch_axes=batch_axes)
 
     return forward
 
 
-def _split_microbatches(x_BxL: jax.Array, m: int) -> jax.Array:
+def split_rows(x_BxL: jax.Array, m: int) -> jax.Array:
     """[B, ...] -> [M, B/M, ...] with row i in microbatch i % M.
 
     Strided rather than contiguous: each data shard holds contiguous rows, so the strided split
@@ -63,9 +68,12 @@ def _split_microbatches(x_BxL: jax.Array, m: int) -> jax.Array:
     return x_BxL.reshape(b // m, m, *x_BxL.shape[1:]).swapaxes(0, 1)
 
 
-def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
-                    schedule: Schedule, *, microbatches: int = 1) -> StepFn:
-    """The pure step. Loss and aux metrics are token-weighted over the whole batch."""
+GradsFn = Callable[[Any, Batch], tuple[jax.Array, jax.Array, dict[str, Any], Any]]
+
+
+def make_grads_fn(forward_fn: ForwardFn, loss_fn: LossFn, microbatches: int = 1) -> GradsFn:
+    """``(params, batch) -> (loss_sum, weight, aux, grads)``: the loss output and its gradient,
+    summed over ``microbatches`` strided microbatches (``add_outputs``)."""
 
     def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
         out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
@@ -81,15 +89,40 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
     def accumulate(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array, Metrics, Any]:
         if microbatches == 1:
             return flat_grads(params, batch)
-        mbs = jax.tree.map(lambda v: _split_microbatches(v, microbatches), batch)
+        mbs = jax.tree.map(lambda v: split_rows(v, microbatches), batch)
 
         def body(carry: Any, mb: Batch) -> tuple[Any, None]:
-            return jax.tree.map(jnp.add, carry, flat_grads(params, mb)), None
+            return add_outputs(carry, flat_grads(params, mb)), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                              jax.eval_shape(flat_grads, params, first))
         return jax.lax.scan(body, zeros, mbs)[0]
+
+    return accumulate
+
+
+def guarded_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
+                   loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
+    """``(params, opt_state, grad_norm, finite)`` after one optax update of ``grads`` (already
+    divided by the loss weight); a non-finite loss or gradient norm keeps the old params and
+    optimizer state."""
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    updates, new_opt = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # A non-finite step never reaches the params or moments: the select is fused into the
+    # update, costs no host sync, and protects checkpoints even in on_nonfinite="raise" mode
+    # (where the loop raises when it reads this step's metrics one step later).
+    keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state),
+            grad_norm, finite)
+
+
+def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
+                    schedule: Schedule, *, microbatches: int = 1) -> StepFn:
+    """The pure step. Loss and aux metrics are token-weighted over the whole batch."""
+    accumulate = make_grads_fn(forward_fn, loss_fn, microbatches)
 
     def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
         loss_sum, weight, aux, grads = accumulate(state.params, batch)
@@ -97,25 +130,17 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
         denom = jnp.maximum(weight, 1.0)
         grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
         loss = loss_sum / denom
-        grad_norm = optax.tree.norm(grads)
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        updates, new_opt = tx.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        # A non-finite step never reaches the params or moments: the select is fused into the
-        # update, costs no host sync, and protects checkpoints even in on_nonfinite="raise" mode
-        # (where the loop raises when it reads this step's metrics one step later).
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params, opt_state, grad_norm, finite = guarded_update(tx, state.params, state.opt_state,
+                                                              grads, loss)
         new_state = state.replace(
-            step=state.step + 1,
-            params=jax.tree.map(keep, new_params, state.params),
-            opt_state=jax.tree.map(keep, new_opt, state.opt_state),
+            step=state.step + 1, params=params, opt_state=opt_state,
             weight_version=state.weight_version + finite.astype(jnp.int32),
             skipped=state.skipped + (~finite).astype(jnp.int32))
         # The schedule's own count lives in opt_state and does not advance on a skipped step, so
         # after k skips the reported rate leads the applied one by k steps (skips are rare).
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": weight, "finite": finite, "skipped": new_state.skipped,
-                   "step": state.step, **{k: v / denom for k, v in aux.items()}}
+                   "step": state.step, **report_aux(aux, denom)}
         return new_state, metrics
 
     return train_step

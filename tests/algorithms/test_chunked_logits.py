@@ -159,3 +159,45 @@ def test_chunked_loss_gradient_never_holds_the_full_float32_logits():
     # cotangent), [B, L, V] each unchunked (32 MiB), [B, L / 8, V] each chunked (4.75 MiB).
     assert full >= logits_bytes, (full, logits_bytes)
     assert chunked < logits_bytes // 2, (chunked, logits_bytes)
+
+
+def _fsdp_loss_and_temp(tied: bool, vocab_axes: tuple[str, ...]) -> tuple[object, int]:
+    """(value and gradients, compiled temp bytes) of a chunked loss on a data=4 mesh, the
+    head sharded FSDP-style (over its hidden dim) and the rows over data."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((4,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows, length, d, v = 8, 16, 32, 4096
+    k = jax.random.split(jax.random.key(3), 3)
+    head_spec = PartitionSpec(None, "data") if tied else PartitionSpec("data", None)
+    hidden = jax.device_put(jax.random.normal(k[0], (rows, length, d)),
+                            NamedSharding(mesh, PartitionSpec("data")))
+    head = jax.device_put(0.1 * jax.random.normal(k[1], (v, d) if tied else (d, v)),
+                          NamedSharding(mesh, head_spec))
+    targets = jax.device_put(jax.random.randint(k[2], (rows, length), 0, v),
+                             NamedSharding(mesh, PartitionSpec("data")))
+
+    def loss(h, w):
+        out = Hidden(h, w, tied=tied, chunk=32, mesh=mesh, vocab_axes=vocab_axes,
+                     batch_axes=("data",))
+        stats = token_stats(out, targets, entropy=True)
+        return stats.logprobs_BxL.sum() + 0.1 * stats.entropy_BxL.sum()
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    temp = fn.lower(hidden, head).compile().memory_analysis().temp_size_in_bytes
+    return jax.device_get(fn(hidden, head)), temp
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tied", [False, True])
+def test_vocab_sharded_chunks_equal_replicated_head_and_never_gather_the_head(tied):
+    (val, grads), temp = _fsdp_loss_and_temp(tied, ("data",))
+    (ref_val, ref_grads), ref_temp = _fsdp_loss_and_temp(tied, ())
+
+    np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL)
+    # The gathered float32 head and its full gradient are 2 x 512 KiB; vocabulary shards
+    # hold a quarter of each (measured on CPU: see docs/memory.md).
+    head_bytes = 4096 * 32 * 4
+    assert temp <= ref_temp - head_bytes, (temp, ref_temp)

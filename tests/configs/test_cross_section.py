@@ -25,6 +25,11 @@ CROSS_SECTION_ERRORS = [
     ("rl", {"mesh.dcn_expert_tensor": 2}, "mesh.dcn_expert_tensor = 2: must be 1"),
     ("rl", {"trainer.batch_size": 24, "trainer.microbatches": 3},
      "trainer.microbatches = 3: must divide rollout.prompts_per_step * rollout.group_size = 32"),
+    ("rl", {"rl.ppo_minibatches": 3},
+     "rl.ppo_minibatches = 3: rl.ppo_minibatches * trainer.microbatches = 3 must divide "
+     "rollout.prompts_per_step * rollout.group_size = 32"),
+    ("rl", {"rl.ppo_minibatches": 8, "trainer.microbatches": 8},
+     "rl.ppo_minibatches = 8: rl.ppo_minibatches * trainer.microbatches = 64 must divide"),
     ("rl", {"sampler.temperature": 0.0},
      "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
     ("rl", {"sampler.top_k": 5}, "sampler.top_k = 5: the RL job needs 0"),

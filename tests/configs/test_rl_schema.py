@@ -57,6 +57,8 @@ def test_every_choice_names_a_registered_function():
     (lambda: RLConfig(dual_clip_c=1.0), "rl.dual_clip_c = 1.0: must be 0 (off) or > 1"),
     (lambda: RLConfig(behav_weight_cap=0.5), "rl.behav_weight_cap = 0.5: must be 0 (off) or >= 1"),
     (lambda: RLConfig(adv_eps=-1.0), "rl.adv_eps = -1.0: must be >= 0"),
+    (lambda: RLConfig(ppo_minibatches=0), "rl.ppo_minibatches = 0: must be >= 1"),
+    (lambda: RLConfig(ppo_epochs=0), "rl.ppo_epochs = 0: must be >= 1"),
     (lambda: RLConfig(overlong_buffer=-1), "rl.overlong_buffer = -1: must be >= 0"),
     (lambda: RLConfig(overlong_buffer=8, overlong_max_len=8),
      "rl.overlong_max_len = 8: must be > rl.overlong_buffer = 8"),

@@ -72,6 +72,25 @@ def test_prefill_computes_logits_at_the_last_prompt_position_only():
     assert temp_B[P] - temp_B[16] < N * (P - 16) * V * 4 // 8, temp_B
 
 
+def test_last_position_prefill_samples_what_the_all_positions_reference_samples():
+    _, params = split_model(create_model(WIDE, seed=0))
+    sampler = _sampler(WIDE, params, temperature=1.0)
+    args = _prefill_args(sampler, P)
+    args = (*args[:3], np.random.default_rng(0).integers(3, 4096, (N, P), dtype=np.int32),
+            *args[4:])
+    outs = {ref: jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
+                                               sampler.cfg.max_len, all_positions=ref),
+                         static_argnums=(7,))(*args, True) for ref in (False, True)}
+
+    (cache, st, (tok, lp, raw, *_)), (ref_cache, ref_st, (ref_tok, ref_lp, ref_raw, *_)) = (
+        outs[False], outs[True])
+    np.testing.assert_array_equal(tok, ref_tok)
+    np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(raw, ref_raw, rtol=1e-5, atol=1e-6)
+    for a, b in zip(jax.tree.leaves((cache, st)), jax.tree.leaves((ref_cache, ref_st))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 96, size=int(rng.integers(3, 17))).tolist() for _ in range(n)]

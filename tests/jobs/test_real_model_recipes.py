@@ -111,6 +111,7 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
     workdir, out = rl_run
     cfg = base_config("sft")
     cfg.model.hf_path = str(files["hf"])
+    cfg.model.scan_layers = True  # the run's layout (rl_gsm8k.py): its published weights keep it
     config = from_config_dict(cfg)  # float32 compute: compared with transformers in float32
     mesh = create_mesh(config.mesh)
     built = build_model(config.model, mesh=mesh, rules=rules_for("train", False))

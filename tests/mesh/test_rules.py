@@ -32,6 +32,7 @@ DOCUMENTED = {
     "act_vocab": (("tensor",),) * 3,
     "cache_slots": (("data", "expert"),) * 3,
     "cache_len": ((),) * 3,
+    "loss_vocab": (("tensor", "data", "expert", "context", "expert_tensor"),) * 2 + (("tensor",),),
 }
 
 

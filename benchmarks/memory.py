@@ -1,0 +1,202 @@
+"""Compiled temp memory of a real-size RL train step and sampler prefill: reference vs defaults.
+
+Ahead-of-time only: every program is ``jax.jit(...).lower(abstract inputs).compile()`` and
+read with ``memory_analysis()`` (per device, the SPMD-partitioned program); nothing is
+allocated or executed, so it runs on 8 fake CPU devices of a laptop.
+
+* Model: Qwen2.5-0.5B-shaped (vocab 151,936, 24 layers, hidden 896, 14 heads, 2 KV heads,
+  MLP 4,864, tied embeddings, q/k/v bias), trained as ``configs/rl_gsm8k.py`` does (FSDP
+  over data = 8, ``model.remat = "full"``, ``model.scan_layers``) but in float32 compute:
+  on CPU, XLA upcasts bfloat16 dots through float32 copies of the weights, an artifact of
+  this backend that would swamp the figures (``--dtype bfloat16`` shows it).
+* Train step: the RL job's step (``trainer/rl_step.py``, decoupled PPO, AdamW) on 8 packed
+  sequences of 4,096 tokens; reference = ``model.attention = "einsum"`` and
+  ``trainer.logits_chunk = 0`` (full float32 [B, L, V] logits), new = the schema defaults.
+* Prefill: 256 prompts x 256 tokens into a 256-slot x 1,024 cache (the sampler's jit, its
+  shardings and donation, bfloat16); reference = the head on every prompt position
+  (``make_prefill(all_positions=True)``) with einsum attention, new = the sampler's program.
+
+  python benchmarks/memory.py          # ~1 minute of compiling on 2 CPU cores
+
+Last line: {"train_temp_bytes_ref", "train_temp_bytes", "train_ratio",
+"prefill_temp_bytes_ref", "prefill_temp_bytes", "prefill_ratio"}; targets train_ratio <= 0.25,
+prefill_ratio <= 0.1.
+"""
+
+from __future__ import annotations
+
+import os
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import argparse  # noqa: E402 -- XLA_FLAGS must be set before JAX is imported
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from meshrl.configs.loader import from_config_dict  # noqa: E402
+from meshrl.configs.schema import Config  # noqa: E402
+
+GiB = 2 ** 30
+QWEN25_05B = dict(arch="qwen2", vocab_size=151_936, hidden_size=896, intermediate_size=4864,
+                  num_layers=24, num_heads=14, num_kv_heads=2, tie_embeddings=True,
+                  attention_bias=True, max_position_embeddings=32_768, rope_theta=1e6)
+
+
+def make_config(seq: int, rows: int, prompts: int, prompt_len: int, *, reference: bool,
+                dtype: str, scan: bool = True) -> Config:
+    """``configs/rl_gsm8k.py`` (FSDP, remat, PPO minibatches) with the Qwen2.5-0.5B shape and
+    the benchmark's sizes; ``reference``: einsum attention and unchunked logits."""
+    from meshrl.configs import rl_gsm8k
+
+    cfg = rl_gsm8k.get_config()
+    cfg.mesh.update(data=8)
+    cfg.model.update(**QWEN25_05B, compute_dtype=dtype, scan_layers=scan)
+    cfg.data.max_prompt_len = prompt_len
+    # One update's microbatch holds all 8 rows: the memory of the step as one minibatch.
+    cfg.rl.ppo_minibatches = 1
+    cfg.trainer.update(seq_len=seq, microbatches=1)
+    cfg.rollout.update(prompts_per_step=rows, group_size=1)
+    cfg.sampler.update(dtype=dtype, slots=prompts, max_len=4 * prompt_len,
+                       prompt_buckets=(prompt_len,), max_new_tokens=3 * prompt_len - 1)
+    if reference:
+        cfg.model.attention = "einsum"
+        cfg.trainer.logits_chunk = 0
+    return from_config_dict(cfg)
+
+
+def _abstract(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``tree``'s leaves, with one sharding for all or a tree of them."""
+    if isinstance(shardings, NamedSharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        tree, shardings)
+
+
+def train_step_memory(config: Config, mesh: Any) -> Any:
+    """``memory_analysis()`` of the RL job's compiled train step (abstract state and batch)."""
+    from meshrl.algorithms.batch import RLTrainBatch, abstract_batch
+    from meshrl.algorithms.policy_loss import make_rl_loss_fn
+    from meshrl.mesh import rules_for
+    from meshrl.models import abstract_model, param_shardings, split_model
+    from meshrl.trainer import (
+        abstract_state,
+        batch_shardings,
+        decoder_forward,
+        expand_prefix,
+        jit_train_step,
+        make_optimizer,
+        state_shardings,
+    )
+    from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+
+    t, rl = config.trainer, config.rl
+    rules = rules_for("train", config.mesh.fsdp)
+    graphdef, params = split_model(abstract_model(config.model, mesh=mesh, rules=rules))
+    tx, schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
+                                  updates_per_step(rl))
+    params_sh = expand_prefix(param_shardings(params, mesh, rules), params)
+    state_sh = state_shardings(params_sh, tx, mesh, params)
+    rows = config.rollout.prompts_per_step * config.rollout.group_size
+    batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch)
+    step = make_rl_train_step(decoder_forward(graphdef, t.logits_chunk),
+                              make_rl_loss_fn(rl, config.sampler.temperature), tx, schedule,
+                              rl=rl, temperature=config.sampler.temperature,
+                              microbatches=t.microbatches)
+    jitted = jit_train_step(step, state_sh, batch_sh, mesh)
+    lowered = jitted.lower(abstract_state(state_sh, params, tx),
+                           abstract_batch(batch_sh, rows, t.seq_len))
+    return lowered.compile().memory_analysis()
+
+
+def prefill_memory(config: Config, mesh: Any, *, reference: bool) -> Any:
+    """``memory_analysis()`` of one sampler prefill of ``sampler.slots`` prompts of the one
+    prompt bucket, jitted as ``inference.engine.Sampler`` jits it."""
+    from meshrl.inference import programs
+    from meshrl.inference.programs import SlotState
+    from meshrl.inference.requests import slot_settings
+    from meshrl.mesh import rules_for
+    from meshrl.models import KVCache, abstract_model, param_shardings, split_model
+
+    s = config.sampler
+    rules = rules_for("sample")
+    # The sampler's own model config (inference.engine.Sampler.__init__).
+    model_cfg = dataclasses.replace(config.model, param_dtype=s.dtype, compute_dtype=s.dtype,
+                                    remat="none")
+    graphdef, params = split_model(abstract_model(model_cfg, mesh=mesh, rules=rules))
+    from meshrl.trainer import expand_prefix
+
+    params = _abstract(params, expand_prefix(param_shardings(params, mesh, rules), params))
+    S, T, (P,) = s.slots, s.max_len, s.prompt_buckets
+    repl = NamedSharding(mesh, PartitionSpec())
+    cache_sh = KVCache.shardings(model_cfg, S, T, mesh, rules)
+    cache = _abstract(jax.eval_shape(lambda: KVCache.init(model_cfg, S, T, s.dtype)), cache_sh)
+    state = _abstract(jax.eval_shape(lambda: SlotState.init(S)), repl)
+    host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
+            slot_settings([], S, s))
+    tokens, lens, slots, settings = (_abstract(x, repl) for x in host)
+    prefill = programs.make_prefill(graphdef, model_cfg, T, all_positions=reference)
+    jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
+                     out_shardings=(cache_sh, repl, repl))
+    lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)
+    return lowered.compile().memory_analysis()
+
+
+def _line(what: str, stats: Any, seconds: float) -> int:
+    print(f"{what:<34} temp {stats.temp_size_in_bytes / GiB:8.3f} GiB  arguments "
+          f"{stats.argument_size_in_bytes / GiB:7.3f} GiB  outputs "
+          f"{stats.output_size_in_bytes / GiB:7.3f} GiB  (compiled in {seconds:.0f} s)",
+          flush=True)
+    return int(stats.temp_size_in_bytes)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seq", type=int, default=4096, help="train sequence length")
+    ap.add_argument("--rows", type=int, default=8, help="train sequences per step")
+    ap.add_argument("--prompts", type=int, default=256, help="prefill prompts (= slots)")
+    ap.add_argument("--prompt_len", type=int, default=256, help="prefill prompt bucket")
+    ap.add_argument("--dtype", default="float32", choices=("bfloat16", "float32"),
+                    help="compute dtype; on CPU XLA upcasts bfloat16 dots to float32 "
+                         "copies of the weights, which would swamp the figures")
+    ap.add_argument("--unrolled", action="store_true",
+                    help="model.scan_layers = False (on CPU, XLA then schedules the remat "
+                         "recompute early and keeps every layer's activations)")
+    args = ap.parse_args()
+    from meshrl.mesh import create_mesh
+
+    temps: dict[str, int] = {}
+    for reference in (True, False):
+        config = make_config(args.seq, args.rows, args.prompts, args.prompt_len,
+                             reference=reference, dtype=args.dtype, scan=not args.unrolled)
+        mesh = create_mesh(config.mesh, jax.devices())
+        name = "reference" if reference else "defaults"
+        knobs = (f"attention={config.model.attention}, "
+                 f"logits_chunk={config.trainer.logits_chunk}")
+        t0 = time.perf_counter()
+        temps[f"train_{name}"] = _line(f"train step, {name}", train_step_memory(config, mesh),
+                                       time.perf_counter() - t0)
+        print(f"  ({knobs})", flush=True)
+        t0 = time.perf_counter()
+        temps[f"prefill_{name}"] = _line(
+            f"prefill, {name}", prefill_memory(config, mesh, reference=reference),
+            time.perf_counter() - t0)
+    out = {"benchmark": "memory",
+           "train_temp_bytes_ref": temps["train_reference"],
+           "train_temp_bytes": temps["train_defaults"],
+           "train_ratio": round(temps["train_defaults"] / temps["train_reference"], 4),
+           "prefill_temp_bytes_ref": temps["prefill_reference"],
+           "prefill_temp_bytes": temps["prefill_defaults"],
+           "prefill_ratio": round(temps["prefill_defaults"] / temps["prefill_reference"], 4)}
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

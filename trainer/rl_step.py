@@ -1,0 +1,124 @@
+"""The RL job's train step: PPO minibatches and epochs over one rollout batch, and the
+sampler-trainer logprob mismatch.
+
+``make_rl_train_step`` returns ``train_step(state, batch) -> (state, metrics)`` for one rollout
+batch. With ``rl.ppo_minibatches = rl.ppo_epochs = 1`` it is ``make_train_step`` (one optimizer
+update, bitwise the step without minibatches), its loss told the weight version ``state.step``
+so that it reports ``logprob_mismatch``. Otherwise, inside the one jitted step:
+
+1. one forward pass without a backward pass (microbatched, ``trainer.reference``'s
+   ``reference_logprobs`` under the current params) scores the batch under the params as they
+   are before the batch's first update: these are decoupled PPO's ``proximal_logprobs`` (unless
+   the batch brings its own) and the trainer side of ``logprob_mismatch``;
+2. the loss weight (tokens or sequences) of the *whole* batch is computed once and divides every
+   minibatch's loss and gradient (AReaL): the minibatch losses of an epoch sum to the batch's
+   loss as one update would define it;
+3. ``lax.scan`` over ``ppo_epochs`` passes of a ``lax.scan`` over ``ppo_minibatches`` strided
+   minibatches (row i in minibatch i % K, like the microbatch split, so each minibatch keeps
+   the batch's data sharding), one optimizer update each, with ``trainer.microbatches``
+   gradient accumulation inside each minibatch and the non-finite guard per update.
+
+Counters: ``state.step`` counts train steps (rollout batches, one per call, whatever the
+updates inside), so in the RL job it is the weight version of the params the step starts from;
+``weight_version`` goes up by one per step that applied at least one update (the params
+changed); ``skipped`` counts skipped updates; the optimizer's own count (in ``opt_state``)
+counts applied updates. Metrics: ``loss`` and the loss's aux statistics are the epochs' mean of
+the sum over minibatches (each minibatch's share of the batch mean), ``grad_norm`` the mean over
+updates, ``updates`` the applied updates, ``logprob_mismatch*`` from step 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from meshrl.algorithms import policy_loss as pl
+from meshrl.algorithms.losses import LossFn, is_mean_max, report_aux
+from meshrl.configs.schema import RLConfig
+from meshrl.trainer.optimizer import Schedule
+from meshrl.trainer.reference import reference_logprobs
+from meshrl.trainer.state import TrainState
+from meshrl.trainer.step import (
+    Batch,
+    ForwardFn,
+    Metrics,
+    StepFn,
+    guarded_update,
+    make_grads_fn,
+    make_train_step,
+    split_rows,
+)
+
+
+def updates_per_step(rl: RLConfig) -> int:
+    """Optimizer updates per rollout batch: ``rl.ppo_minibatches * rl.ppo_epochs``."""
+    return rl.ppo_minibatches * rl.ppo_epochs
+
+
+def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
+                       schedule: Schedule, *, rl: RLConfig, temperature: float = 1.0,
+                       microbatches: int = 1) -> StepFn:
+    """The RL step (module docstring). ``loss_fn`` is ``make_rl_loss_fn(rl, temperature)``
+    (it takes ``version=``); ``schedule`` is indexed by train step (``make_optimizer`` with
+    ``updates_per_step``)."""
+    K, E = rl.ppo_minibatches, rl.ppo_epochs
+
+    if K * E == 1:
+        def one_update(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+            def versioned(out: Any, mb: Batch) -> Any:
+                return loss_fn(out, mb, version=state.step)
+            step = make_train_step(forward_fn, versioned, tx, schedule, microbatches=microbatches)
+            return step(state, batch)
+        return one_update
+
+    accumulate = make_grads_fn(forward_fn, loss_fn, microbatches)
+
+    def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, Metrics]:
+        B = batch.targets.shape[0]
+        assert B % (K * microbatches) == 0, (B, K, microbatches)
+        # Before any update: the proximal policy and the trainer side of the mismatch. Split as
+        # finely as an update's microbatch, so this pass never holds more than one does.
+        logp_BxL = jax.lax.stop_gradient(reference_logprobs(
+            forward_fn, state.params, batch, temperature=temperature,
+            microbatches=K * microbatches))
+        if batch.proximal_logprobs is None:
+            batch = batch.replace(proximal_logprobs=logp_BxL)
+        mismatch = pl.logprob_mismatch(logp_BxL, batch, state.step)
+        weight = pl.loss_weight(rl, batch)
+        denom = jnp.maximum(weight, 1.0)
+        mbs = jax.tree.map(lambda v: split_rows(v, K), batch)
+
+        def update(carry: tuple[Any, Any], mb: Batch) -> tuple[tuple[Any, Any], Metrics]:
+            params, opt_state = carry
+            loss_sum, _, aux, grads = accumulate(params, mb)
+            assert not any(is_mean_max(v) for v in aux.values()), sorted(aux)
+            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+            loss = loss_sum / denom
+            params, opt_state, grad_norm, finite = guarded_update(tx, params, opt_state, grads,
+                                                                  loss)
+            return (params, opt_state), {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+                                         **report_aux(aux, denom)}
+
+        def epoch(carry: tuple[Any, Any], _: None) -> tuple[tuple[Any, Any], Metrics]:
+            return jax.lax.scan(update, carry, mbs)
+
+        (params, opt_state), per_ExK = jax.lax.scan(epoch, (state.params, state.opt_state),
+                                                    None, length=E)
+        finite_ExK = per_ExK.pop("finite")
+        applied = finite_ExK.astype(jnp.int32).sum()
+        new_state = state.replace(
+            step=state.step + 1, params=params, opt_state=opt_state,
+            weight_version=state.weight_version + (applied > 0).astype(jnp.int32),
+            skipped=state.skipped + (K * E - applied))
+        grad_norm = per_ExK.pop("grad_norm").mean()
+        metrics = {**{k: v.sum() / E for k, v in per_ExK.items()},
+                   "grad_norm": grad_norm, "learning_rate": schedule(state.step),
+                   "tokens": weight, "finite": finite_ExK.all(), "skipped": new_state.skipped,
+                   "step": state.step, "updates": applied, **report_aux(
+                       {"logprob_mismatch": mismatch}, denom)}
+        return new_state, metrics
+
+    return train_step
