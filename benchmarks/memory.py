@@ -142,7 +142,8 @@ def prefill_memory(config: Config, mesh: Any, *, reference: bool) -> Any:
     host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
             slot_settings([], S, s))
     tokens, lens, slots, settings = (_abstract(x, repl) for x in host)
-    prefill = programs.make_prefill(graphdef, model_cfg, T, all_positions=reference)
+    prefill = programs.make_prefill(graphdef, model_cfg, T, all_positions=reference,
+                                    max_tokens=s.prefill_tokens)
     jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
     lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)

@@ -24,6 +24,7 @@ from meshrl.configs.schema import (
     OptimizerConfig,
     RewardConfig,
     RolloutConfig,
+    RuntimeConfig,
     SampleConfig,
     SamplerConfig,
     TrainerConfig,
@@ -32,6 +33,6 @@ from meshrl.configs.schema import (
 __all__ = [
     "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
-    "RolloutConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
+    "RolloutConfig", "RuntimeConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",
 ]

@@ -24,6 +24,7 @@ from meshrl.configs.fields import (
     one_of_or_fill,
 )
 from meshrl.configs.rl_schema import RLConfig
+from meshrl.configs.runtime_schema import RuntimeConfig
 from meshrl.configs.sample_schema import SampleConfig
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -116,6 +117,11 @@ class ModelConfig(Section):
     remat: Literal["none", "full", "dots"] = field(
         "none", "Rematerialisation policy per layer: none, full, or save only matmul outputs.")
     scan_layers: bool = field(False, "Run layers with a scan (faster compile, one layer's code).")
+    mlp_chunk: int = field(
+        0, "Tokens per chunk of the MLP in the no-cache forward (training, logprobs): the "
+           "[tokens, intermediate_size] activations are built and recomputed (remat) that many "
+           "tokens at a time. 0: all at once. For long sequences with remat, where one layer's "
+           "recomputed MLP dominates the step's memory.", at_least(0))
 
     def validate(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -195,6 +201,12 @@ class SamplerConfig(Section):
     decode_chunk: int = field(8, "Decode steps fused in one jitted call between slot checks.",
                               at_least(1))
     prompt_buckets: tuple[int, ...] = field((32, 64, 128), "Prompt length buckets (no recompiles).")
+    prefill_tokens: int = field(
+        8192, "Most prompt tokens (rows x prompt bucket) one prefill pass runs: a larger "
+              "admission runs as a scan of passes over the largest divisor of its row count "
+              "that fits (at least one row a pass), inside the one prefill program, so the "
+              "prompts' temporary keys/values and activations scale with this, not with the "
+              "admission. 0: one pass.", at_least(0))
     decode_row_buckets: tuple[int, ...] = field(
         (), "Slot counts a decode chunk may run on: when few sequences are left, the live slots "
             "are packed into the lowest ones and decode runs on that many rows only. () = "
@@ -324,7 +336,7 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig, SampleConfig, ExportConfig)
+                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig)
 }
 
 
@@ -345,6 +357,7 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
 

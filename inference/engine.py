@@ -129,7 +129,8 @@ class Sampler:
 
     def _build_jits(self) -> None:
         T, chunk = self.cfg.max_len, self.cfg.decode_chunk
-        prefill = programs.make_prefill(self.graphdef, self.model_cfg, T)
+        prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
+                                        max_tokens=self.cfg.prefill_tokens)
         decode = programs.make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append)
         st_sh, cache_sh = self._repl, self._cache_sh
         self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),

@@ -61,19 +61,22 @@ def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Ar
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
-                 all_positions: bool = False) -> Callable:
+                 all_positions: bool = False, max_tokens: int = 0) -> Callable:
     """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
 
     Writes the prompts' keys/values into ``slots_N``; with ``resample`` samples each prompt's
     next token from the logits at its last position only: the head runs on N hidden states,
     not N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
-    ``all_positions`` is the reference program (head on every position, then the last row
-    kept), same tokens and logprobs; benchmarks/memory.py measures what it costs.
+    With ``max_tokens`` > 0 the N rows run as a ``lax.scan`` of passes of R rows (R the largest
+    divisor of N with R x P <= ``max_tokens``, at least 1), the cache and slot state carried,
+    so the temporary ``[R, P]`` keys/values and activations are all a pass holds. ``all_positions`` is the
+    reference program (head on every position, then the last row kept, one pass), same tokens
+    and logprobs; benchmarks/memory.py measures what it costs.
     """
 
-    def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
-                lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
-                resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+    def one_pass(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
+                 lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
+                 resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         N, P = tokens_NxP.shape
         pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
         tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
@@ -96,7 +99,34 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
         return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
 
+    def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
+                lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
+                resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+        N, P = tokens_NxP.shape
+        R = pass_rows(N, P, 0 if all_positions else max_tokens)
+        rows = (tokens_NxP, lens_N, slots_N, settings)
+        if R == N:
+            return one_pass(params, cache, st, *rows, resample)
+
+        def body(carry: tuple[KVCache, SlotState], xs: tuple) -> tuple[tuple, tuple]:
+            cache, st, out = one_pass(params, *carry, *xs, resample)
+            return (cache, st), out
+
+        # Contiguous passes: rows [i R, (i + 1) R) in pass i; outputs back in row order.
+        passes = jax.tree.map(lambda x: x.reshape(N // R, R, *x.shape[1:]), rows)
+        (cache, st), outs = jax.lax.scan(body, (cache, st), passes)
+        return cache, st, jax.tree.map(lambda x: x.reshape(N, *x.shape[2:]), outs)
+
     return prefill
+
+
+def pass_rows(n: int, length: int, max_tokens: int) -> int:
+    """Rows per prefill pass of ``n`` prompts of ``length`` tokens: the largest divisor of
+    ``n`` whose pass holds at most ``max_tokens`` tokens, at least 1 (0: all ``n``)."""
+    if max_tokens <= 0 or n * length <= max_tokens:
+        return n
+    top = max(1, max_tokens // length)
+    return next(r for r in range(top, 0, -1) if n % r == 0)
 
 
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,

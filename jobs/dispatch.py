@@ -26,7 +26,7 @@ from meshrl.mesh import (
     rules_for,
 )
 from meshrl.models.build import resolve_model_config
-from meshrl.utils import log
+from meshrl.utils import compile_cache, log
 
 # Job -> "module:function"; each function takes (config, workdir).
 _JOBS: dict[Job, str] = {}
@@ -78,6 +78,8 @@ def dry_run(config: Config) -> str:
 
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
+    if (cache := compile_cache.enable(config.runtime)) is not None:
+        log.get_logger("main").info("JAX compilation cache: %s", cache)
     check_input_paths(config)  # the same checks as dry_run, before anything is written
     resolve_model_config(config.model)
     if config.job not in _JOBS:

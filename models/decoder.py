@@ -37,6 +37,7 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
                                 param_dtype=pd)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd,
+                       chunk=cfg.mlp_chunk,
                        compute_dtype=cd, sharding=sharding)
         self.sharding = sharding
 

@@ -68,17 +68,33 @@ class Projection(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). With ``chunk`` > 0 a forward over more tokens
+    runs ``chunk`` tokens at a time (all rows, ``chunk // B`` positions) in a rematerialised
+    ``lax.map``: the ``[B, L, F]`` activations never exist whole, forward or backward."""
 
     def __init__(self, dim: int, hidden: int, *, rngs: nnx.Rngs, param_dtype: jnp.dtype,
-                 compute_dtype: jnp.dtype, sharding: ShardingContext | None):
+                 compute_dtype: jnp.dtype, sharding: ShardingContext | None, chunk: int = 0):
         kw = dict(use_bias=False, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype)
         self.gate = Projection((dim,), (hidden,), ("embed",), ("mlp",), **kw)
         self.up = Projection((dim,), (hidden,), ("embed",), ("mlp",), **kw)
         self.down = Projection((hidden,), (dim,), ("mlp",), ("embed",), **kw)
         self.sharding = sharding
+        self.chunk = chunk
 
-    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+    def _apply(self, x_BxLxD: jax.Array) -> jax.Array:
         h_BxLxF = jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD)
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"), self.sharding)
         return self.down(h_BxLxF)
+
+    def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
+        B, L, D = x_BxLxD.shape
+        if self.chunk <= 0 or B * L <= self.chunk:
+            return self._apply(x_BxLxD)
+        c = max(1, self.chunk // B)
+        n = -(-L // c)
+        x_NxBxCxD = jnp.pad(x_BxLxD, ((0, 0), (0, n * c - L), (0, 0))).reshape(
+            B, n, c, D).swapaxes(0, 1)
+        # Remat per chunk: the backward saves each chunk's input and recomputes its F-wide
+        # activations (the weights are loop-invariant).
+        out_NxBxCxD = jax.lax.map(jax.checkpoint(self._apply, prevent_cse=False), x_NxBxCxD)
+        return out_NxBxCxD.swapaxes(0, 1).reshape(B, n * c, D)[:, :L]

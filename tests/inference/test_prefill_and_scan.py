@@ -91,6 +91,30 @@ def test_last_position_prefill_samples_what_the_all_positions_reference_samples(
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("n, length, max_tokens, rows", [
+    (256, 256, 8192, 32), (96, 256, 8192, 32), (256, 16, 8192, 256), (7, 256, 512, 1),
+    (12, 64, 512, 6), (4, 64, 0, 4)])
+def test_prefill_pass_rows_are_the_largest_divisor_that_fits(n, length, max_tokens, rows):
+    assert programs.pass_rows(n, length, max_tokens) == rows
+
+
+def test_prefill_in_passes_fills_the_cache_and_samples_as_one_pass():
+    _, params = split_model(create_model(WIDE, seed=0))
+    sampler = _sampler(WIDE, params, temperature=1.0)
+    args = _prefill_args(sampler, P)
+    args = (*args[:3], np.random.default_rng(1).integers(3, 4096, (N, P), dtype=np.int32),
+            *args[4:])
+    run = {t: jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
+                                            sampler.cfg.max_len, max_tokens=t),
+                      static_argnums=(7,))(*args, True) for t in (0, 2 * P)}  # 1 vs 2 passes
+
+    (cache, st, out), (ref_cache, ref_st, ref_out) = run[2 * P], run[0]
+    np.testing.assert_array_equal(out[0], ref_out[0])
+    for a, b in zip(jax.tree.leaves((cache, st, out)), jax.tree.leaves((ref_cache, ref_st,
+                                                                         ref_out))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 96, size=int(rng.integers(3, 17))).tolist() for _ in range(n)]
