@@ -72,18 +72,24 @@ def test_prefill_computes_logits_at_the_last_prompt_position_only():
     assert temp_B[P] - temp_B[16] < N * (P - 16) * V * 4 // 8, temp_B
 
 
-def test_last_position_prefill_samples_what_the_all_positions_reference_samples():
+def _run_prefills(seed: int, variants: dict) -> dict:
+    """{name: (cache, state, outputs)} of one sampling prefill of N random prompts of P tokens,
+    per ``make_prefill`` keyword set in ``variants``."""
     _, params = split_model(create_model(WIDE, seed=0))
     sampler = _sampler(WIDE, params, temperature=1.0)
     args = _prefill_args(sampler, P)
-    args = (*args[:3], np.random.default_rng(0).integers(3, 4096, (N, P), dtype=np.int32),
+    args = (*args[:3], np.random.default_rng(seed).integers(3, 4096, (N, P), dtype=np.int32),
             *args[4:])
-    outs = {ref: jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
-                                               sampler.cfg.max_len, all_positions=ref),
-                         static_argnums=(7,))(*args, True) for ref in (False, True)}
+    return {name: jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
+                                                sampler.cfg.max_len, **kw),
+                          static_argnums=(7,))(*args, True) for name, kw in variants.items()}
+
+
+def test_last_position_prefill_samples_what_the_all_positions_reference_samples():
+    outs = _run_prefills(0, {"last": {}, "all": {"all_positions": True}})
 
     (cache, st, (tok, lp, raw, *_)), (ref_cache, ref_st, (ref_tok, ref_lp, ref_raw, *_)) = (
-        outs[False], outs[True])
+        outs["last"], outs["all"])
     np.testing.assert_array_equal(tok, ref_tok)
     np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(raw, ref_raw, rtol=1e-5, atol=1e-6)
@@ -99,16 +105,9 @@ def test_prefill_pass_rows_are_the_largest_divisor_that_fits(n, length, max_toke
 
 
 def test_prefill_in_passes_fills_the_cache_and_samples_as_one_pass():
-    _, params = split_model(create_model(WIDE, seed=0))
-    sampler = _sampler(WIDE, params, temperature=1.0)
-    args = _prefill_args(sampler, P)
-    args = (*args[:3], np.random.default_rng(1).integers(3, 4096, (N, P), dtype=np.int32),
-            *args[4:])
-    run = {t: jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
-                                            sampler.cfg.max_len, max_tokens=t),
-                      static_argnums=(7,))(*args, True) for t in (0, 2 * P)}  # 1 vs 2 passes
+    run = _run_prefills(1, {"one": {"max_tokens": 0}, "two": {"max_tokens": 2 * P}})
 
-    (cache, st, out), (ref_cache, ref_st, ref_out) = run[2 * P], run[0]
+    (cache, st, out), (ref_cache, ref_st, ref_out) = run["two"], run["one"]
     np.testing.assert_array_equal(out[0], ref_out[0])
     for a, b in zip(jax.tree.leaves((cache, st, out)), jax.tree.leaves((ref_cache, ref_st,
                                                                          ref_out))):
