@@ -206,6 +206,10 @@ class Sampler:
             raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
         if request.max_new_tokens is not None and request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
+        max_new = request.max_new_tokens or self.cfg.max_new_tokens
+        if not 0 <= request.min_new_tokens <= max_new:
+            raise ValueError(f"min_new_tokens = {request.min_new_tokens}: must be in [0, "
+                             f"max_new_tokens = {max_new}]")
 
     def has_work(self) -> bool:
         return (bool(self._queue) or self._inflight is not None

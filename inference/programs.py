@@ -30,6 +30,7 @@ class SlotState:
     reason_B: jax.Array  # noqa: N815
     n_gen_B: jax.Array  # noqa: N815
     max_new_B: jax.Array  # noqa: N815
+    min_new_B: jax.Array  # noqa: N815 -- no stop id among the first min_new_B tokens
     stop_BxS: jax.Array  # noqa: N815
     temperature_B: jax.Array  # noqa: N815
     top_k_B: jax.Array  # noqa: N815
@@ -41,9 +42,15 @@ class SlotState:
         # Distinct buffers per field: the decode/prefill jits donate the whole state.
         def i() -> jax.Array:
             return jnp.zeros((slots,), jnp.int32)
-        return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(),
+        return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(), i(),
                    jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
                    jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i())
+
+
+def banned_stops(st: SlotState) -> jax.Array:
+    """[B, S] stop ids the next token may not be (-1: none): all of a slot's stop ids while it
+    has generated fewer than its ``min_new_B`` tokens."""
+    return jnp.where((st.n_gen_B < st.min_new_B)[:, None], st.stop_BxS, -1)
 
 
 def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Array,
@@ -93,7 +100,7 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
             pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
             reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
         tok_N, lp_N, raw_N = sample(last_NxV, sub.temperature_B, sub.top_k_B, sub.top_p_B,
-                                    sub.seed_B, lens_N)
+                                    sub.seed_B, lens_N, banned_stops(sub))
         sub = finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
                      max_len)
         st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
@@ -150,7 +157,7 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                                         st.pos_B[:, None], None, win)
             new_pos_B = st.pos_B + 1
             tok_B, lp_B, raw_B = sample(logits_Bx1xV[:, 0], st.temperature_B, st.top_k_B,
-                                        st.top_p_B, st.seed_B, new_pos_B)
+                                        st.top_p_B, st.seed_B, new_pos_B, banned_stops(st))
             emit_B = st.active_B
             st = finish(st, emit_B, tok_B, new_pos_B, max_len)
             tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))

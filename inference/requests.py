@@ -26,6 +26,9 @@ class Request:
     seed: int = 0
     stop_ids: Sequence[int] = ()
     id: Any = None
+    # The first min_new_tokens tokens are never a stop id (transformers' min_new_tokens): the
+    # stop ids are masked out of the distribution sampled, and ``logprobs`` are under that mask.
+    min_new_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -88,6 +91,7 @@ def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
     return dict(
         max_new_B=np.array([pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
                            np.int32),
+        min_new_B=np.array([r.min_new_tokens if r else 0 for r in rows], np.int32),
         stop_BxS=stop_NxS,
         temperature_B=np.array([pick(r, "temperature", c.temperature) for r in rows],
                                np.float32),

@@ -55,16 +55,27 @@ def slot_keys(seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, position_B)
 
 
+def ban(logits_BxV: jax.Array, banned_BxS: jax.Array) -> jax.Array:
+    """``logits_BxV`` with each row's ``banned_BxS`` ids (-1: none) at the finite minus
+    infinity: a scatter of B x S entries, not a [B, V, S] comparison."""
+    B, V = logits_BxV.shape
+    ids_BxS = jnp.where(banned_BxS < 0, V, banned_BxS)  # V is out of range: dropped
+    return logits_BxV.at[jnp.arange(B)[:, None], ids_BxS].set(_NEG, mode="drop")
+
+
 def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
            top_p_B: jax.Array, seed_B: jax.Array, position_B: jax.Array,
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Sample one token per row.
+           banned_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Sample one token per row, never one of its ``banned_BxS`` ids (-1: none; a request's
+    stop ids before its ``min_new_tokens``).
 
-    Returns (tokens_B int32, logprob under the sampling distribution actually used (0 for
-    greedy), raw model logprob log_softmax(logits)[token]).
+    Returns (tokens_B int32, logprob under the sampling distribution actually used (the banned
+    ids masked out; 0 for greedy), raw model logprob log_softmax(logits)[token], unmasked).
     """
+    raw_logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
     logits_BxV = logits_BxV.astype(jnp.float32)
-    raw_logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
+    if banned_BxS is not None:
+        logits_BxV = ban(logits_BxV, banned_BxS)
 
     def greedy() -> tuple[jax.Array, jax.Array]:
         tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)

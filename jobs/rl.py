@@ -181,6 +181,14 @@ class RLTrainer:
         lag = check_versions(host, version, self.config.rollout.max_staleness)
         return put_batch(host, self.host_batch_sh), lag
 
+    def _handoff(self, engine: AsyncEngine, version: int) -> float:
+        """Wait for the dispatched step's params, hand them to the sampler as ``version``;
+        returns when the params were ready (``perf_counter``)."""
+        jax.block_until_ready(self.state.params)
+        t_trained = time.perf_counter()
+        engine.update_weights(self.state.params, version)
+        return t_trained
+
     def precompile(self) -> None:
         """Compile the step for every row bucket now, not in the step that first needs it."""
         self.step.precompile(self.state)
@@ -235,12 +243,18 @@ class RLTrainer:
                 if self.reference is not None:
                     prepare = functools.partial(self.reference.apply,
                                                 rewards_B=self.reference.put_rewards(rb.rewards_B))
+                t_built = time.perf_counter()
                 train.dispatch(step, batch, prepare)  # and reads the previous step's metrics
                 # The handoff waits for this step (the sampler needs its result); off the loop.
-                await asyncio.to_thread(engine.update_weights, self.state.params, step)
+                t_trained = await asyncio.to_thread(self._handoff, engine, step)
                 now, cpu_now = time.perf_counter(), time.process_time()
                 host = host_stats(groups, rb, version, t_got - last, now - last,
                                   cpu_now - cpu_last)
+                # Where the trainer's side of the step went (host clocks; no extra sync: the
+                # handoff waited for the step's params anyway).
+                host.update({"perf/batch_build_s": t_built - t_got,
+                             "perf/train_step_s": t_trained - t_built,
+                             "perf/handoff_s": now - t_trained})
                 host["train/version_lag_max"] = float(lag)
                 host.update(runner.metrics())
                 host.update(self.reward_pool.metrics())

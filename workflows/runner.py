@@ -76,29 +76,43 @@ class RolloutRunner:
         if self._filler is None:
             self._filler = asyncio.get_running_loop().create_task(self._fill())
 
-    async def _next_item(self) -> dict | None:
-        if not self._items:
-            # A file-backed iterator may read from disk: keep that off the event loop.
-            batch = await asyncio.to_thread(next, self.prompts, None)
+    def _read(self, n: int) -> list[Any]:
+        """Up to ``n`` items' worth of the iterator's batches (fewer only at its end)."""
+        out, got = [], 0
+        while got < n:
+            batch = next(self.prompts, None)
             if batch is None:
-                return None
-            self._items.extend([batch] if isinstance(batch, dict) else batch)
-        return self._items.popleft() if self._items else None
+                break
+            out.append(batch)
+            got += 1 if isinstance(batch, dict) else len(batch)
+        return out
+
+    async def _next_items(self, n: int) -> list[dict]:
+        """The next ``n`` items (fewer only at the end of the prompts)."""
+        if len(self._items) < n:
+            # A file-backed iterator may read from disk: keep that off the event loop, and read
+            # all ``n`` in one worker-thread call, so the episodes of a whole batch reach the
+            # sampler together (one thread hop per prompt let it start on the first group).
+            for batch in await asyncio.to_thread(self._read, n - len(self._items)):
+                self._items.extend([batch] if isinstance(batch, dict) else batch)
+        return [self._items.popleft() for _ in range(min(n, len(self._items)))]
 
     async def _fill(self) -> None:
         try:
             while True:
                 self._wake.clear()
                 while self.controller.can_admit():
-                    item = await self._next_item()
-                    if item is None:
+                    want = self.controller.capacity()
+                    items = await self._next_items(want)
+                    for item in items:
+                        self.controller.on_submit()
+                        task = asyncio.create_task(self._run_group(item, self._next_group_id))
+                        self._next_group_id += 1
+                        self._tasks.add(task)
+                        task.add_done_callback(self._tasks.discard)
+                    if len(items) < want:
                         self._exhausted = True
                         break
-                    self.controller.on_submit()
-                    task = asyncio.create_task(self._run_group(item, self._next_group_id))
-                    self._next_group_id += 1
-                    self._tasks.add(task)
-                    task.add_done_callback(self._tasks.discard)
                 if self._exhausted:
                     break
                 await self._wake.wait()

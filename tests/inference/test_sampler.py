@@ -164,6 +164,48 @@ def test_stop_token_ends_sequence_with_reason_stop(tiny_params):
     assert out.finish_reason == "stop"
 
 
+def test_min_new_tokens_masks_stop_ids_until_reached(tiny_params):
+    graphdef, params = tiny_params
+    prompt = _prompts(1, seed=3)[0]
+    ref, _ = reference_greedy(graphdef, params, prompt, 6)
+    sampler = make_sampler(params)
+    stop = (ref[0],)  # greedy would stop at once
+
+    free = sampler.generate([Request(prompt, max_new_tokens=20, stop_ids=stop)])[0]
+    held = sampler.generate([Request(prompt, max_new_tokens=20, stop_ids=stop,
+                                     min_new_tokens=5)])[0]
+
+    assert free.tokens == ref[:1] and free.finish_reason == "stop"
+    assert stop[0] not in held.tokens[:5]
+    assert len(held.tokens) >= 5
+    assert held.finish_reason == ("stop" if stop[0] in held.tokens else "length")
+
+
+def test_min_new_equal_to_max_new_gives_exactly_that_many_tokens(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, slots=4)
+    prompts = _prompts(6, seed=5)
+    # Every id a tiny random model may emit early is a stop id: only the mask keeps it going.
+    stops = tuple(range(3, 11))
+
+    outs = sampler.generate([Request(p, max_new_tokens=9, min_new_tokens=9, stop_ids=stops,
+                                     temperature=1.0, seed=i) for i, p in enumerate(prompts)])
+
+    assert [len(o.tokens) for o in outs] == [9] * 6
+    assert all(o.finish_reason == "length" for o in outs)
+    assert not any(t in stops for o in outs for t in o.tokens)
+
+
+@pytest.mark.parametrize("min_new", [-1, 11])
+def test_min_new_tokens_outside_zero_to_max_new_is_rejected(tiny_params, min_new):
+    _, params = tiny_params
+    sampler = make_sampler(params)
+
+    with pytest.raises(ValueError, match=rf"min_new_tokens = {min_new}: must be in \[0, "
+                                         r"max_new_tokens = 10\]"):
+        sampler.submit(Request([3, 4], max_new_tokens=10, min_new_tokens=min_new))
+
+
 def test_sequence_reaching_cache_end_finishes_with_length(tiny_params):
     _, params = tiny_params
     sampler = make_sampler(params, max_len=24, prompt_buckets=(8, 16))

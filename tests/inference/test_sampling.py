@@ -45,3 +45,29 @@ def test_temperature_zero_rows_are_greedy_even_in_a_sampled_batch():
                            jnp.ones(2), jnp.asarray([1, 2]), jnp.zeros(2, jnp.int32))
     assert int(tokens[0]) == 1
     assert float(lp[0]) == 0.0
+
+
+def test_banned_ids_are_never_sampled_and_logprobs_are_under_the_mask():
+    # Row r bans token 1 (the likeliest) and row r+1 bans nothing (-1 padding only).
+    banned_Bx2 = jnp.asarray([[1, -1], [-1, -1]] * 32, jnp.int32)
+    tokens, lp, raw = sample(jnp.repeat(LOGITS_1xV, 64, 0), jnp.ones(64),
+                             jnp.zeros(64, jnp.int32), jnp.ones(64),
+                             jnp.arange(64, dtype=jnp.int32), jnp.zeros(64, jnp.int32),
+                             banned_Bx2)
+    tokens, lp = np.asarray(tokens), np.asarray(lp)
+    assert 1 not in tokens[0::2].tolist()
+    assert 1 in tokens[1::2].tolist()  # the unbanned rows still sample it (p = 0.4)
+    probs = np.asarray([0.1, 0.4, 0.2, 0.3])
+    want_banned = np.log(probs[tokens[0::2]] / 0.6)
+    np.testing.assert_allclose(lp[0::2], want_banned, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lp[1::2], np.log(probs[tokens[1::2]]), rtol=1e-5, atol=1e-6)
+    # The raw logprob is the model's own, unmasked.
+    np.testing.assert_allclose(np.asarray(raw), np.log(probs[tokens]), rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_with_a_banned_argmax_takes_the_next_best():
+    tokens, lp, _ = sample(LOGITS_1xV, jnp.zeros(1), jnp.zeros(1, jnp.int32), jnp.ones(1),
+                           jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32),
+                           jnp.asarray([[1, -1]], jnp.int32))
+    assert int(tokens[0]) == 3
+    assert float(lp[0]) == 0.0

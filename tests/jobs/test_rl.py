@@ -87,6 +87,10 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
     for s in range(1, 5):  # the process's CPU time over each step: some, and at most all cores
         m = metrics[s]
         assert 0.0 < m["perf/process_cpu_s"] <= m["perf/step_time_s"] * os.cpu_count() + 0.05, m
+        # The trainer's phases are parts of the step (the rollout wait is the rest).
+        phases = [m[f"perf/{k}_s"] for k in ("batch_build", "train_step", "handoff")]
+        assert all(x >= 0.0 for x in phases), m
+        assert m["perf/rollout_wait_s"] + sum(phases) <= m["perf/step_time_s"] + 1e-6, m
     assert "eval/greedy_accuracy" in metrics[0] and "eval/greedy_accuracy" in metrics[4]
     assert wall < 120, wall
     # A quiet console: one line per logged step, a closing table, no third-party INFO records.

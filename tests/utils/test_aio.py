@@ -69,6 +69,9 @@ def interrupt():
     time.sleep(0.2)  # the caller is waiting in run_sync by now
     os.kill(os.getpid(), signal.SIGINT)  # as a notebook's interrupt button does
 
+# A shell that starts this in the background (``cmd &``) ignores SIGINT, and Python then
+# keeps it ignored; a kernel raises KeyboardInterrupt on it, so install that explicitly.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 threading.Thread(target=interrupt, daemon=True).start()
 loop = asyncio.new_event_loop()  # a kernel's loop: SIGINT raises KeyboardInterrupt (no Runner)
 t0 = time.perf_counter()

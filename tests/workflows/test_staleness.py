@@ -316,3 +316,37 @@ def test_runner_metrics_and_state_include_filtered_groups():
     assert runner.metrics()["rollout/filtered_equal_groups"] >= 1
     assert runner.state_dict()["counters"]["filtered_equal_groups"] >= 1
     assert runner.controller.rejected >= runner.counters["filtered_equal_groups"]
+
+
+def test_a_batchs_episodes_all_reach_the_engine_in_one_event_loop_turn():
+    # A sampler admits what was submitted when it wakes: requests spread over loop turns (one
+    # worker-thread hop per prompt) made it start on the first group alone.
+    class TurnEngine(FakeEngine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.turn, self.turns = 0, []
+
+        def tick(self) -> None:
+            self.turn += 1
+            asyncio.get_running_loop().call_soon(self.tick)
+
+        async def agenerate(self, request):
+            self.turns.append(self.turn)
+            return await super().agenerate(request)
+
+    async def main() -> list[int]:
+        engine = TurnEngine()
+        engine.tick()
+        fn = group_episode_fn(engine, group_size=4, filter_equal=False,
+                              reward_pool=FakeRewards(), decode=decode)
+        runner = RolloutRunner(fn, iter(prompts(50)),
+                               StalenessController(batch_size=8, max_staleness=0))
+        runner.start()
+        await runner.get_batch(0)
+        await runner.stop()
+        return engine.turns
+
+    turns = asyncio.run(main())
+
+    assert len(turns) == 32
+    assert len(set(turns)) == 1, turns
