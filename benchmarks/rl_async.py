@@ -120,13 +120,19 @@ def make_config(max_staleness: int, steps: int, reward_workers: int = 2,
     cfg.reward.names = ("meshrl.benchmarks.rl_async:latency_reward",)
     cfg.reward.num_workers = reward_workers
     cfg.rl.warm_start_steps = 0  # random init: throughput does not need skill
+    return from_config_dict(without_side_outputs(cfg))
+
+
+def without_side_outputs(cfg: Any) -> Any:
+    """``cfg`` with no checkpoints, published versions, progress bar, tensorboard or INFO logs:
+    a benchmark's steps time the RL loop, not its artifacts."""
     cfg.checkpoint.every_steps = 0
     cfg.checkpoint.publish_every = 10_000
     cfg.checkpoint.async_save = False
     cfg.logging.progress_bar = False
     cfg.logging.tensorboard = False
     cfg.logging.level = "WARNING"
-    return from_config_dict(cfg)
+    return cfg
 
 
 def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,

@@ -44,6 +44,7 @@ HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def make_config(max_staleness: int, steps: int) -> Any:
+    from meshrl.benchmarks.rl_async import without_side_outputs
     from meshrl.configs.loader import base_config, from_config_dict
 
     cfg = base_config("rl")
@@ -66,13 +67,7 @@ def make_config(max_staleness: int, steps: int) -> Any:
     cfg.rollout.max_staleness = max_staleness
     cfg.rollout.filter_equal_groups = False  # a random model earns equal (zero) rewards
     cfg.rl.warm_start_steps = 0
-    cfg.checkpoint.every_steps = 0
-    cfg.checkpoint.publish_every = 10_000
-    cfg.checkpoint.async_save = False
-    cfg.logging.progress_bar = False
-    cfg.logging.tensorboard = False
-    cfg.logging.level = "WARNING"
-    return from_config_dict(cfg)
+    return from_config_dict(without_side_outputs(cfg))
 
 
 class ExactLengthEngine:

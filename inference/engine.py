@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import programs
 from meshrl.inference import weights as wts
-from meshrl.inference.programs import MAX_STOP_IDS, SlotState
+from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import (
     Completion,
     Request,
@@ -40,6 +40,7 @@ from meshrl.inference.requests import (
     bucket_for,
     buckets_up_to,
     slot_settings,
+    validate_request,
 )
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
@@ -198,18 +199,7 @@ class Sampler:
 
     def validate(self, request: Request) -> None:
         """Raise ValueError for a request this sampler cannot serve."""
-        n = len(request.prompt_ids)
-        if not 1 <= n <= self.prompt_buckets[-1]:
-            raise ValueError(f"prompt length {n}: must be in [1, {self.prompt_buckets[-1]}] "
-                             f"(sampler.prompt_buckets = {self.prompt_buckets})")
-        if len(request.stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
-        if request.max_new_tokens is not None and request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
-        max_new = request.max_new_tokens or self.cfg.max_new_tokens
-        if not 0 <= request.min_new_tokens <= max_new:
-            raise ValueError(f"min_new_tokens = {request.min_new_tokens}: must be in [0, "
-                             f"max_new_tokens = {max_new}]")
+        validate_request(request, self.cfg, self.prompt_buckets)
 
     def has_work(self) -> bool:
         return (bool(self._queue) or self._inflight is not None

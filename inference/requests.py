@@ -77,6 +77,22 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
+def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequence[int]) -> None:
+    """Raise ValueError for a request a sampler with ``c`` and ``prompt_buckets`` cannot serve."""
+    n = len(request.prompt_ids)
+    if not 1 <= n <= prompt_buckets[-1]:
+        raise ValueError(f"prompt length {n}: must be in [1, {prompt_buckets[-1]}] "
+                         f"(sampler.prompt_buckets = {tuple(prompt_buckets)})")
+    if len(request.stop_ids) > MAX_STOP_IDS:
+        raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
+    if request.max_new_tokens is not None and request.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
+    max_new = request.max_new_tokens or c.max_new_tokens
+    if not 0 <= request.min_new_tokens <= max_new:
+        raise ValueError(f"min_new_tokens = {request.min_new_tokens}: must be in [0, "
+                         f"max_new_tokens = {max_new}]")
+
+
 def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
                   ) -> dict[str, np.ndarray]:
     """Per-row sampling settings of ``n`` prefill rows (padding rows get the defaults)."""
