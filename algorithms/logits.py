@@ -43,6 +43,11 @@ class Hidden:
     vocab_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     # The mesh axes of the hidden states' batch dimension (kept outside the chunk loop).
     batch_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    # MoE models: the router sums of the forward (models.moe_math.router_stats, added over
+    # layers) and the weights of the load-balancing loss and the z-loss (``losses.router_terms``).
+    router: dict[str, jax.Array] | None = None
+    aux_loss_coef: float = flax.struct.field(pytree_node=False, default=0.0)
+    z_loss_coef: float = flax.struct.field(pytree_node=False, default=0.0)
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -29,7 +29,8 @@ from meshrl.algorithms.logits import (
 )
 
 __all__ = ["Hidden", "LossFn", "LossOutput", "MeanMax", "ModelOutput", "check_temperature",
-           "add_outputs", "get_loss", "register", "report_aux", "sft_cross_entropy", "tempered",
+           "add_outputs", "get_loss", "register", "report_aux", "router_terms", "sft_cross_entropy",
+           "tempered",
            "token_logprobs"]
 
 
@@ -78,6 +79,30 @@ def report_aux(aux: dict[str, jax.Array | MeanMax], denom: jax.Array) -> dict[st
         else:
             out[k] = v / denom
     return out
+
+
+def router_terms(out: ModelOutput, loss_sum: jax.Array, weight: jax.Array,
+                 aux: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+    """An MoE model's router losses added to a loss output (a dense model's pass through):
+    ``aux_loss_coef`` x the load-balancing loss (HF's ``load_balancing_loss_func``: experts x
+    the sum over experts of the fraction of top-k assignments times the mean router
+    probability, over the real tokens of every layer) plus ``z_loss_coef`` x the z-loss (the
+    mean squared log-sum-exp of the router logits), each scaled by ``weight`` like the loss
+    sums. Metrics ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_max_over_mean`` (tokens per
+    expert, all layers) and ``moe/dropped_frac`` (copies over capacity)."""
+    if not isinstance(out, Hidden) or out.router is None:
+        return loss_sum, aux
+    r = out.router
+    rows = jnp.maximum(r["rows"], 1.0)
+    counts_E = r["counts"]
+    balance = counts_E.shape[0] * jnp.sum((counts_E / rows) * (r["prob_sum"] / rows))
+    z_loss = r["z_sum"] / rows
+    loss_sum = loss_sum + weight * (out.aux_loss_coef * balance + out.z_loss_coef * z_loss)
+    max_over_mean = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
+    dropped = r["dropped"] / jnp.maximum(counts_E.sum(), 1.0)
+    return loss_sum, {**aux, "moe/aux_loss": balance * weight, "moe/z_loss": z_loss * weight,
+                      "moe/load_max_over_mean": max_over_mean * weight,
+                      "moe/dropped_frac": dropped * weight}
 
 
 LossOutput = tuple[jax.Array, jax.Array, dict[str, jax.Array]]

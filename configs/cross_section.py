@@ -18,15 +18,35 @@ if TYPE_CHECKING:
 
 
 def _unused_mesh_axes(config: Config) -> None:
-    # The decoder is dense (ModelConfig has no experts): only MoE expert FFNs (``mlp_moe``) map
-    # to expert_tensor, so devices on it would hold replicas that compute the same thing.
-    # ``expert`` is fine: dense layers use it as extra batch (mesh/rules.py).
-    mesh = config.mesh
-    for name in ("expert_tensor", "dcn_expert_tensor"):
-        if getattr(mesh, name) != 1:
-            raise ConfigError(f"mesh.{name} = {getattr(mesh, name)}: must be 1: it shards only "
-                              f"MoE expert FFNs and model.* is a dense decoder (put the devices "
-                              f"on mesh.data or mesh.expert instead)")
+    # Only MoE expert FFNs (``mlp_moe``) map to expert_tensor: on a dense decoder, devices on it
+    # would hold replicas that compute the same thing. ``expert`` is fine: dense layers use it
+    # as extra batch (mesh/rules.py). With model.hf_path the checkpoint decides (at build time).
+    mesh, model = config.mesh, config.model
+    if model.hf_path:
+        return
+    if model.num_experts == 0:
+        for name in ("expert_tensor", "dcn_expert_tensor"):
+            if getattr(mesh, name) != 1:
+                raise ConfigError(f"mesh.{name} = {getattr(mesh, name)}: must be 1: it shards "
+                                  f"only MoE expert FFNs and model.* is a dense decoder (put the "
+                                  f"devices on mesh.data or mesh.expert instead)")
+        return
+    check_moe_mesh(model.num_experts, model.resolved_moe_intermediate_size,
+                   expert=mesh.expert * mesh.dcn_expert if -1 not in (mesh.expert,
+                                                                       mesh.dcn_expert) else 1,
+                   expert_tensor=mesh.expert_tensor * mesh.dcn_expert_tensor if -1 not in (
+                       mesh.expert_tensor, mesh.dcn_expert_tensor) else 1)
+
+
+def check_moe_mesh(num_experts: int, moe_width: int, *, expert: int, expert_tensor: int) -> None:
+    """The expert axis must divide the experts and expert_tensor each expert's FFN width: a
+    silent replication would hide a misconfigured mesh."""
+    if num_experts % expert:
+        raise ConfigError(f"mesh.expert = {expert}: must divide model.num_experts = "
+                          f"{num_experts}")
+    if moe_width % expert_tensor:
+        raise ConfigError(f"mesh.expert_tensor = {expert_tensor}: must divide the expert FFN "
+                          f"width model.moe_intermediate_size = {moe_width}")
 
 
 def _rl(config: Config) -> None:

@@ -3,6 +3,7 @@ asynchronous GRPO raises its held-out accuracy. Runs on a laptop CPU in a few mi
 
   python main.py --config configs/default.py --workdir /tmp/meshrl
   python main.py --config configs/default.py:smoke --workdir /tmp/meshrl_smoke   # < 1 minute
+  python main.py --config configs/default.py:moe --workdir /tmp/meshrl_moe  # MoE decoder
 
 The warm start (``<workdir>/sft``, ``rl.warm_start_steps`` SFT steps at the constant rate
 ``rl.warm_start_lr``, see ``jobs/rl.py``) is deliberately short, so RL starts from a
@@ -58,7 +59,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.rollout.max_staleness = 2  # asynchronous: up to 2 versions behind
     cfg.checkpoint.every_steps = 100
     cfg.checkpoint.publish_every = 50  # Orbax weight versions under <workdir>/weights
-    if arg == "smoke":
+    if arg in ("moe", "moe_smoke"):
+        # The same task on a Qwen3-MoE-shaped decoder: every layer's FFN is 4 experts, top-2.
+        cfg.model.arch = "qwen3_moe"
+        cfg.model.qk_norm = True
+        cfg.model.num_experts = 4
+        cfg.model.num_experts_per_tok = 2
+        cfg.model.moe_intermediate_size = 96  # 2 active experts: about the dense FFN's FLOPs
+        cfg.model.router_aux_loss_coef = 0.01
+    if arg in ("smoke", "moe_smoke"):
         cfg.trainer.steps = 4  # the whole pipeline, end to end, in well under a minute
         cfg.trainer.log_every = 1
         cfg.rl.warm_start_steps = 4
@@ -72,6 +81,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         cfg.rollout.filter_equal_groups = False  # an untrained policy: keep every group
         cfg.sampler.slots = 32
         cfg.logging.progress_bar = False
-    elif arg not in (None, ""):
-        raise ValueError(f"configs/default.py: unknown variant {arg!r}; known: 'smoke'")
+    if arg not in (None, "", "smoke", "moe", "moe_smoke"):
+        raise ValueError(f"configs/default.py: unknown variant {arg!r}; known: 'smoke', 'moe', "
+                         f"'moe_smoke'")
     return cfg

@@ -23,11 +23,10 @@ from meshrl.configs.fields import (
     field,
     one_of_or_fill,
 )
+from meshrl.configs.model_schema import DType, ModelConfig
 from meshrl.configs.rl_schema import RLConfig
 from meshrl.configs.runtime_schema import RuntimeConfig
 from meshrl.configs.sample_schema import SampleConfig
-
-DType = Literal["float32", "bfloat16", "float16"]
 
 
 class Job(str, enum.Enum):
@@ -77,67 +76,6 @@ class MeshConfig(Section):
     @property
     def dcn_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, "dcn_" + a) for a in MESH_AXES)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig(Section):
-    _section = "model"
-    arch: Literal["llama", "qwen2", "qwen3"] = field(
-        "llama", "Decoder family: llama (Llama 3.x), qwen2 (q/k/v bias), qwen3 (q/k RMSNorm).")
-    vocab_size: int = field(256, "Vocabulary size.", at_least(1))
-    hidden_size: int = field(64, "Model (embedding) width.", at_least(1))
-    intermediate_size: int = field(172, "SwiGLU MLP hidden width.", at_least(1))
-    num_layers: int = field(2, "Number of decoder layers.", at_least(1))
-    num_heads: int = field(4, "Query heads.", at_least(1))
-    num_kv_heads: int = field(2, "Key/value heads (GQA); must divide num_heads.", at_least(1))
-    hf_path: str = field("", "Local Hugging Face checkpoint directory; empty: random init.")
-    tokenizer: str = field("char", "'char' (built-in) or a local directory with tokenizer.json.")
-    head_dim: int = field(0, "Per-head width; 0 means hidden_size // num_heads.", at_least(0))
-    rope_theta: float = field(10000.0, "RoPE base frequency.", at_least(1.0))
-    rope_scaling: Literal["none", "llama3", "linear"] = field("none", "RoPE scaling rule.")
-    rope_scaling_factor: float = field(1.0, "RoPE scaling factor.", at_least(1.0))
-    rope_low_freq_factor: float = field(1.0, "llama3 RoPE low-frequency factor.", at_least(0.0))
-    rope_high_freq_factor: float = field(4.0, "llama3 RoPE high-frequency factor.", at_least(0.0))
-    rope_original_max_position: int = field(8192, "llama3 RoPE original context length.",
-                                            at_least(1))
-    max_position_embeddings: int = field(2048, "Longest supported position.", at_least(1))
-    rms_norm_eps: float = field(1e-6, "RMSNorm epsilon.", at_least(0.0))
-    tie_embeddings: bool = field(False, "Share the input embedding with the output head.")
-    attention_bias: bool = field(False, "Bias on q/k/v projections (Qwen2).")
-    qk_norm: bool = field(False, "RMSNorm on per-head q and k (Qwen3).")
-    param_dtype: DType = field("float32", "Dtype of stored parameters (master weights).")
-    compute_dtype: DType = field("float32", "Dtype of activations and matmuls.")
-    attention: Literal["blockwise", "einsum", "cudnn", "splash"] = field(
-        "blockwise", "Attention kernel of the no-cache forward (training, logprobs) and of "
-                     "prefills over 512 tokens: blockwise (pure JAX online softmax in blocks of "
-                     "<= 512 queries x keys, any platform; up to 512 tokens the einsum itself), "
-                     "einsum (the reference: full L x L float32 scores), cudnn (GPU, needs "
-                     "compute_dtype bfloat16/float16), splash (TPU Pallas). Decode always "
-                     "attends over the cache in one pass. See docs/attention.md.")
-    remat: Literal["none", "full", "dots"] = field(
-        "none", "Rematerialisation policy per layer: none, full, or save only matmul outputs.")
-    scan_layers: bool = field(False, "Run layers with a scan (faster compile, one layer's code).")
-    mlp_chunk: int = field(
-        0, "Tokens per chunk of the MLP in the no-cache forward (training, logprobs): the "
-           "[tokens, intermediate_size] activations are built and recomputed (remat) that many "
-           "tokens at a time. 0: all at once. For long sequences with remat, where one layer's "
-           "recomputed MLP dominates the step's memory.", at_least(0))
-
-    def validate(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model.num_kv_heads = {self.num_kv_heads}: must divide "
-                              f"model.num_heads = {self.num_heads}")
-        if self.head_dim == 0 and self.hidden_size % self.num_heads:
-            raise ConfigError(f"model.hidden_size = {self.hidden_size}: must be divisible by "
-                              f"model.num_heads = {self.num_heads} when model.head_dim = 0")
-        if self.attention == "cudnn" and self.compute_dtype == "float32":
-            raise ConfigError("model.attention = 'cudnn': needs model.compute_dtype = "
-                              "'bfloat16' or 'float16' (cuDNN flash attention has no float32 "
-                              "kernel), got 'float32'")
-
-    @property
-    def resolved_head_dim(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_heads
 
 
 @dataclasses.dataclass(frozen=True)

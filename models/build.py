@@ -25,7 +25,8 @@ from meshrl.utils.log import get_logger
 # Fields of ModelConfig that say how to run the weights, not what they are: with model.hf_path
 # they come from model.*, every other field from the checkpoint's config.json.
 RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention", "remat", "scan_layers", "mlp_chunk",
-                  "tokenizer")
+                  "tokenizer", "moe_impl", "capacity_factor", "router_aux_loss_coef",
+                  "router_z_loss_coef")
 _NOT_ARCH = (*RUNTIME_FIELDS, "hf_path")
 
 

@@ -1,4 +1,5 @@
-"""The decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3) and its functional helpers."""
+"""The decoder-only transformer (Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE, Mixtral) and its
+functional helpers."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models.attention import Attention
 from meshrl.models.kv_cache import KVCache
 from meshrl.models.layers import MLP, RMSNorm, dtype_of, param
+from meshrl.models.moe import MoE, zero_stats
+from meshrl.models.moe_math import RouterStats
 from meshrl.models.rope import inv_frequencies, rope_tables
 from meshrl.models.sharding import ShardingContext, constrain, param_shardings
 
@@ -27,34 +30,48 @@ _REMAT_POLICIES = {
 
 
 class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x))."""
+    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x)), the MLP dense or MoE
+    (``cfg.is_sparse_layer(layer)``). Returns (x, cache, router stats or None)."""
 
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sharding: ShardingContext | None):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sharding: ShardingContext | None,
+                 layer: int = 0):
         pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
                                  param_dtype=pd)
         self.attn = Attention(cfg, rngs=rngs, sharding=sharding)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
                                 param_dtype=pd)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd,
-                       chunk=cfg.mlp_chunk,
-                       compute_dtype=cd, sharding=sharding)
+        self.mlp = (MoE(cfg, rngs=rngs, sharding=sharding) if cfg.is_sparse_layer(layer) else
+                    MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd,
+                        chunk=cfg.mlp_chunk, compute_dtype=cd, sharding=sharding))
         self.sharding = sharding
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
                  cache: KVCache | None = None, layer: int | jax.Array = 0,
-                 ) -> tuple[jax.Array, KVCache | None]:
+                 ) -> tuple[jax.Array, KVCache | None, RouterStats | None]:
         h, cache = self.attn(self.attn_norm(x_BxLxD), cos_BxLxH, sin_BxLxH, positions_BxL,
                              segment_ids_BxL, cache, layer)
         x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
-        x_BxLxD = x_BxLxD + self.mlp(self.mlp_norm(x_BxLxD))
-        return constrain(x_BxLxD, ("batch", "length", "act_embed"), self.sharding), cache
+        stats = None
+        if isinstance(self.mlp, MoE):
+            h, stats = self.mlp(self.mlp_norm(x_BxLxD), segment_ids_BxL > 0)
+        else:
+            h = self.mlp(self.mlp_norm(x_BxLxD))
+        x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
+        return x_BxLxD, cache, stats
 
 
 def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
-               seg: jax.Array) -> jax.Array:
-    return block(x, cos, sin, pos, seg)[0]
+               seg: jax.Array) -> tuple[jax.Array, RouterStats | None]:
+    x, _, stats = block(x, cos, sin, pos, seg)
+    return x, stats
+
+
+def _add_stats(total: RouterStats | None, stats: RouterStats | None) -> RouterStats | None:
+    if stats is None:
+        return total
+    return stats if total is None else jax.tree.map(jnp.add, total, stats)
 
 
 class Decoder(nnx.Module):
@@ -62,6 +79,8 @@ class Decoder(nnx.Module):
     with ``cache=KVCache`` returns ``(logits, new_cache)``. ``return_hidden=True`` returns the
     final hidden states [B, L, D] (after the final norm) in place of the logits; ``head`` maps
     them to logits, ``head_weight`` is the head's matrix (for losses that chunk the logits).
+    ``router_stats=True`` (no cache) returns ``(out, stats)``: the MoE layers' router sums
+    (``moe_math.router_stats``) added over layers; None for a dense decoder.
 
     Segment ids pack several sequences in one row: no attention across different ids; id 0 is
     padding (it only attends to padding). Positions default to 0..L-1 and drive RoPE (and, with a
@@ -79,8 +98,8 @@ class Decoder(nnx.Module):
             # One Block whose params carry a leading "layers" axis; the forward scans over it.
             self.layers = _stacked_blocks(cfg, rngs, sharding)
         else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs, sharding=sharding)
-                                    for _ in range(cfg.num_layers)])
+            self.layers = nnx.List([Block(cfg, rngs=rngs, sharding=sharding, layer=i)
+                                    for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
                                   param_dtype=pd)
         self.lm_head = (None if cfg.tie_embeddings else
@@ -88,7 +107,7 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None, *, cache: KVCache | None = None,
-                 return_hidden: bool = False) -> jax.Array | tuple[jax.Array, KVCache]:
+                 return_hidden: bool = False, router_stats: bool = False) -> Any:
         cfg, ctx = self.cfg, self.sharding
         B, L = input_ids_BxL.shape
         cd = dtype_of(cfg.compute_dtype)
@@ -105,21 +124,22 @@ class Decoder(nnx.Module):
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"), ctx)
         cos_BxLxH, sin_BxLxH = rope_tables(positions_BxL, inv_frequencies(cfg))
 
-        kv = cache
+        kv, stats = cache, None
         if cfg.scan_layers:
-            x_BxLxD, kv = self._scan(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                                     segment_ids_BxL, kv)
+            x_BxLxD, kv, stats = self._scan(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                            segment_ids_BxL, kv)
         elif kv is not None:
             for i, block in enumerate(self.layers):
-                x_BxLxD, kv = block(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                                    segment_ids_BxL, kv, i)
+                x_BxLxD, kv, _ = block(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                       segment_ids_BxL, kv, i)
         else:
             run = _run_block
             if cfg.remat != "none":
                 run = nnx.remat(_run_block, policy=_REMAT_POLICIES[cfg.remat])
             for block in self.layers:
-                x_BxLxD = run(block, x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                              segment_ids_BxL)
+                x_BxLxD, layer_stats = run(block, x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                           segment_ids_BxL)
+                stats = _add_stats(stats, layer_stats)
         cache = kv
 
         x_BxLxD = self.final_norm(x_BxLxD)
@@ -128,6 +148,9 @@ class Decoder(nnx.Module):
         else:
             out = self.head(x_BxLxD)
             assert out.shape == (B, L, cfg.vocab_size), out.shape
+        if router_stats:
+            assert cache is None, "router_stats is for the no-cache forward"
+            return out, stats
         return out if cache is None else (out, cache)
 
     def head_weight(self) -> tuple[jax.Array, bool]:
@@ -147,17 +170,21 @@ class Decoder(nnx.Module):
 
     def _scan(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
               positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-              kv: KVCache | None) -> tuple[jax.Array, KVCache | None]:
+              kv: KVCache | None) -> tuple[jax.Array, KVCache | None, RouterStats | None]:
         """Layers as a lax.scan over the stacked params. The KV cache rides in the carry (not
         in xs/ys) so each layer's write is an in-place update at a traced layer index; a
         layer-stacked cache (``KVCache.init`` with ``scan_layers``) is carried as it is."""
         graphdef, layer_params_stack = nnx.split(self.layers)
 
+        sparse = self.cfg.is_sparse_layer(0)  # scan_layers: every layer alike (config rule)
+
         def body(carry, xs):
-            x, kv = carry
+            x, kv, stats = carry
             layer_params, i = xs
             block = nnx.merge(graphdef, layer_params)
-            return block(x, cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL, kv, i), None
+            x, kv, layer_stats = block(x, cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL,
+                                       kv, i)
+            return (x, kv, _add_stats(stats, layer_stats) if sparse else None), None
 
         if self.cfg.remat != "none" and kv is None:
             # prevent_cse=False is safe (and faster) inside scan, per the jax.checkpoint docs.
@@ -168,9 +195,10 @@ class Decoder(nnx.Module):
         # and unstacked here, a copy of the whole cache per forward; a stacked one is not.
         per_layer = kv is not None and not kv.is_stacked
         stacked = kv.stacked() if per_layer else kv
-        (x_BxLxD, stacked), _ = jax.lax.scan(body, (x_BxLxD, stacked),
-                                             (layer_params_stack, layer_ids))
-        return x_BxLxD, stacked.unstacked() if per_layer else stacked
+        stats0 = zero_stats(self.cfg.num_experts) if sparse else None
+        (x_BxLxD, stacked, stats), _ = jax.lax.scan(body, (x_BxLxD, stacked, stats0),
+                                                    (layer_params_stack, layer_ids))
+        return x_BxLxD, stacked.unstacked() if per_layer else stacked, stats
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, sharding: ShardingContext | None,
@@ -213,14 +241,23 @@ def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
 
 def forward_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
                    positions_BxL: jax.Array | None = None,
-                   segment_ids_BxL: jax.Array | None = None,
-                   ) -> tuple[jax.Array, jax.Array, bool]:
+                   segment_ids_BxL: jax.Array | None = None, *, router_stats: bool = False,
+                   ) -> tuple[Any, ...]:
     """(final hidden states [B, L, D] in the compute dtype, head matrix, tied): the forward
     without its output head, for losses that compute the logits chunk by chunk. The head is
-    ``lm_head`` [D, V], or with ``tied`` the [V, D] embedding (its param dtype)."""
+    ``lm_head`` [D, V], or with ``tied`` the [V, D] embedding (its param dtype). With
+    ``router_stats`` a fourth item: the MoE router sums (``Decoder``)."""
     model = nnx.merge(graphdef, params)
-    hidden_BxLxD = model(input_ids_BxL, positions_BxL, segment_ids_BxL, return_hidden=True)
-    return (hidden_BxLxD, *model.head_weight())
+    out = model(input_ids_BxL, positions_BxL, segment_ids_BxL, return_hidden=True,
+                router_stats=router_stats)
+    if router_stats:
+        return (out[0], *model.head_weight(), out[1])
+    return (out, *model.head_weight())
+
+
+def model_config(graphdef: nnx.GraphDef, params: nnx.State) -> ModelConfig:
+    """The ``ModelConfig`` a split model was built from."""
+    return nnx.merge(graphdef, params).cfg
 
 
 def loss_vocab_axes(graphdef: nnx.GraphDef, params: nnx.State, vocab_size: int, rows: int
@@ -297,7 +334,10 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """
     D, F, N, K, H = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                      cfg.resolved_head_dim)
-    per_layer = D * N * H * 2 + D * K * H * 2 + 3 * D * F
-    matmul_params = cfg.num_layers * per_layer + D * cfg.vocab_size
+    attn = D * N * H * 2 + D * K * H * 2
+    # An MoE layer's matmuls per token: the router and top-k experts' FFNs (the active params).
+    moe = D * cfg.num_experts + 3 * D * cfg.resolved_moe_intermediate_size * cfg.num_experts_per_tok
+    matmul_params = sum(attn + (moe if cfg.is_sparse_layer(i) else 3 * D * F)
+                        for i in range(cfg.num_layers)) + D * cfg.vocab_size
     attention = 12 * cfg.num_layers * N * H * seq_len
     return float(6 * matmul_params + attention)

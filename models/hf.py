@@ -1,4 +1,4 @@
-"""Hugging Face safetensors import/export for Llama 3.x, Qwen2/2.5 and Qwen3.
+"""Hugging Face safetensors import/export for Llama 3.x, Qwen2/2.5, Qwen3, Qwen3-MoE and Mixtral.
 
 Import builds the model abstractly, then reads one tensor at a time (numpy, on the host) and
 places it straight into its target NamedSharding with ``jax.make_array_from_callback``: each
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -23,11 +22,15 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
 from meshrl.models.decoder import Decoder, abstract_model
+from meshrl.models.hf_names import Entry, Stack, Tensor, choose, entry_of, hf_shape, param_map
+from meshrl.models.hf_names import split as split_entry
 from meshrl.models.sharding import param_shardings
 from meshrl.utils.errors import MissingFileError, UserError
 from meshrl.utils.log import get_logger
 
-_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_QK_NORM = ("qwen3", "qwen3_moe")
 _ROPE_TYPES = {None: "none", "default": "none", "linear": "linear", "llama3": "llama3"}
 
 
@@ -52,10 +55,8 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if archs != [_ARCHS[model_type]]:
         raise ConfigError(f"HF config architectures = {archs}: unsupported; for model_type "
                           f"{model_type!r} only {[_ARCHS[model_type]]} is supported")
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if hf.get(key):
-            raise ConfigError(f"HF config {key} = {hf[key]}: mixture-of-experts is unsupported")
-    if hf.get("use_sliding_window"):
+    moe = _moe_fields(hf, model_type)
+    if hf.get("use_sliding_window") or (model_type == "mixtral" and hf.get("sliding_window")):
         raise ConfigError("HF config use_sliding_window = True: sliding-window attention is "
                           "unsupported")
     bad_layers = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
@@ -83,9 +84,37 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=model_type == "qwen2", qk_norm=model_type == "qwen3", **rope)
+        attention_bias=model_type == "qwen2", qk_norm=model_type in _QK_NORM, **rope, **moe)
     values.update(overrides)
     return ModelConfig(**values)
+
+
+def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of a Qwen3-MoE or Mixtral config.json; any other config naming experts
+    (DeepSeek's n_routed_experts, say) is refused."""
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if model_type not in ("qwen3_moe", "mixtral"):
+        for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+            if hf.get(key):
+                raise ConfigError(f"HF config {key} = {hf[key]}: experts are supported for "
+                                  f"model_type qwen3_moe and mixtral only, not {model_type!r}")
+        return {}
+    if not experts:
+        raise ConfigError(f"HF config model_type = {model_type!r} has no num_experts / "
+                          f"num_local_experts")
+    if hf.get("router_jitter_noise"):
+        raise ConfigError(f"HF config router_jitter_noise = {hf['router_jitter_noise']}: "
+                          f"unsupported (only 0)")
+    out: dict[str, Any] = dict(num_experts=int(experts),
+                               num_experts_per_tok=int(hf.get("num_experts_per_tok", 2)))
+    if model_type == "mixtral":
+        out.update(router="topk_softmax", norm_topk_prob=True)
+    else:
+        out.update(router="softmax_topk", norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+                   moe_intermediate_size=int(hf["moe_intermediate_size"]),
+                   decoder_sparse_step=int(hf.get("decoder_sparse_step", 1)),
+                   mlp_only_layers=tuple(int(i) for i in hf.get("mlp_only_layers") or ()))
+    return out
 
 
 def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -120,9 +149,15 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     if cfg.arch != "qwen2" and cfg.attention_bias:
         raise ConfigError(f"model.attention_bias = True with model.arch = {cfg.arch!r}: HF "
                           f"{_ARCHS[cfg.arch]} would also need an o_proj bias")
-    if cfg.qk_norm != (cfg.arch == "qwen3"):
+    if cfg.qk_norm != (cfg.arch in _QK_NORM):
         raise ConfigError(f"model.qk_norm = {cfg.qk_norm}: HF {_ARCHS[cfg.arch]} requires "
-                          f"{cfg.arch == 'qwen3'}")
+                          f"{cfg.arch in _QK_NORM}")
+    if cfg.arch == "mixtral" and (cfg.router != "topk_softmax" or not cfg.norm_topk_prob):
+        raise ConfigError(f"model.router = {cfg.router!r}, model.norm_topk_prob = "
+                          f"{cfg.norm_topk_prob}: HF Mixtral requires 'topk_softmax' and True")
+    if cfg.arch == "qwen3_moe" and cfg.router != "softmax_topk":
+        raise ConfigError(f"model.router = {cfg.router!r}: HF Qwen3-MoE requires "
+                          f"'softmax_topk'")
     rope: dict[str, Any] = {"rope_type": "default" if cfg.rope_scaling == "none"
                             else cfg.rope_scaling}
     if cfg.rope_scaling != "none":
@@ -146,10 +181,20 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     }
     if cfg.arch == "llama":
         out.update(attention_bias=False, mlp_bias=False)
-    if cfg.arch == "qwen3":
+    if cfg.arch in _QK_NORM:
         out["attention_bias"] = False
-    if cfg.arch in ("qwen2", "qwen3"):
+    if cfg.arch in ("qwen2", "qwen3", "qwen3_moe"):
         out["use_sliding_window"] = False
+    if cfg.arch == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   intermediate_size=cfg.resolved_moe_intermediate_size, sliding_window=None,
+                   router_jitter_noise=0.0, router_aux_loss_coef=cfg.router_aux_loss_coef)
+    if cfg.arch == "qwen3_moe":
+        out.update(num_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
+                   moe_intermediate_size=cfg.resolved_moe_intermediate_size,
+                   norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
+                   mlp_only_layers=list(cfg.mlp_only_layers),
+                   router_aux_loss_coef=cfg.router_aux_loss_coef)
     return out
 
 
@@ -170,69 +215,6 @@ def load_hf_config(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
                               f"can read") from None
     except ConfigError as e:  # name the file: the message names only the HF field
         raise ConfigError(f"{file}: {e}") from e
-
-
-# ---- name and layout mapping ----------------------------------------------------------------
-
-Transform = Callable[[np.ndarray], np.ndarray]
-
-
-def _param_map(cfg: ModelConfig) -> dict[tuple[Any, ...], tuple[str, Transform, Transform]]:
-    """Our param path -> (HF tensor name, HF->ours, ours->HF).
-
-    torch Linear stores [out, in]; our kernels are [in..., out...] with heads split out.
-    """
-    D, N, K, H = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
-    ident: Transform = lambda a: a  # noqa: E731
-
-    def linear(in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> tuple[Transform,
-                                                                                 Transform]:
-        n_in, n_out = int(np.prod(in_shape)), int(np.prod(out_shape))
-        return (lambda a: a.T.reshape(in_shape + out_shape),
-                lambda a: a.reshape(n_in, n_out).T)
-
-    def bias(out_shape: tuple[int, ...]) -> tuple[Transform, Transform]:
-        return lambda a: a.reshape(out_shape), lambda a: a.reshape(-1)
-
-    m: dict[tuple[Any, ...], tuple[str, Transform, Transform]] = {
-        ("embed",): ("model.embed_tokens.weight", ident, ident),
-        ("final_norm", "scale"): ("model.norm.weight", ident, ident),
-    }
-    if not cfg.tie_embeddings:
-        m[("lm_head",)] = ("lm_head.weight", *linear((D,), (cfg.vocab_size,)))
-    for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
-        m[("layers", i, "attn_norm", "scale")] = (p + "input_layernorm.weight", ident, ident)
-        m[("layers", i, "mlp_norm", "scale")] = (p + "post_attention_layernorm.weight", ident,
-                                                 ident)
-        for ours, theirs, heads in (("q", "q_proj", N), ("k", "k_proj", K), ("v", "v_proj", K)):
-            m[("layers", i, "attn", ours, "kernel")] = (f"{p}self_attn.{theirs}.weight",
-                                                        *linear((D,), (heads, H)))
-            if cfg.attention_bias:
-                m[("layers", i, "attn", ours, "bias")] = (f"{p}self_attn.{theirs}.bias",
-                                                          *bias((heads, H)))
-        m[("layers", i, "attn", "o", "kernel")] = (p + "self_attn.o_proj.weight",
-                                                   *linear((N, H), (D,)))
-        if cfg.qk_norm:
-            m[("layers", i, "attn", "q_norm", "scale")] = (p + "self_attn.q_norm.weight", ident,
-                                                           ident)
-            m[("layers", i, "attn", "k_norm", "scale")] = (p + "self_attn.k_norm.weight", ident,
-                                                           ident)
-        for name in ("gate", "up"):
-            m[("layers", i, "mlp", name, "kernel")] = (f"{p}mlp.{name}_proj.weight",
-                                                       *linear((D,), (cfg.intermediate_size,)))
-        m[("layers", i, "mlp", "down", "kernel")] = (p + "mlp.down_proj.weight",
-                                                     *linear((cfg.intermediate_size,), (D,)))
-    return m
-
-
-def _entries(mapping: dict[tuple[Any, ...], tuple[str, Transform, Transform]],
-             cfg: ModelConfig, key: tuple[Any, ...],
-             ) -> tuple[list[tuple[str, Transform, Transform]], bool]:
-    """HF entries behind one of our params, and whether it stacks them over layers (scan)."""
-    if cfg.scan_layers and key[0] == "layers":
-        return [mapping[("layers", i, *key[1:])] for i in range(cfg.num_layers)], True
-    return [mapping[key]], False
 
 
 def _flat_params(state: nnx.State) -> dict[tuple[Any, ...], nnx.Variable]:
@@ -277,7 +259,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                  if mesh is not None else None)
     files = _tensor_files(path)
     log = get_logger("models")
-    mapping = _param_map(cfg)
+    mapping = param_map(cfg)
     handles: dict[pathlib.Path, Any] = {}
 
     def read(name: str, where: str) -> np.ndarray:
@@ -288,18 +270,28 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
             handles[files[name]] = safe_open(str(files[name]), framework="numpy").__enter__()
         return handles[files[name]].get_tensor(name)
 
+    def read_entry(entry: Entry, shape: tuple[int, ...], where: str) -> np.ndarray:
+        if isinstance(entry, Stack):
+            return np.stack([read_entry(part, shape[1:], where) for part in entry.parts])
+        assert isinstance(entry, Tensor), entry
+        raw = read(entry.name, where)
+        try:
+            host = np.asarray(entry.to_ours(raw))
+        except ValueError:
+            host = None
+        if host is None or host.shape != shape:
+            want = hf_shape(entry, shape)
+            raise CheckpointError(
+                f"{path}: tensor {entry.name!r} has shape {tuple(raw.shape)}; param {where} "
+                f"needs " + (f"shape {want}" if want else f"{shape} after the layout change") +
+                ": its weights do not match its config.json")
+        return host
+
     try:
         for key, var in _flat_params(params).items():
             where = "/".join(map(str, key))
-            entries, stacked = _entries(mapping, cfg, key)
-            layers = [np.asarray(to_ours(read(name, where))) for name, to_ours, _ in entries]
-            host = np.stack(layers) if stacked else layers[0]
-            if host.shape != var.get_value().shape:
-                names = ", ".join(repr(e[0]) for e in entries)
-                raise CheckpointError(f"{path}: tensor {names} has shape {layers[0].shape} after "
-                                      f"layout change; param {where} needs "
-                                      f"{var.get_value().shape}: its weights do not match its "
-                                      f"config.json")
+            entry = choose(entry_of(mapping, cfg, key), files)
+            host = read_entry(entry, tuple(var.get_value().shape), where)
             host = host.astype(jnp.dtype(dtype))
             sharding = (shardings[key] if shardings is not None
                         else SingleDeviceSharding(jax.devices()[0]))
@@ -328,13 +320,11 @@ def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path) -> None:
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
-    mapping = _param_map(cfg)
+    mapping = param_map(cfg)
     tensors: dict[str, np.ndarray] = {}
     for key, var in _flat_params(nnx.state(model, nnx.Param)).items():
-        entries, stacked = _entries(mapping, cfg, key)
         host = np.asarray(jax.device_get(var.get_value()))
-        for i, (name, _, to_hf) in enumerate(entries):
-            tensors[name] = np.ascontiguousarray(to_hf(host[i] if stacked else host))
+        tensors.update(split_entry(entry_of(mapping, cfg, key), host))
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
     get_logger("models").info("saved %s (%d tensors)", path, len(tensors))

@@ -23,9 +23,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms.batch import TrainBatch, abstract_batch, batch_of
 from meshrl.algorithms.logits import Hidden, ModelOutput
-from meshrl.algorithms.losses import LossFn, add_outputs, report_aux
+from meshrl.algorithms.losses import LossFn, add_outputs, report_aux, router_terms
 from meshrl.mesh import Rules, logical_to_sharding
-from meshrl.models.decoder import forward_hidden, loss_vocab_axes
+from meshrl.models.decoder import forward_hidden, loss_vocab_axes, model_config
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 
@@ -47,12 +47,14 @@ def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
 
     def forward(params: Any, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None,
                 segment_ids_BxL: jax.Array | None) -> Hidden:
-        hidden_BxLxD, head, tied = forward_hidden(graphdef, params, input_ids_BxL,
-                                                  positions_BxL, segment_ids_BxL)
+        hidden_BxLxD, head, tied, router = forward_hidden(
+            graphdef, params, input_ids_BxL, positions_BxL, segment_ids_BxL, router_stats=True)
         mesh, vocab_axes, batch_axes = loss_vocab_axes(
             graphdef, params, head.shape[0 if tied else 1], hidden_BxLxD.shape[0])
+        cfg = model_config(graphdef, params)
         return Hidden(hidden_BxLxD, head, tied=tied, chunk=logits_chunk, mesh=mesh,
-                      vocab_axes=vocab_axes, batch_axes=batch_axes)
+                      vocab_axes=vocab_axes, batch_axes=batch_axes, router=router,
+                      aux_loss_coef=cfg.router_aux_loss_coef, z_loss_coef=cfg.router_z_loss_coef)
 
     return forward
 
@@ -78,6 +80,7 @@ def make_grads_fn(forward_fn: ForwardFn, loss_fn: LossFn, microbatches: int = 1)
     def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
         out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
         loss_sum, weight, aux = loss_fn(out, mb)
+        loss_sum, aux = router_terms(out, loss_sum, weight, aux)
         return loss_sum, (weight, aux)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)

@@ -98,6 +98,8 @@ def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_
         assert len(calls) == 1 and live <= calls[0][1] < max(2 * live, 3), (live, calls)
 
 
+@pytest.mark.slow  # ~40-50 s of decode-window compiles; the split's planning is covered by
+# the two split tests below, window decoding by the packed-chunk and row-bucket tests
 def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tiny_params):
     _, params = tiny_params
     prompts = _prompts(30, seed=5)

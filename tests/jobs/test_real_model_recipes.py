@@ -134,6 +134,8 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # ~30 s; the default run keeps SFT from a transformers checkpoint in
+# tests/jobs/test_export.py (hf_path at zero lr, bitwise export)
 def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(rl_run, files):
     import torch
 

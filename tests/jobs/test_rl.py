@@ -101,6 +101,24 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
     assert not [line for line in console if "orbax" in line.lower() or line.startswith("I1")]
 
 
+def test_moe_smoke_rl_job_trains_an_moe_decoder_and_logs_its_router_metrics(tmp_path):
+    workdir = tmp_path / "moe"
+    cmd = [*SMOKE[:-1], str(ROOT / "configs/default.py:moe_smoke"), f"--workdir={workdir}"]
+    log = open(tmp_path / "moe.log", "ab")  # noqa: SIM115 (closed by the OS)
+
+    _finish(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                             start_new_session=True), workdir)
+
+    summary = json.loads((workdir / "summary.json").read_text())
+    metrics = read_metrics(workdir / "metrics.jsonl")
+    assert summary["steps"] == 4
+    for s in range(1, 5):
+        m = metrics[s]
+        assert 1.0 <= m["train/moe/aux_loss"] < 4.0, m  # 4 experts, top-2: 2 when balanced
+        assert m["train/moe/load_max_over_mean"] >= 1.0 and m["train/moe/dropped_frac"] == 0
+    assert (workdir / "weights" / "4").is_dir()
+
+
 @pytest.mark.slow  # three smoke runs, ~90 s on 2 CPU cores
 def test_sigkill_after_first_checkpoint_then_rerun_resumes_and_matches_uninterrupted_run(
         tmp_path):

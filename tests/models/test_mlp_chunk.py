@@ -29,7 +29,11 @@ def _loss_and_grads(cfg: ModelConfig, params, ids):
     return jax.jit(jax.value_and_grad(loss))(params)
 
 
-@pytest.mark.parametrize("extra", [{}, {"remat": "full"}, {"remat": "full", "scan_layers": True}])
+# The plain case stays in the default run; the remat and remat+scan variants (~15 s each) are
+# slow: the chunk's remat is the same jax.checkpoint either way.
+@pytest.mark.parametrize("extra", [
+    pytest.param({}, marks=pytest.mark.slow), {"remat": "full"},
+    pytest.param({"remat": "full", "scan_layers": True}, marks=pytest.mark.slow)])
 def test_chunked_mlp_matches_the_unchunked_forward_and_gradients(extra):
     cfg = dataclasses.replace(CFG, **extra)
     _, params = split_model(create_model(cfg, seed=0))

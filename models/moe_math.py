@@ -1,0 +1,225 @@
+"""Pure mixture-of-experts math: routing, grouped expert FFNs, token dispatch and combine.
+
+``moe_ffn(x_TxD, mask_T, weights, spec)`` is the whole sparse FFN of one shard: it routes each
+real token (``mask_T``) to its top-k experts (router math in float32), sorts the token copies by
+expert, runs each expert's SwiGLU over exactly its rows (dropless; or at most a capacity per
+expert, the rest dropped and counted) and adds the weighted outputs back per token. Given an
+``expert`` mesh axis it runs inside ``jax.shard_map``: the copies travel to the shard that holds
+their expert and back with ``all_to_all``; given ``expert_tensor``, each shard holds a slice of
+every local expert's FFN width and the partial outputs are summed with ``psum``.
+
+Grouped kernels (``impl``): ``ragged_dot`` (``jax.lax.ragged_dot``, native on TPU and GPU), and
+``blocked`` (rows padded per expert to blocks of one expert each, one batched matmul; for CPU,
+where ragged_dot lowers to a dense loop over every group). ``dense_moe_ffn`` runs every expert
+on every token and masks: the reference the grouped path must equal, and the benchmark baseline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Impl = Literal["ragged_dot", "blocked"]
+RouterStats = dict[str, jax.Array]  # counts [E], prob_sum [E], rows, z_sum, dropped (sums)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """Static settings of one MoE FFN shard (hashable: part of a jitted function's closure)."""
+
+    num_experts: int
+    top_k: int
+    norm_topk: bool = True
+    router: Literal["softmax_topk", "topk_softmax"] = "softmax_topk"
+    impl: Impl = "blocked"
+    capacity_factor: float = 0.0  # 0: dropless
+    ep_axis: str | None = None  # mesh axis of the expert dim (inside shard_map)
+    ep_size: int = 1
+    et_axis: str | None = None  # mesh axis of each expert's FFN width (inside shard_map)
+
+
+def route(logits_TxE: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
+    """(weights [T, k] float32, experts [T, k] int32). ``softmax_topk`` (Qwen3-MoE): softmax
+    over all experts, top-k, renormalised when ``norm_topk``; ``topk_softmax`` (Mixtral): top-k
+    logits, softmax over those k."""
+    logits_TxE = logits_TxE.astype(jnp.float32)
+    if spec.router == "topk_softmax":
+        top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, spec.top_k)
+        return jax.nn.softmax(top_TxK, axis=-1), experts_TxK.astype(jnp.int32)
+    weights_TxK, experts_TxK = jax.lax.top_k(jax.nn.softmax(logits_TxE, axis=-1), spec.top_k)
+    if spec.norm_topk:
+        weights_TxK = weights_TxK / weights_TxK.sum(-1, keepdims=True)
+    return weights_TxK, experts_TxK.astype(jnp.int32)
+
+
+def router_stats(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T: jax.Array,
+                 dropped: jax.Array) -> RouterStats:
+    """Sums over this shard's real tokens, added over layers and shards, from which
+    ``algorithms.losses.moe_terms`` computes the load-balancing loss (HF's
+    ``load_balancing_loss_func``), the z-loss and the load metrics."""
+    E = logits_TxE.shape[-1]
+    m_T = mask_T.astype(jnp.float32)
+    probs_TxE = jax.nn.softmax(logits_TxE.astype(jnp.float32), axis=-1)
+    k = experts_TxK.shape[-1]
+    counts_E = jax.ops.segment_sum(jnp.repeat(m_T, k), experts_TxK.reshape(-1), num_segments=E)
+    z_T = jax.nn.logsumexp(logits_TxE.astype(jnp.float32), axis=-1) ** 2
+    return {"counts": counts_E, "prob_sum": (probs_TxE * m_T[:, None]).sum(0),
+            "rows": m_T.sum(), "z_sum": (z_T * m_T).sum(),
+            "dropped": dropped.astype(jnp.float32)}
+
+
+def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
+    return jax.nn.silu(h_gate) * h_up
+
+
+def block_rows(rows: int, groups: int) -> int:
+    """Rows per block of the blocked kernel: about rows / groups (so padding costs at most about
+    one block per expert), a power of two in [8, 256]."""
+    target = max(8, rows // max(groups, 1))
+    return min(256, 1 << (target.bit_length() - 1))
+
+
+def grouped_ffn(rows_MxD: jax.Array, group_M: jax.Array, num_groups: int, w_gate_GxDxF: jax.Array,
+                w_up_GxDxF: jax.Array, w_down_GxFxD: jax.Array, impl: Impl,
+                presorted: bool = False) -> jax.Array:
+    """Expert ``group_M[i]``'s SwiGLU on row i; rows whose group is ``num_groups`` (or more) are
+    padding and come out 0. ``presorted``: the groups are already non-decreasing."""
+    M = rows_MxD.shape[0]
+    order_M = (jnp.arange(M, dtype=jnp.int32) if presorted
+               else jnp.argsort(group_M, stable=True).astype(jnp.int32))
+    sizes_G = jax.ops.segment_sum(jnp.ones((M,), jnp.int32), group_M, num_segments=num_groups)
+    if impl == "ragged_dot":
+        out_MxD = _ragged(rows_MxD[order_M], sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+        return jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
+    if impl == "blocked":
+        return _blocked(rows_MxD, order_M, sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+    raise ValueError(f"impl = {impl!r}: must be 'ragged_dot' or 'blocked'")
+
+
+def _ragged(sorted_MxD: jax.Array, sizes_G: jax.Array, wg: jax.Array, wu: jax.Array,
+            wd: jax.Array) -> jax.Array:
+    dt = sorted_MxD.dtype
+    h = _swiglu(jax.lax.ragged_dot(sorted_MxD, wg.astype(dt), sizes_G),
+                jax.lax.ragged_dot(sorted_MxD, wu.astype(dt), sizes_G))
+    out_MxD = jax.lax.ragged_dot(h, wd.astype(dt), sizes_G)
+    # Rows past the last group are not defined to be zero on every backend.
+    live_M = jnp.arange(sorted_MxD.shape[0]) < sizes_G.sum()
+    return jnp.where(live_M[:, None], out_MxD, 0)
+
+
+def _blocked(rows_MxD: jax.Array, order_M: jax.Array, sizes_G: jax.Array, wg: jax.Array,
+             wu: jax.Array, wd: jax.Array) -> jax.Array:
+    """Each group's rows padded to whole blocks of ``block_rows``, one group per block; one
+    batched matmul over the blocks with each block's expert weights gathered. Static block
+    count: ceil(M / b) + G covers any split of M rows over G groups."""
+    M, D = rows_MxD.shape
+    G = sizes_G.shape[0]
+    b = block_rows(M, G)
+    N = -(-M // b) + G
+    padded_G = -(-sizes_G // b) * b
+    pend_G = jnp.cumsum(padded_G)
+    start_G = jnp.cumsum(sizes_G) - sizes_G
+    slot_P = jnp.arange(N * b, dtype=jnp.int32)
+    g_P = jnp.searchsorted(pend_G, slot_P, side="right").astype(jnp.int32)
+    gc_P = jnp.minimum(g_P, G - 1)
+    off_P = slot_P - (pend_G - padded_G)[gc_P]
+    live_P = (g_P < G) & (off_P < sizes_G[gc_P])
+    src_P = order_M[jnp.clip(start_G[gc_P] + off_P, 0, M - 1)]
+    x_NxBxD = jnp.where(live_P[:, None], rows_MxD[src_P], 0).reshape(N, b, D)
+    block_N = gc_P.reshape(N, b)[:, 0]
+    dt = rows_MxD.dtype
+    h_NxBxF = _swiglu(jnp.einsum("nbd,ndf->nbf", x_NxBxD, wg[block_N].astype(dt)),
+                      jnp.einsum("nbd,ndf->nbf", x_NxBxD, wu[block_N].astype(dt)))
+    y_PxD = jnp.einsum("nbf,nfd->nbd", h_NxBxF, wd[block_N].astype(dt)).reshape(N * b, D)
+    return jnp.zeros((M, D), y_PxD.dtype).at[jnp.where(live_P, src_P, M)].set(y_PxD, mode="drop")
+
+
+def capacity(tokens: int, spec: MoESpec) -> int:
+    """Copies each expert takes from one shard's ``tokens`` when ``capacity_factor`` > 0."""
+    return max(1, math.ceil(spec.capacity_factor * tokens * spec.top_k / spec.num_experts))
+
+
+def moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array, w_gate_ExDxF: jax.Array,
+            w_up_ExDxF: jax.Array, w_down_ExFxD: jax.Array, spec: MoESpec,
+            ) -> tuple[jax.Array, RouterStats]:
+    """The sparse FFN of one shard's tokens (module docstring): (y [T, D], router stats). The
+    expert weights hold this shard's ``E / ep_size`` experts (and FFN-width slice)."""
+    T, D = x_TxD.shape
+    E, k = spec.num_experts, spec.top_k
+    logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
+    weights_TxK, experts_TxK = route(logits_TxE, spec)
+    A = T * k
+    valid_A = jnp.repeat(mask_T.astype(bool), k)
+    # Padding tokens get no copies: they cost nothing and never take an expert's capacity.
+    key_A = jnp.where(valid_A, experts_TxK.reshape(A), E)
+    order_A = jnp.argsort(key_A, stable=True)
+    e_A, tok_A = key_A[order_A], (order_A // k).astype(jnp.int32)
+    w_A = weights_TxK.reshape(A)[order_A]
+    counts_E = jax.ops.segment_sum(jnp.ones((A,), jnp.int32), e_A, num_segments=E)
+    rank_A = jnp.arange(A, dtype=jnp.int32) - (jnp.cumsum(counts_E) - counts_E)[
+        jnp.minimum(e_A, E - 1)]
+    keep_A = e_A < E
+    if spec.capacity_factor > 0:
+        keep_A = keep_A & (rank_A < capacity(T, spec))
+    dropped = (valid_A.sum() - keep_A.sum()).astype(jnp.float32)
+    rows_AxD = x_TxD[tok_A]
+    if spec.ep_size == 1:
+        out_AxD = grouped_ffn(rows_AxD, jnp.where(keep_A, e_A, E), E, w_gate_ExDxF, w_up_ExDxF,
+                              w_down_ExFxD, spec.impl,
+                              # Dropped copies (group E) sit inside their expert's run.
+                              presorted=spec.capacity_factor <= 0)
+    else:
+        out_AxD = _expert_parallel(rows_AxD, e_A, keep_A, w_gate_ExDxF, w_up_ExDxF,
+                                   w_down_ExFxD, spec, T)
+    y_AxD = out_AxD.astype(jnp.float32) * jnp.where(keep_A, w_A, 0.0)[:, None]
+    y_TxD = jnp.zeros((T, D), jnp.float32).at[tok_A].add(y_AxD)
+    if spec.et_axis is not None:
+        y_TxD = jax.lax.psum(y_TxD, spec.et_axis)
+    return y_TxD.astype(x_TxD.dtype), router_stats(logits_TxE, experts_TxK, mask_T, dropped)
+
+
+def _expert_parallel(rows_AxD: jax.Array, e_A: jax.Array, keep_A: jax.Array, wg: jax.Array,
+                     wu: jax.Array, wd: jax.Array, spec: MoESpec, tokens: int) -> jax.Array:
+    """The copies (sorted by expert) to the shards of their experts and back: one all-to-all
+    each way over ``ep_axis``. Each destination's chunk holds every copy this shard may send it:
+    all of them when dropless (a static worst case), ``E_local * capacity`` with a capacity."""
+    A, D = rows_AxD.shape
+    ep, E = spec.ep_size, spec.num_experts
+    El = E // ep
+    C = A if spec.capacity_factor <= 0 else min(A, El * capacity(tokens, spec))
+    keep_i = keep_A.astype(jnp.int32)
+    dest_A = jnp.minimum(e_A, E - 1) // El
+    per_dest = jax.ops.segment_sum(keep_i, jnp.where(keep_A, dest_A, ep), num_segments=ep)
+    pos_A = jnp.cumsum(keep_i) - keep_i - (jnp.cumsum(per_dest) - per_dest)[dest_A]
+    d_A = jnp.where(keep_A, dest_A, ep)  # out of range: dropped by the scatters below
+    send_x = jnp.zeros((ep, C, D), rows_AxD.dtype).at[d_A, pos_A].set(rows_AxD, mode="drop")
+    send_g = jnp.full((ep, C), El, jnp.int32).at[d_A, pos_A].set(e_A % El, mode="drop")
+    recv_x = jax.lax.all_to_all(send_x, spec.ep_axis, 0, 0, tiled=True)
+    recv_g = jax.lax.all_to_all(send_g, spec.ep_axis, 0, 0, tiled=True)
+    out = grouped_ffn(recv_x.reshape(ep * C, D), recv_g.reshape(ep * C), El, wg, wu, wd,
+                      spec.impl)
+    back = jax.lax.all_to_all(out.reshape(ep, C, D), spec.ep_axis, 0, 0, tiled=True)
+    return back.at[d_A, pos_A].get(mode="fill", fill_value=0)
+
+
+def dense_moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array,
+                  w_gate_ExDxF: jax.Array, w_up_ExDxF: jax.Array, w_down_ExFxD: jax.Array,
+                  spec: MoESpec) -> tuple[jax.Array, RouterStats]:
+    """Every expert on every token, weighted by the routing (0 off the top-k): the same
+    function as ``moe_ffn`` dropless, at E / k times its FLOPs."""
+    T, _ = x_TxD.shape
+    logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
+    weights_TxK, experts_TxK = route(logits_TxE, spec)
+    weights_TxK = weights_TxK * mask_T.astype(jnp.float32)[:, None]
+    combine_TxE = jnp.zeros((T, spec.num_experts), jnp.float32).at[
+        jnp.arange(T)[:, None], experts_TxK].add(weights_TxK)
+    dt = x_TxD.dtype
+    h_TxExF = _swiglu(jnp.einsum("td,edf->tef", x_TxD, w_gate_ExDxF.astype(dt)),
+                      jnp.einsum("td,edf->tef", x_TxD, w_up_ExDxF.astype(dt)))
+    y_TxExD = jnp.einsum("tef,efd->ted", h_TxExF, w_down_ExFxD.astype(dt))
+    y_TxD = jnp.einsum("ted,te->td", y_TxExD.astype(jnp.float32), combine_TxE)
+    return y_TxD.astype(dt), router_stats(logits_TxE, experts_TxK, mask_T, jnp.zeros(()))
