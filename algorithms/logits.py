@@ -43,6 +43,9 @@ class Hidden:
     vocab_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     # The mesh axes of the hidden states' batch dimension (kept outside the chunk loop).
     batch_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
+    # ... and of their length (context parallelism): each chunk then takes its positions from
+    # every length shard, so the stack of chunks stays sharded (never the whole sequence).
+    length_axes: tuple[str, ...] = flax.struct.field(pytree_node=False, default=())
     # MoE models: the router sums of the forward (models.moe_math.router_stats, added over
     # layers) and the weights of the load-balancing loss and the z-loss (``losses.router_terms``).
     router: dict[str, jax.Array] | None = None
@@ -105,10 +108,53 @@ def token_stats(out: ModelOutput, targets_BxL: jax.Array, temperature: float = 1
                               correct=correct)
     if not isinstance(out, Hidden):
         return stats(out, targets_BxL)
-    c = chunk_positions(out.chunk, B, L)
-    if c >= L:
+    S = _length_shards(out)
+    c = chunk_positions(out.chunk, B * S, L // S)
+    if c >= L // S:
         return stats(logits_f32(out.head, out.hidden_BxLxD, out.tied), targets_BxL)
+    if S > 1:
+        return _chunked_sharded_length(stats, out, targets_BxL, c, S)
     return _chunked(stats, out, targets_BxL, c)
+
+
+def _length_shards(out: Hidden) -> int:
+    if out.mesh is None or not out.length_axes or not out.vocab_axes:
+        return 1
+    S = 1
+    for a in out.length_axes:
+        S *= out.mesh.shape[a]
+    return S
+
+
+def _chunked_sharded_length(stats: functools.partial, out: Hidden, targets_BxL: jax.Array,
+                            c: int, S: int) -> TokenStats:
+    """``_chunked`` for a length sharded ``S`` ways: chunk i holds positions [i*c, (i+1)*c) of
+    every shard's local sequence ([B, S, c] tokens), so the stack of chunks keeps the length
+    sharding and no device ever gathers the whole sequence."""
+    B, L, D = out.hidden_BxLxD.shape
+    Ls = L // S
+    n = -(-Ls // c)
+    hidden_BxSxLsxD = out.hidden_BxLxD.reshape(B, S, Ls, D)
+    targets_BxSxLs = targets_BxL.reshape(B, S, Ls)
+    if n * c > Ls:
+        hidden_BxSxLsxD = jnp.pad(hidden_BxSxLsxD, ((0, 0), (0, 0), (0, n * c - Ls), (0, 0)))
+        targets_BxSxLs = jnp.pad(targets_BxSxLs, ((0, 0), (0, 0), (0, n * c - Ls)))
+    constrain = _vocab_sharding(out)
+    hidden_NxBxSxCxD = constrain(
+        hidden_BxSxLsxD.reshape(B, S, n, c, D).transpose(2, 0, 1, 3, 4), "stack5")
+    targets_NxBxSxC = targets_BxSxLs.reshape(B, S, n, c).transpose(2, 0, 1, 3)
+    head = constrain(out.head.astype(jnp.float32), "head")
+
+    @functools.partial(jax.checkpoint, prevent_cse=False)
+    def one(head: jax.Array, hidden_BxSxCxD: jax.Array, targets_BxSxC: jax.Array) -> TokenStats:
+        hidden_BxSxCxD = constrain(hidden_BxSxCxD, "hidden")
+        logits_BxSxCxV = constrain(logits_f32(head, hidden_BxSxCxD, out.tied), "logits4")
+        return stats(logits_BxSxCxV, targets_BxSxC, vocab_sharded=True)
+
+    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxSxCxD, targets_NxBxSxC))
+    return jax.tree.map(
+        lambda x_NxBxSxC: x_NxBxSxC.transpose(1, 2, 0, 3).reshape(B, S, n * c)[:, :, :Ls]
+        .reshape(B, L), per_chunk)
 
 
 def chunk_positions(chunk: int, rows: int, length: int) -> int:
@@ -152,13 +198,15 @@ def _vocab_sharding(out: Hidden):  # noqa: ANN202 -- (array, role) -> array
     ``out.vocab_axes``, hidden states replicated; the identity without a mesh."""
     if out.mesh is None or not out.vocab_axes:
         return lambda x, role: x
-    vocab, batch = (axes[0] if len(axes) == 1 else axes or None
-                    for axes in (out.vocab_axes, out.batch_axes))
+    vocab, batch, length = (axes[0] if len(axes) == 1 else axes or None
+                            for axes in (out.vocab_axes, out.batch_axes, out.length_axes))
     # "stack": the chunks' hidden states keep the batch sharding outside the loop, or the
     # in-loop "replicated" would propagate into the whole forward.
     specs = {"head": PartitionSpec(vocab, None) if out.tied else PartitionSpec(None, vocab),
              "hidden": PartitionSpec(), "logits": PartitionSpec(None, None, vocab),
-             "stack": PartitionSpec(None, batch)}
+             "stack": PartitionSpec(None, batch),
+             "stack5": PartitionSpec(None, batch, length),
+             "logits4": PartitionSpec(None, None, None, vocab)}
     return lambda x, role: jax.lax.with_sharding_constraint(
         x, NamedSharding(out.mesh, specs[role]))
 

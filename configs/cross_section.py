@@ -94,9 +94,22 @@ def _sample(config: Config) -> None:
                           f"model.hf_path")
 
 
+def _context(config: Config) -> None:
+    mesh = config.mesh
+    if -1 in (mesh.context, mesh.dcn_context):
+        return
+    C = mesh.context * mesh.dcn_context
+    need = 2 * C if config.model.context_balance else C
+    if C > 1 and config.trainer.seq_len % need:
+        raise ConfigError(f"trainer.seq_len = {config.trainer.seq_len}: must be divisible by "
+                          f"{'2 x ' if config.model.context_balance else ''}mesh.context = "
+                          f"{need} (model.context_balance = {config.model.context_balance})")
+
+
 def validate_config(config: Config) -> None:
     """Raise ``ConfigError`` on the first cross-section rule ``config`` breaks."""
     _unused_mesh_axes(config)
+    _context(config)
     job = getattr(config.job, "value", config.job)  # a Job, or its string before coercion
     if job == "rl":
         _rl(config)

@@ -56,6 +56,15 @@ class ModelConfig(Section):
            "[tokens, intermediate_size] activations are built and recomputed (remat) that many "
            "tokens at a time. 0: all at once. For long sequences with remat, where one layer's "
            "recomputed MLP dominates the step's memory.", at_least(0))
+    context_attention: Literal["all_gather", "ring"] = field(
+        "all_gather", "Attention when the sequence is sharded over mesh.context (training): "
+                      "all_gather (gather K/V over context, then attend), ring (K/V blocks "
+                      "passed around the ring with ppermute, online softmax). See "
+                      "docs/context.md.")
+    context_balance: bool = field(
+        True, "With mesh.context > 1, lay each sequence out in 2 x context chunks so rank i "
+              "holds chunks i and 2*context-1-i (even causal work per rank); needs lengths "
+              "divisible by 2 x context.")
     num_experts: int = field(0, "Routed experts per MoE layer; 0: a dense decoder. Needs "
                                 "model.arch qwen3_moe or mixtral.", at_least(0))
     num_experts_per_tok: int = field(2, "Experts each token is routed to (top-k).", at_least(1))

@@ -4,7 +4,8 @@ Model code names only logical axes. This module alone decides where they go:
 
 | logical        | train role                           | sample role          |
 |----------------|--------------------------------------|----------------------|
-| batch          | (data, expert)                       | (data, expert)       |
+| batch          | (data, expert)                       | (data, expert,       |
+|                |                                      |  context)            |
 | length         | context                              | -                    |
 | embed          | data if mesh.fsdp, else -            | -                    |
 | heads          | tensor                               | tensor               |
@@ -22,8 +23,12 @@ Model code names only logical axes. This module alone decides where they go:
 | act_vocab      | tensor                               | tensor               |
 | loss_vocab     | (tensor, data, expert, context,      | tensor               |
 |                |  expert_tensor)                      |                      |
-| cache_slots    | (data, expert)                       | (data, expert)       |
+| cache_slots    | (data, expert)                       | (data, expert,       |
+|                |                                      |  context)            |
 | cache_len      | -                                    | -                    |
+
+The sample role folds ``context`` into the batch: the sampler's sequences are short next to a
+training sequence, so a colocated sampler spends those devices on more slots instead.
 
 ``loss_vocab`` shards the vocabulary of the chunked float32 logits of the losses
 (``algorithms.logits``) over every axis: each chunk's few hidden states are gathered instead
@@ -73,7 +78,9 @@ def train_rules(fsdp: bool) -> Rules:
 
 
 def sample_rules() -> Rules:
-    return (("length", ()), ("embed", ()), ("loss_vocab", ("tensor",))) + _COMMON
+    folded = ("data", "expert", "context")
+    common = tuple((k, folded if k in ("batch", "cache_slots") else v) for k, v in _COMMON)
+    return (("length", ()), ("embed", ()), ("loss_vocab", ("tensor",))) + common
 
 
 def rules_for(role: Role, fsdp: bool = False) -> Rules:

@@ -33,6 +33,7 @@ from meshrl.models.attention_kernels import (
     causal_segment_mask,
     einsum_attention,
 )
+from meshrl.models.context_attention import context_attention, context_size, sequence_order
 from meshrl.models.layers import Projection, RMSNorm, dtype_of
 from meshrl.models.rope import apply_rope
 from meshrl.models.sharding import ShardingContext, constrain
@@ -63,6 +64,7 @@ class Attention(nnx.Module):
         self.compute_dtype = cd
         self.sharding = sharding
         self.impl = cfg.attention
+        self.context_strategy, self.context_balance = cfg.context_attention, cfg.context_balance
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
@@ -83,7 +85,14 @@ class Attention(nnx.Module):
         q_BxLxNxH = apply_rope(q_BxLxNxH, cos_BxLxH, sin_BxLxH)
         k_BxLxKxH = apply_rope(k_BxLxKxH, cos_BxLxH, sin_BxLxH)
 
-        if cache is None:
+        B, L = segment_ids_BxL.shape
+        C = context_size(ctx, (B, L)) if cache is None else 1
+        if C > 1:
+            # The Decoder put the sequence in this layout (``context_attention``).
+            order_L = sequence_order(L, C, self.context_balance)
+            out_BxLxNxH = context_attention(self.context_strategy, q_BxLxNxH, k_BxLxKxH,
+                                            v_BxLxKxH, segment_ids_BxL, order_L, ctx)
+        elif cache is None:
             out_BxLxNxH = self_attention(self.impl, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                          segment_ids_BxL, ctx)
         else:

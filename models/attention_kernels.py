@@ -73,17 +73,38 @@ def blockwise_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: j
     assert k_BxLxKxH.shape[:2] == (B, L) and v_BxLxKxH.shape == k_BxLxKxH.shape, (
         q_BxLxNxH.shape, k_BxLxKxH.shape, v_BxLxKxH.shape)
     assert segment_ids_BxL.shape == (B, L), segment_ids_BxL.shape
+    index_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
+    return blockwise_attention_lse(q_BxLxNxH, k_BxLxKxH, v_BxLxKxH, index_BxL, segment_ids_BxL,
+                                   index_BxL, segment_ids_BxL, block_q=block_q,
+                                   block_k=block_k, skip="index")[0]
+
+
+def blockwise_attention_lse(q_BxLxNxH: jax.Array, k_BxTxKxH: jax.Array, v_BxTxKxH: jax.Array,
+                            qidx_BxL: jax.Array, qseg_BxL: jax.Array, kidx_BxT: jax.Array,
+                            kseg_BxT: jax.Array, *, block_q: int = BLOCK, block_k: int = BLOCK,
+                            skip: str = "data") -> tuple[jax.Array, jax.Array]:
+    """(out [B, L, N, H], log-sum-exp of the scores [B, L, N] float32): query i attends to key
+    t where ``kidx[t] <= qidx[i]`` and ``kseg[t] == qseg[i]``. Key indices must not decrease
+    along T (key blocks past a query block's largest index are skipped). Differentiable in both
+    outputs, so partial attentions over disjoint keys combine by their log-sum-exps (ring
+    attention, ``context_attention``). ``skip``: see ``_Plan`` ("data" reduces the indices over
+    the batch: call it where they are local, inside ``shard_map``)."""
+    B, L, N, H = q_BxLxNxH.shape
+    T, K = k_BxTxKxH.shape[1], k_BxTxKxH.shape[2]
+    assert v_BxTxKxH.shape == k_BxTxKxH.shape and k_BxTxKxH.shape[0] == B, (
+        q_BxLxNxH.shape, k_BxTxKxH.shape, v_BxTxKxH.shape)
+    assert qidx_BxL.shape == qseg_BxL.shape == (B, L), (qidx_BxL.shape, qseg_BxL.shape)
+    assert kidx_BxT.shape == kseg_BxT.shape == (B, T), (kidx_BxT.shape, kseg_BxT.shape)
     nq, bq = _blocks(L, block_q)
-    nk, bk = _blocks(L, block_k)
-    plan = _Plan(kv_len=L, bq=bq, bk=bk, causal_skip=True, scale=H ** -0.5)
-    positions_BxL = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (B, L))
-    k_blocks = _kv_blocks(jnp.moveaxis(k_BxLxKxH, 1, 2), nk, bk)
-    v_blocks = _kv_blocks(jnp.moveaxis(v_BxLxKxH, 1, 2), nk, bk)
-    out_blocks = _flash(plan, _q_blocks(q_BxLxNxH, k_BxLxKxH.shape[2], nq, bq), k_blocks,
-                        v_blocks, _row_blocks(positions_BxL, nq, bq),
-                        _row_blocks(segment_ids_BxL, nq, bq),
-                        _row_blocks(segment_ids_BxL, nk, bk))
-    return _from_q_blocks(out_blocks, L, N)
+    nk, bk = _blocks(T, block_k)
+    plan = _Plan(bq=bq, bk=bk, scale=H ** -0.5, skip=skip)
+    out_blocks, lse_blocks = _flash(
+        plan, _q_blocks(q_BxLxNxH, K, nq, bq), _kv_blocks(jnp.moveaxis(k_BxTxKxH, 1, 2), nk, bk),
+        _kv_blocks(jnp.moveaxis(v_BxTxKxH, 1, 2), nk, bk), _row_blocks(qidx_BxL, nq, bq),
+        _row_blocks(qseg_BxL, nq, bq), _row_blocks(kidx_BxT, nk, bk, _NO_KEY),
+        _row_blocks(kseg_BxT, nk, bk))
+    lse_BxLxN = lse_blocks.transpose(1, 0, 4, 2, 3).reshape(B, nq * bq, N)[:, :L]
+    return _from_q_blocks(out_blocks, L, N), lse_BxLxN
 
 
 def blockwise_cache_attention(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKxTxH: jax.Array,
@@ -99,12 +120,15 @@ def blockwise_cache_attention(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKx
         k_BxKxHxT.shape, v_BxKxTxH.shape)
     nq, bq = _blocks(L, block_q)
     nk, bk = _blocks(T, block_k)
-    plan = _Plan(kv_len=T, bq=bq, bk=bk, causal_skip=False, scale=H ** -0.5)
+    plan = _Plan(bq=bq, bk=bk, scale=H ** -0.5, skip="none")
     zeros_BxL, zeros_BxT = jnp.zeros((B, L), jnp.int32), jnp.zeros((B, T), jnp.int32)
-    out_blocks = _flash(plan, _q_blocks(q_BxLxNxH, K, nq, bq),
-                        _kv_blocks(jnp.swapaxes(k_BxKxHxT, 2, 3), nk, bk),
-                        _kv_blocks(v_BxKxTxH, nk, bk), _row_blocks(positions_BxL, nq, bq),
-                        _row_blocks(zeros_BxL, nq, bq), _row_blocks(zeros_BxT, nk, bk))
+    index_BxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    out_blocks, _ = _flash(plan, _q_blocks(q_BxLxNxH, K, nq, bq),
+                           _kv_blocks(jnp.swapaxes(k_BxKxHxT, 2, 3), nk, bk),
+                           _kv_blocks(v_BxKxTxH, nk, bk), _row_blocks(positions_BxL, nq, bq),
+                           _row_blocks(zeros_BxL, nq, bq),
+                           _row_blocks(index_BxT, nk, bk, _NO_KEY),
+                           _row_blocks(zeros_BxT, nk, bk))
     return _from_q_blocks(out_blocks, L, N)
 
 
@@ -149,47 +173,59 @@ def _kv_blocks(x_BxKxTxH: jax.Array, nk: int, bk: int) -> jax.Array:
     return x.transpose(2, 0, 1, 3, 4)
 
 
-def _row_blocks(x_BxL: jax.Array, n: int, b: int) -> jax.Array:
-    """[n, B, b], padded with -1: a padding query (position -1) sees no key and is dropped; a
-    padding key is masked by its index (see ``_scores``)."""
-    return _pad_axis(x_BxL, 1, n * b, -1).reshape(x_BxL.shape[0], n, b).transpose(1, 0, 2)
+def _row_blocks(x_BxL: jax.Array, n: int, b: int, pad: int = -1) -> jax.Array:
+    """[n, B, b], padded with ``pad``: -1 for queries (a padding query sees no key and is
+    dropped) and segment ids; ``_NO_KEY`` for key indices (a padding key is never visible)."""
+    return _pad_axis(x_BxL, 1, n * b, pad).reshape(x_BxL.shape[0], n, b).transpose(1, 0, 2)
 
 
 # ---- the online-softmax kernel with a recomputing backward ------------------------------------
 
 
+_NO_KEY = 2 ** 30  # the key index of block padding: above every query index
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    kv_len: int  # real keys; entries at or past it are block padding
     bq: int
     bk: int
-    causal_skip: bool  # query positions are their indices: skip key blocks above the diagonal
     scale: float
+    # Which key blocks a query block visits. "index": queries and keys are at their indices
+    # (self-attention): those starting at or before the block's last row, a static rule that
+    # reads no data (on a batch-sharded mesh a data-derived bound would need a collective).
+    # "data": from the indices themselves (inside shard_map, where they are local). "none":
+    # all, for the cache layout, whose fully masked rows must average every key.
+    skip: str = "index"
 
 
-def _kv_block_count(plan: _Plan, i: jax.Array, nk: int) -> jax.Array | int:
-    """Key blocks query block ``i`` needs: all, or (causal) those starting at or before its
-    last row."""
-    if not plan.causal_skip:
+def _kv_block_count(plan: _Plan, i: jax.Array, kidx_blocks: jax.Array, pos_BxQb: jax.Array,
+                    ) -> jax.Array | int:
+    """Key blocks query block ``i`` needs (``_Plan.skip``): with "data", those whose smallest
+    key index is at most the block's largest query index (key indices ascend over the blocks),
+    at least one, so a block of padding rows still has keys to average."""
+    nk = kidx_blocks.shape[0]
+    if plan.skip == "none":
         return nk
-    return jnp.minimum(nk, ((i + 1) * plan.bq - 1) // plan.bk + 1)
+    if plan.skip == "index":
+        return jnp.minimum(nk, ((i + 1) * plan.bq - 1) // plan.bk + 1)
+    first_N = kidx_blocks.min(axis=(1, 2))
+    return jnp.maximum(1, jnp.sum(first_N <= pos_BxQb.max()))
 
 
 def _scores(plan: _Plan, q_BxKxGQxH: jax.Array, k_BxKxTbxH: jax.Array, pos_BxQb: jax.Array,
-            qseg_BxQb: jax.Array, kseg_BxTb: jax.Array, j: jax.Array,
+            qseg_BxQb: jax.Array, kidx_BxTb: jax.Array, kseg_BxTb: jax.Array,
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Masked float32 scores [B, K, G, bq, bk] of one block pair, the mask [B, bq, bk] and which
-    keys are real [bk]."""
+    keys are real [B, 1, 1, 1, bk]."""
     B, K, GQ, _ = q_BxKxGQxH.shape
     s = jnp.einsum("bkqh,bkth->bkqt", q_BxKxGQxH, k_BxKxTbxH,
                    preferred_element_type=jnp.float32) * plan.scale
     s_BxKxGxQbxTb = s.reshape(B, K, GQ // plan.bq, plan.bq, plan.bk)
-    kv_idx_Tb = j * plan.bk + jnp.arange(plan.bk, dtype=jnp.int32)
-    real_Tb = kv_idx_Tb < plan.kv_len
-    mask_BxQbxTb = ((kv_idx_Tb[None, None, :] <= pos_BxQb[:, :, None])
-                    & (qseg_BxQb[:, :, None] == kseg_BxTb[:, None, :]) & real_Tb[None, None, :])
+    real_BxTb = kidx_BxTb < _NO_KEY
+    mask_BxQbxTb = ((kidx_BxTb[:, None, :] <= pos_BxQb[:, :, None])
+                    & (qseg_BxQb[:, :, None] == kseg_BxTb[:, None, :]) & real_BxTb[:, None, :])
     s_BxKxGxQbxTb = jnp.where(mask_BxQbxTb[:, None, None], s_BxKxGxQbxTb, MASK_VALUE)
-    return s_BxKxGxQbxTb, mask_BxQbxTb, real_Tb
+    return s_BxKxGxQbxTb, mask_BxQbxTb, real_BxTb[:, None, None, None, :]
 
 
 def _at(blocks: jax.Array, j: jax.Array) -> jax.Array:
@@ -197,11 +233,11 @@ def _at(blocks: jax.Array, j: jax.Array) -> jax.Array:
 
 
 def _forward(plan: _Plan, q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array,
-             pos_blocks: jax.Array, qseg_blocks: jax.Array, kseg_blocks: jax.Array,
-             ) -> tuple[jax.Array, jax.Array, jax.Array]:
+             pos_blocks: jax.Array, qseg_blocks: jax.Array, kidx_blocks: jax.Array,
+             kseg_blocks: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(out [nq, B, K, G*bq, H], row max and row sum [nq, B, K, G, bq] in float32)."""
     nq, B, K, GQ, H = q_blocks.shape
-    nk, G = k_blocks.shape[0], GQ // plan.bq
+    G = GQ // plan.bq
 
     def q_step(_: None, xs: tuple[jax.Array, ...]) -> tuple[None, tuple[jax.Array, ...]]:
         q_i, pos_i, qseg_i, i = xs
@@ -210,7 +246,7 @@ def _forward(plan: _Plan, q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: ja
             mx, den, acc = carry
             v_j = _at(v_blocks, j)
             s, _, real_Tb = _scores(plan, q_i, _at(k_blocks, j), pos_i, qseg_i,
-                                    _at(kseg_blocks, j), j)
+                                    _at(kidx_blocks, j), _at(kseg_blocks, j))
             mx_new = jnp.maximum(mx, s.max(-1))
             # Padding keys get no weight even in a fully masked row (whose entries all equal
             # MASK_VALUE = mx): that row then averages exactly the real keys, as the reference.
@@ -224,37 +260,45 @@ def _forward(plan: _Plan, q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: ja
         init = (jnp.full((B, K, G, plan.bq), MASK_VALUE, jnp.float32),
                 jnp.zeros((B, K, G, plan.bq), jnp.float32),
                 jnp.zeros((B, K, G, plan.bq, H), jnp.float32))
-        mx, den, acc = jax.lax.fori_loop(0, _kv_block_count(plan, i, nk), kv_step, init)
+        mx, den, acc = jax.lax.fori_loop(0, _kv_block_count(plan, i, kidx_blocks, pos_i), kv_step, init)
         out = (acc / den[..., None]).reshape(B, K, GQ, H).astype(q_i.dtype)
         return None, (out, mx, den)
 
-    xs = (q_blocks, pos_blocks, qseg_blocks, jnp.arange(nq, dtype=jnp.int32))
+    xs = (q_blocks, pos_blocks, qseg_blocks, jnp.arange(q_blocks.shape[0], dtype=jnp.int32))
     _, (out, mx, den) = jax.lax.scan(q_step, None, xs)
     return out, mx, den
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(plan: _Plan, q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array,
-           pos_blocks: jax.Array, qseg_blocks: jax.Array, kseg_blocks: jax.Array) -> jax.Array:
-    return _forward(plan, q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks, kseg_blocks)[0]
+           pos_blocks: jax.Array, qseg_blocks: jax.Array, kidx_blocks: jax.Array,
+           kseg_blocks: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(out blocks, log-sum-exp blocks [nq, B, K, G, bq] float32)."""
+    out, mx, den = _forward(plan, q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks,
+                            kidx_blocks, kseg_blocks)
+    return out, mx + jnp.log(den)
 
 
 def _flash_fwd(plan: _Plan, q_blocks: jax.Array, k_blocks: jax.Array, v_blocks: jax.Array,
-               pos_blocks: jax.Array, qseg_blocks: jax.Array, kseg_blocks: jax.Array,
-               ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+               pos_blocks: jax.Array, qseg_blocks: jax.Array, kidx_blocks: jax.Array,
+               kseg_blocks: jax.Array) -> tuple[tuple[jax.Array, jax.Array], tuple]:
     out, mx, den = _forward(plan, q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks,
-                         kseg_blocks)
-    return out, (q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks, kseg_blocks, out, mx, den)
+                            kidx_blocks, kseg_blocks)
+    return (out, mx + jnp.log(den)), (q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks,
+                                      kidx_blocks, kseg_blocks, out, mx, den)
 
 
-def _flash_bwd(plan: _Plan, res: tuple[jax.Array, ...], dout_blocks: jax.Array,
-               ) -> tuple[jax.Array | None, ...]:
-    q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks, kseg_blocks, out, mx, den = res
+def _flash_bwd(plan: _Plan, res: tuple[jax.Array, ...],
+               cotangents: tuple[jax.Array, jax.Array]) -> tuple[jax.Array | None, ...]:
+    (q_blocks, k_blocks, v_blocks, pos_blocks, qseg_blocks, kidx_blocks, kseg_blocks, out, mx,
+     den) = res
+    dout_blocks, dlse_blocks = cotangents
     nq, B, K, GQ, H = q_blocks.shape
-    nk, G = k_blocks.shape[0], GQ // plan.bq
-    # D = rowsum(dO * O) = sum_t p_t dp_t: the softmax backward's per-row term.
+    G = GQ // plan.bq
+    # D = rowsum(dO * O) = sum_t p_t dp_t, the softmax backward's per-row term, minus the
+    # log-sum-exp's cotangent (d lse / d s_t = p_t).
     d_blocks = jnp.sum(dout_blocks.astype(jnp.float32) * out.astype(jnp.float32), -1).reshape(
-        nq, B, K, G, plan.bq)
+        nq, B, K, G, plan.bq) - dlse_blocks
 
     def q_step(carry: tuple[jax.Array, jax.Array], xs: tuple[jax.Array, ...],
                ) -> tuple[tuple[jax.Array, jax.Array], jax.Array]:
@@ -264,7 +308,7 @@ def _flash_bwd(plan: _Plan, res: tuple[jax.Array, ...], dout_blocks: jax.Array,
             dq, dk_acc, dv_acc = c
             k_j, v_j = _at(k_blocks, j), _at(v_blocks, j)
             s, mask_BxQbxTb, real_Tb = _scores(plan, q_i, k_j, pos_i, qseg_i,
-                                               _at(kseg_blocks, j), j)
+                                               _at(kidx_blocks, j), _at(kseg_blocks, j))
             p = jnp.where(real_Tb, jnp.exp(s - mx_i[..., None]) / den_i[..., None], 0.0)
             dv_j = jnp.einsum("bkqt,bkqh->bkth", p.reshape(B, K, GQ, plan.bk).astype(do_i.dtype),
                               do_i, preferred_element_type=jnp.float32)
@@ -283,14 +327,15 @@ def _flash_bwd(plan: _Plan, res: tuple[jax.Array, ...], dout_blocks: jax.Array,
 
         dk_acc, dv_acc = carry
         init = (jnp.zeros((B, K, GQ, H), jnp.float32), dk_acc, dv_acc)
-        dq, dk_acc, dv_acc = jax.lax.fori_loop(0, _kv_block_count(plan, i, nk), kv_step, init)
+        dq, dk_acc, dv_acc = jax.lax.fori_loop(0, _kv_block_count(plan, i, kidx_blocks, pos_i), kv_step,
+                                               init)
         return (dk_acc, dv_acc), dq.astype(q_i.dtype)
 
     zeros = jnp.zeros(k_blocks.shape, jnp.float32)
     xs = (q_blocks, dout_blocks, pos_blocks, qseg_blocks, mx, den, d_blocks,
           jnp.arange(nq, dtype=jnp.int32))
     (dk, dv), dq = jax.lax.scan(q_step, (zeros, zeros), xs)
-    return dq, dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype), None, None, None
+    return dq, dk.astype(k_blocks.dtype), dv.astype(v_blocks.dtype), None, None, None, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

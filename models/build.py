@@ -26,7 +26,7 @@ from meshrl.utils.log import get_logger
 # they come from model.*, every other field from the checkpoint's config.json.
 RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention", "remat", "scan_layers", "mlp_chunk",
                   "tokenizer", "moe_impl", "capacity_factor", "router_aux_loss_coef",
-                  "router_z_loss_coef")
+                  "router_z_loss_coef", "context_attention", "context_balance")
 _NOT_ARCH = (*RUNTIME_FIELDS, "hf_path")
 
 

@@ -9,12 +9,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models.attention import Attention
+from meshrl.models.context_attention import check_length, context_size, sequence_order
 from meshrl.models.kv_cache import KVCache
 from meshrl.models.layers import MLP, RMSNorm, dtype_of, param
 from meshrl.models.moe import MoE, zero_stats
@@ -119,6 +121,18 @@ class Decoder(nnx.Module):
             segment_ids_BxL = jnp.ones((B, L), jnp.int32)
         assert positions_BxL.shape == (B, L), (positions_BxL.shape, (B, L))
         assert segment_ids_BxL.shape == (B, L), (segment_ids_BxL.shape, (B, L))
+        C = context_size(ctx, (B, L)) if cache is None else 1
+        natural_L = None
+        if C > 1 and cfg.context_balance:
+            # Context parallelism: every [B, L] input in the balanced layout here, the hidden
+            # states back in natural order below, so the outside never sees the layout.
+            check_length(L, C, True)
+            order_L = sequence_order(L, C, True)
+            natural_L = np.argsort(order_L)
+            input_ids_BxL, positions_BxL, segment_ids_BxL = (
+                a[:, order_L] for a in (input_ids_BxL, positions_BxL, segment_ids_BxL))
+        elif C > 1:
+            check_length(L, C, False)
 
         x_BxLxD = jnp.take(self.embed[...], input_ids_BxL, axis=0).astype(cd)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"), ctx)
@@ -141,6 +155,8 @@ class Decoder(nnx.Module):
                                            segment_ids_BxL)
                 stats = _add_stats(stats, layer_stats)
         cache = kv
+        if natural_L is not None:
+            x_BxLxD = constrain(x_BxLxD[:, natural_L], ("batch", "length", "act_embed"), ctx)
 
         x_BxLxD = self.final_norm(x_BxLxD)
         if return_hidden:
@@ -272,6 +288,17 @@ def loss_vocab_axes(graphdef: nnx.GraphDef, params: nnx.State, vocab_size: int, 
     batch = ctx.sharding(("batch",), (rows,)).spec[0]
     as_tuple = lambda a: () if a is None else (a,) if isinstance(a, str) else tuple(a)  # noqa: E731
     return ctx.mesh, as_tuple(vocab), as_tuple(batch)
+
+
+def loss_length_axes(graphdef: nnx.GraphDef, params: nnx.State, rows: int, length: int,
+                     ) -> tuple[str, ...]:
+    """The mesh axes the hidden states' length dimension is sharded over (``context`` under
+    context parallelism); () without a mesh."""
+    ctx = nnx.merge(graphdef, params).sharding
+    if ctx is None:
+        return ()
+    part = ctx.sharding(("batch", "length"), (rows, length)).spec[1]
+    return () if part is None else (part,) if isinstance(part, str) else tuple(part)
 
 
 def apply_head(graphdef: nnx.GraphDef, params: nnx.State, hidden_xD: jax.Array) -> jax.Array:

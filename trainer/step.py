@@ -25,7 +25,12 @@ from meshrl.algorithms.batch import TrainBatch, abstract_batch, batch_of
 from meshrl.algorithms.logits import Hidden, ModelOutput
 from meshrl.algorithms.losses import LossFn, add_outputs, report_aux, router_terms
 from meshrl.mesh import Rules, logical_to_sharding
-from meshrl.models.decoder import forward_hidden, loss_vocab_axes, model_config
+from meshrl.models.decoder import (
+    forward_hidden,
+    loss_length_axes,
+    loss_vocab_axes,
+    model_config,
+)
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.state import TrainState
 
@@ -52,8 +57,10 @@ def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
         mesh, vocab_axes, batch_axes = loss_vocab_axes(
             graphdef, params, head.shape[0 if tied else 1], hidden_BxLxD.shape[0])
         cfg = model_config(graphdef, params)
+        length_axes = loss_length_axes(graphdef, params, *hidden_BxLxD.shape[:2])
         return Hidden(hidden_BxLxD, head, tied=tied, chunk=logits_chunk, mesh=mesh,
-                      vocab_axes=vocab_axes, batch_axes=batch_axes, router=router,
+                      vocab_axes=vocab_axes, batch_axes=batch_axes, length_axes=length_axes,
+                      router=router,
                       aux_loss_coef=cfg.router_aux_loss_coef, z_loss_coef=cfg.router_z_loss_coef)
 
     return forward

@@ -101,6 +101,7 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
     assert not [line for line in console if "orbax" in line.lower() or line.startswith("I1")]
 
 
+@pytest.mark.slow  # ~50 s; the MoE train step and sampler have their own default-run tests
 def test_moe_smoke_rl_job_trains_an_moe_decoder_and_logs_its_router_metrics(tmp_path):
     workdir = tmp_path / "moe"
     cmd = [*SMOKE[:-1], str(ROOT / "configs/default.py:moe_smoke"), f"--workdir={workdir}"]

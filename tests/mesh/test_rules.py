@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 DOCUMENTED = {
     # logical: (train, train with fsdp, sample)
-    "batch": (("data", "expert"),) * 3,
+    "batch": (("data", "expert"),) * 2 + (("data", "expert", "context"),),
     "length": (("context",), ("context",), ()),
     "embed": ((), ("data",), ()),
     "heads": (("tensor",),) * 3,
@@ -30,7 +30,7 @@ DOCUMENTED = {
     "act_kv_heads": (("tensor",),) * 3,
     "act_mlp": (("tensor",),) * 3,
     "act_vocab": (("tensor",),) * 3,
-    "cache_slots": (("data", "expert"),) * 3,
+    "cache_slots": (("data", "expert"),) * 2 + (("data", "expert", "context"),),
     "cache_len": ((),) * 3,
     "loss_vocab": (("tensor", "data", "expert", "context", "expert_tensor"),) * 2 + (("tensor",),),
 }

@@ -77,7 +77,7 @@ def test_moe_logits_match_transformers_unsharded(checkpoints, kind):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("kind", ["qwen3_moe_norm", "mixtral"])
+@pytest.mark.parametrize("kind", sorted(KINDS))
 def test_moe_logits_match_transformers_on_expert_meshes(checkpoints, kind, mesh_name):
     path, torch_model = checkpoints[kind]
     mesh = create_mesh(MESHES[mesh_name])
