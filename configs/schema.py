@@ -222,6 +222,8 @@ class DataConfig(Section):
     difficulty: int = field(2, "Synthetic difficulty: arithmetic operand digits; countdown "
                                "uses difficulty + 1 numbers.", at_least(1))
     ops: tuple[str, ...] = field(("+",), "Arithmetic operators to sample from ('+', '-', '*').")
+    pack: bool = field(True, "SFT: pack several examples into each row (segment ids keep them "
+                             "apart); False: one example per row.")
     shuffle_seed: int = field(0, "Seed of synthetic generation; mixed with trainer.seed for the "
                                  "deterministic shuffle.")
 

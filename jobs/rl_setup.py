@@ -59,7 +59,7 @@ def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Tr
     sft = warm_start_config(config, steps)
     data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                              seed=t.seed, process_index=jax.process_index(),
-                             process_count=jax.process_count())
+                             process_count=jax.process_count(), pack=config.data.pack)
     (workdir / "sft").mkdir(parents=True, exist_ok=True)
     log.info("SFT warm start: %d steps of %d x %d tokens under %s", steps, t.batch_size,
              t.seq_len, workdir / "sft")

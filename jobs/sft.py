@@ -36,6 +36,7 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.trainer.engine import Trainee, TrainEngine
+from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import ForwardFn, decoder_forward
 from meshrl.utils import log
 
@@ -123,7 +124,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     data = make_sft_iterator(config.data, tokenizer, batch_size=tcfg.batch_size,
                              seq_len=tcfg.seq_len, seed=tcfg.seed,
                              process_index=jax.process_index(),
-                             process_count=jax.process_count())
+                             process_count=jax.process_count(), pack=config.data.pack)
     model = build_model(config.model, mesh=mesh, rules=rules, seed=tcfg.seed)
     graphdef, params = split_model(model)
     del model
@@ -153,6 +154,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         ev = evaluate(engine.state.params)
         if ev:
             engine.metrics.write(tcfg.steps, ev)
+        checksum = params_checksum(engine.state.params)  # every process: a collective
     finally:
         engine.close()
     steady = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
@@ -163,7 +165,9 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         "tokens_per_s": float(np.median(steady)) if steady else None,
         "mfu": float(np.median([h["mfu"] for h in history[1:]])) if len(history) > 1 else None,
         "skipped_steps": int(history[-1]["skipped"]) if history else 0,
-        "params": n_params, "wall_s": wall, "devices": int(mesh.devices.size), **ev,
+        "params": n_params, "wall_s": wall, "devices": int(mesh.devices.size),
+        "processes": jax.process_count(), "params_checksum": checksum,
+        **ev,
     }
     if jax.process_index() == 0:
         (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))

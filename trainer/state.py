@@ -7,6 +7,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -74,3 +75,16 @@ def abstract_state(state_sh: TrainState, params: Any, tx: optax.GradientTransfor
     shapes = jax.eval_shape(lambda p: init_state(p, tx, seed), params)
     return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                         shapes, state_sh)
+
+
+def params_checksum(params: Any) -> float:
+    """One float from the params, the same on every process and for any mesh of the same
+    values: each leaf's float32 sum (a jitted, replicated reduction, so every process can read
+    it), added on the host in float64. For comparing runs (summary.json), not for integrity."""
+    leaves = jax.tree.leaves(params)
+    sharding = getattr(leaves[0], "sharding", None)
+    out = (NamedSharding(sharding.mesh, PartitionSpec()) if isinstance(sharding, NamedSharding)
+           else None)
+    sums = jax.jit(lambda xs: [jnp.sum(x.astype(jnp.float32)) for x in xs],
+                   out_shardings=out)(leaves)
+    return float(np.sum([np.float64(jax.device_get(s)) for s in sums]))

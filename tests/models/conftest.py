@@ -30,12 +30,19 @@ KINDS: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 def build_hf_model(kind: str, seed: int = 0) -> Any:
     """A tiny transformers model with every weight random (norms and biases included)."""
+    cfg_name, model_name, extra = KINDS[kind]
+    return random_hf_model(cfg_name, model_name, {**TINY, **extra}, seed)
+
+
+def random_hf_model(cfg_name: str, model_name: str, config: dict[str, Any], seed: int = 0,
+                    ) -> Any:
+    """``transformers.<model_name>(<cfg_name>(**config))`` with every weight random: norms in
+    [0.5, 1.5], the rest N(0, 0.1)."""
     import torch
     import transformers
 
-    cfg_name, model_name, extra = KINDS[kind]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**TINY, **extra, attn_implementation="eager")
+    cfg = getattr(transformers, cfg_name)(**config, attn_implementation="eager")
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

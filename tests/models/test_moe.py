@@ -167,7 +167,7 @@ def _compiled_grad_hlo(mesh_cfg: MeshConfig, devices: int = 8) -> str:
 
 @pytest.mark.distributed
 def test_expert_parallel_step_uses_all_to_all_and_never_gathers_expert_weights():
-    ep = _compiled_grad_hlo(MeshConfig(data=2, expert=2, expert_tensor=2))
+    ep = _compiled_grad_hlo(MeshConfig(data=1, expert=2, expert_tensor=2), devices=4)
     no_ep = _compiled_grad_hlo(MeshConfig(data=2), devices=2)
 
     assert "all-to-all" in ep

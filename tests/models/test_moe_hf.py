@@ -14,7 +14,7 @@ from meshrl.configs.schema import MeshConfig
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import forward, load_hf_checkpoint, save_hf_checkpoint, split_model
 from meshrl.models.hf import CheckpointError
-from meshrl.tests.models.conftest import hf_logits, random_ids
+from meshrl.tests.models.conftest import hf_logits, random_hf_model, random_ids
 
 RTOL, ATOL = 1e-4, 1e-4  # float32 both sides: summation order only (scaled: logits ~ O(1))
 
@@ -40,17 +40,8 @@ MESHES = {
 
 
 def build(kind: str, seed: int = 0):
-    import torch
-    import transformers
-
     cfg_name, model_name, extra = KINDS[kind]
-    torch.manual_seed(seed)
-    cfg = getattr(transformers, cfg_name)(**TINY, **extra, attn_implementation="eager")
-    model = getattr(transformers, model_name)(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, 0.1)
-    return model
+    return random_hf_model(cfg_name, model_name, {**TINY, **extra}, seed)
 
 
 @pytest.fixture(scope="module")

@@ -89,6 +89,7 @@ def _temp_bytes(chunk: int) -> int:
     ).temp_size_in_bytes
 
 
+@pytest.mark.slow  # 15-30 s of compiling; benchmarks/memory.py measures the same at real size
 def test_chunked_train_step_needs_less_temp_memory_than_the_full_logits():
     logits_bytes = 32 * 32 * 4096 * 4  # [B, L, V] float32: 16 MiB
 

@@ -1,0 +1,130 @@
+"""Start one job as N JAX processes on this machine: a pod run rehearsed on a laptop.
+
+  python launch/local.py --num_processes 2 --devices_per_process 4 -- \\
+      main.py --config configs/sft_synthetic.py:smoke --workdir /tmp/w
+
+Each process runs ``<this interpreter> <the args after -->`` with ``--config.distributed.*``
+set for an explicit start (coordinator on a free localhost port, process ids 0..N-1). Where
+there is no accelerator (``--platform cpu``, the default) each process gets
+``--devices_per_process`` fake CPU devices. Every output line is prefixed with ``[pK]``. When a
+process exits non-zero, the others are stopped (their whole process groups, so no orphans) and
+the launcher exits with that code; Ctrl-C stops them all too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def process_command(args: Sequence[str], process_id: int, num_processes: int,
+                    coordinator: str) -> list[str]:
+    """The command line of process ``process_id``: ``args`` with the distributed overrides."""
+    return [sys.executable, *args, "--config.distributed.initialize=explicit",
+            f"--config.distributed.coordinator_address={coordinator}",
+            f"--config.distributed.num_processes={num_processes}",
+            f"--config.distributed.process_id={process_id}"]
+
+
+def process_env(devices_per_process: int, platform: str) -> dict[str, str]:
+    env = dict(os.environ)
+    if platform == "cpu":
+        flags = [f for f in env.get("XLA_FLAGS", "").split()
+                 if not f.startswith("--xla_force_host_platform_device_count")]
+        env["XLA_FLAGS"] = " ".join(
+            [*flags, f"--xla_force_host_platform_device_count={devices_per_process}"])
+        env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _pump(proc: subprocess.Popen, tag: str, lock: threading.Lock) -> None:
+    assert proc.stdout is not None
+    for line in iter(proc.stdout.readline, b""):
+        with lock:
+            sys.stdout.write(f"[{tag}] {line.decode(errors='replace')}")
+            sys.stdout.flush()
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def launch(args: Sequence[str], num_processes: int, devices_per_process: int,
+           platform: str = "cpu", poll_s: float = 0.2) -> int:
+    """Run the processes to the end; the first non-zero exit code (0 when all succeed)."""
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = process_env(devices_per_process, platform)
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for i in range(num_processes):
+            p = subprocess.Popen(process_command(args, i, num_processes, coordinator), env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+            procs.append(p)
+            pumps.append(threading.Thread(target=_pump, args=(p, f"p{i}", lock), daemon=True))
+            pumps[-1].start()
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [c for c in codes if c not in (None, 0)]
+            if failed:
+                _stop(procs)
+                return failed[0]
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        _stop(procs)
+        return 130
+    finally:
+        _stop(procs)
+        for t in pumps:
+            t.join(timeout=5)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print("usage: launch/local.py [options] -- main.py --config CFG --workdir W [...]",
+              file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--num_processes", type=int, default=2)
+    ap.add_argument("--devices_per_process", type=int, default=4)
+    ap.add_argument("--platform", default="cpu", choices=("cpu", "native"),
+                    help="cpu: fake CPU devices per process; native: leave devices to JAX")
+    opts = ap.parse_args(argv[:split])
+    if opts.num_processes < 1 or opts.devices_per_process < 1:
+        print(f"error: --num_processes = {opts.num_processes} and --devices_per_process = "
+              f"{opts.devices_per_process}: both must be >= 1", file=sys.stderr)
+        return 2
+    return launch(argv[split + 1:], opts.num_processes, opts.devices_per_process,
+                  opts.platform)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

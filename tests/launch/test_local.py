@@ -1,0 +1,90 @@
+"""launch/local.py: N JAX processes on this machine. Two processes x 2 fake devices train SFT
+(data=2 x tensor=2) with one process x 4 devices' losses and params checksum; a failing process stops the others
+(no orphans) and the launcher exits with its code; output lines carry their process."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
+pytestmark = pytest.mark.distributed
+
+# SGD: Adam's first steps are ~lr * sign(g) and would turn the two runs' last-bit differences
+# (gloo's all-reduce order against the in-process one) into lr-sized jumps. Unpacked rows: each
+# process reads every other example, so a global batch holds the same examples either way.
+SFT = ["main.py", "--config", str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
+       "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.trainer.steps=3",
+       "--config.trainer.eval_every=0", "--config.optimizer.name=sgd",
+       "--config.trainer.learning_rate=0.5", "--config.optimizer.weight_decay=0.0",
+       "--config.data.pack=false", "--config.logging.progress_bar=false"]
+
+
+def _env(devices: int) -> dict[str, str]:
+    return {**os.environ, "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+
+
+def _losses(workdir: pathlib.Path) -> list[float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_two_processes_train_sft_like_one_process_of_four_devices(tmp_path, fsdp):
+    extra = [f"--config.mesh.fsdp={fsdp}"]
+    multi = subprocess.run([*LAUNCH, "--num_processes", "2", "--devices_per_process", "2", "--",
+                            *SFT, "--workdir", str(tmp_path / "multi"), *extra], cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+    single = subprocess.run([sys.executable, *SFT, "--workdir", str(tmp_path / "single"),
+                             *extra], cwd=ROOT, env=_env(4), capture_output=True, text=True,
+                            timeout=300)
+
+    assert multi.returncode == 0, multi.stdout[-3000:]
+    assert single.returncode == 0, single.stderr[-3000:]
+    a = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    b = json.loads((tmp_path / "single" / "summary.json").read_text())
+    assert (a["processes"], a["devices"], b["processes"], b["devices"]) == (2, 4, 1, 4)
+    np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"),
+                               rtol=1e-5)
+    np.testing.assert_allclose(a["params_checksum"], b["params_checksum"], rtol=1e-5)
+    lines = multi.stdout.splitlines()
+    assert any(line.startswith("[p0] ") for line in lines)
+    assert any(line.startswith("[p1] ") for line in lines)
+
+
+def test_a_failing_process_stops_the_others_and_the_launcher_exits_with_its_code(tmp_path):
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    # Process 1 fails at once; process 0 would run for a minute.
+    script = ("import os, sys, time, pathlib; pid = [a for a in sys.argv if 'process_id=' in a]"
+              "[0].split('=')[1]; pathlib.Path(sys.argv[1], pid).write_text(str(os.getpid()));"
+              "print('started', flush=True); time.sleep(0.5 if pid == '1' else 60);"
+              "sys.exit(3)")
+
+    t0 = time.monotonic()
+    out = subprocess.run([*LAUNCH, "--num_processes", "2", "--", "-c", script, str(pids)],
+                         capture_output=True, text=True, timeout=60)
+
+    assert out.returncode == 3, out.stdout + out.stderr
+    assert time.monotonic() - t0 < 30
+    assert "[p0] started" in out.stdout and "[p1] started" in out.stdout
+    for f in pids.iterdir():  # no orphan: every process of the job is gone
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(f.read_text()), 0)
+
+
+def test_bad_sizes_are_an_error_naming_both():
+    out = subprocess.run([*LAUNCH, "--num_processes", "0", "--", "main.py"],
+                         capture_output=True, text=True, timeout=30)
+
+    assert out.returncode == 2
+    assert "--num_processes = 0 and --devices_per_process = 4: both must be >= 1" in out.stderr
