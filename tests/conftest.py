@@ -41,3 +41,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "accelerator" in item.keywords and not has_accelerator:
             item.add_marker(skip)
+    # Longest first: xdist hands out modules in collection order, so the 30-60 s end-to-end
+    # modules go out at the start instead of leaving one worker busy at the end.
+    first = {path: rank for rank, path in enumerate(LONG_MODULES)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
+
+
+# The default run's slowest modules (``pytest --durations``), slowest first.
+LONG_MODULES = (
+    "tests/jobs/test_real_model_recipes.py", "tests/jobs/test_rl.py",
+    "tests/trainer/test_fault_injection.py", "tests/launch/test_local.py",
+    "tests/test_notebook.py", "tests/jobs/test_rl_reference.py", "tests/trainer/test_loop.py",
+    "tests/inference/test_sampler.py", "tests/jobs/test_rl_placement.py",
+    "tests/jobs/test_rl_mismatch.py", "tests/trainer/test_moe_step.py",
+    "tests/models/test_moe.py", "tests/jobs/test_sample.py", "tests/trainer/test_checkpoint.py",
+)
