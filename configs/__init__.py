@@ -16,6 +16,7 @@ from meshrl.configs.schema import (
     Config,
     DataConfig,
     DistributedConfig,
+    EvaluateConfig,
     ExportConfig,
     Job,
     LoggingConfig,
@@ -32,7 +33,7 @@ from meshrl.configs.schema import (
 
 __all__ = [
     "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
-    "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
+    "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
     "RolloutConfig", "RuntimeConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",
 ]

@@ -15,6 +15,7 @@ import enum
 from typing import Any, Literal
 
 from meshrl.configs.cross_section import validate_config
+from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
 from meshrl.configs.fields import (
     ConfigError,
@@ -36,6 +37,7 @@ class Job(str, enum.Enum):
     RL = "rl"  # asynchronous RL (GRPO/PPO family) with an in-process sampler (rl.placement)
     SAMPLE = "sample"  # generate completions for prompts from a file
     EXPORT = "export"  # write a run's checkpoint or weight version as a HF checkpoint
+    EVALUATE = "evaluate"  # evaluate each weight version an RL run publishes, as it appears
 
 
 MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
@@ -262,6 +264,15 @@ class DistributedConfig(Section):
     coordinator_address: str = field("", "host:port of process 0 (explicit mode).")
     num_processes: int = field(1, "Processes in the job (explicit mode).", at_least(1))
     process_id: int = field(0, "This process's index (explicit mode).", at_least(0))
+    step_timeout_s: float = field(
+        1800.0, "Hang watchdog: when no training step completes for this long after the first "
+                "one, every process logs its last completed step and last launched program, "
+                "dumps all thread stacks and exits with code 124; 0 disables the watchdog.",
+        at_least(0.0))
+    first_step_timeout_s: float = field(
+        3600.0, "The watchdog's limit from the start of the training loop to the first "
+                "completed step (its compilation included); 0: no limit before the first step.",
+        at_least(0.0))
 
     def validate(self) -> None:
         if self.initialize == "explicit" and not self.coordinator_address:
@@ -276,7 +287,7 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig)
+                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig, EvaluateConfig)
 }
 
 
@@ -300,6 +311,7 @@ class Config:
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)

@@ -6,8 +6,9 @@ from meshrl.datasets.pipeline import (
     eval_examples,
     make_prompt_iterator,
     make_sft_iterator,
+    merge_row_states,
 )
 from meshrl.datasets.sources import DatasetError
 
 __all__ = ["DatasetError", "PromptIterator", "SFTIterator", "eval_examples",
-           "make_prompt_iterator", "make_sft_iterator"]
+           "make_prompt_iterator", "make_sft_iterator", "merge_row_states"]

@@ -1,11 +1,13 @@
 """grain pipelines: shuffled, sharded, multi-epoch, checkpointable prompt and SFT iterators.
 
 The example stream is ``grain.MapDataset.source(examples).shuffle(seed).repeat()`` (grain
-reshuffles every epoch), sliced ``[process_index::process_count]`` so processes read disjoint
-elements of one global order (no overlap, no loss). Iterators only ever move forward through
-that random-access stream and build each batch from their current index, so the whole state is
-an index plus counters: ``get_state()`` is a small JSON-able dict and ``set_state`` resumes the
-exact continuation, on any host, without replaying data.
+reshuffles every epoch). Each global batch row ``j`` of ``batch_size`` rows reads its own
+sub-stream, positions ``j, j + batch_size, ...``, and each process owns a contiguous block of
+rows, so processes read disjoint elements (no overlap, no loss) and a global batch, packed or
+not, is the same for every process count. The state is one cursor and a few counters per row:
+``get_state()`` gathers every row's (a collective with several processes) into a small
+JSON-able dict, and ``set_state`` resumes the exact continuation on any process count that
+divides the batch, without replaying data. Design notes: docs/data.md.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from meshrl.configs.schema import DataConfig
 from meshrl.datasets import sources
 from meshrl.datasets.sources import DatasetError
 from meshrl.models.tokenizer import Tokenizer
+from meshrl.utils import multihost
 from meshrl.utils.log import get_logger
 
 log = get_logger("datasets")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+_ROW_COUNTS = ("examples", "dropped_overlong_prompt", "dropped_overlong_sequence")
 # Keys that are pipeline plumbing, not reward fields handed to workflows.
 _INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask")
 
@@ -102,8 +106,24 @@ def _mix_seed(seed: int, shuffle_seed: int) -> int:
                .generate_state(1)[0])
 
 
+def merge_row_states(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from per-process states of adjacent row blocks (``get_state``'s parts)."""
+    parts = sorted(parts, key=lambda s: s["row_start"])
+    for a, b in zip(parts, parts[1:]):
+        if a["row_start"] + len(a["cursor"]) != b["row_start"]:
+            raise DatasetError(f"data iterator states do not tile the batch rows: one starts at "
+                               f"row {b['row_start']}, after rows [{a['row_start']}, "
+                               f"{a['row_start'] + len(a['cursor'])})")
+    merged = {k: [x for s in parts for x in s[k]] for k in ("cursor", *_ROW_COUNTS)}
+    return {**parts[0], **merged}
+
+
 class _StreamIterator:
-    """Forward-only cursor over the sharded, shuffled, repeated example stream."""
+    """Forward-only cursors over the shuffled, repeated example stream: one cursor per global
+    batch row. Row ``j`` of ``rows`` reads positions ``j, j + rows, j + 2 * rows, ...`` (its own
+    sub-stream), and process ``p`` of ``N`` owns rows ``[p * rows / N, (p + 1) * rows / N)``.
+    A global batch is therefore the same for any process count that divides ``rows``, and so is
+    the saved state, which lists every row's cursor (see ``get_state``)."""
 
     def __init__(self, data: DataConfig, tokenizer: Tokenizer, *, seq_len: int | None,
                  batch_size: int, seed: int, process_index: int, process_count: int) -> None:
@@ -113,69 +133,103 @@ class _StreamIterator:
         if batch_size % process_count:
             raise ValueError(f"batch_size = {batch_size}: must be divisible by process_count = "
                              f"{process_count} (each process reads batch_size // process_count)")
-        self.stats: dict[str, int] = {"examples": 0, "batches": 0, "epoch": 0,
-                                      "dropped_overlong_prompt": 0,
-                                      "dropped_overlong_sequence": 0}
-        examples = sources.load_train(data, self.stats)
+        self._source_stats: dict[str, int] = {}
+        examples = sources.load_train(data, self._source_stats)
         self._num_examples = len(examples)
         self._seed = _mix_seed(seed, data.shuffle_seed)
+        self.rows = batch_size
         self.local_batch_size = batch_size // process_count
         self.process_index, self.process_count = process_index, process_count
+        lo = process_index * self.local_batch_size
+        self._my_rows = range(lo, lo + self.local_batch_size)
         self._ds = (grain.MapDataset.source(examples).shuffle(seed=self._seed).repeat(None)
-                    [process_index::process_count].map(_Tokenize(data, tokenizer, seq_len)))
-        self._index = 0  # next position in this process's slice of the stream
-        self._peeked: tuple[int, dict] = (-1, {})
+                    .map(_Tokenize(data, tokenizer, seq_len)))
+        n = self.local_batch_size
+        # Per owned row: next position in its sub-stream, examples taken, drops by reason.
+        self._cursor = np.zeros(n, np.int64)
+        self._counts = {k: np.zeros(n, np.int64) for k in _ROW_COUNTS}
+        self._batches = 0
+        self._peeked: dict[int, tuple[int, dict]] = {}
 
-    def _peek(self) -> dict:
-        """The next usable example (not consumed); drops on the way are counted exactly once."""
+    def _peek(self, r: int) -> dict:
+        """Owned row ``r``'s next usable example (not consumed); drops are counted once."""
         streak = 0
         while True:
-            if self._peeked[0] != self._index:  # tokenize each stream position once
-                self._peeked = (self._index, self._ds[self._index])
-            ex = self._peeked[1]
+            pos = int(self._cursor[r]) * self.rows + self._my_rows[r]
+            cached = self._peeked.get(r)
+            if cached is None or cached[0] != pos:  # tokenize each stream position once
+                self._peeked[r] = cached = (pos, self._ds[pos])
+            ex = cached[1]
             if "_drop" not in ex:
                 return ex
-            self.stats[ex["_drop"]] += 1
-            self._advance()
+            self._counts[ex["_drop"]][r] += 1
+            self._cursor[r] += 1
             streak += 1
-            # A whole epoch of drops means nothing will ever fit: fail instead of spinning.
-            if streak > self._num_examples // self.process_count + 1:
+            # A whole epoch of drops in a row's sub-stream means nothing will ever fit.
+            if streak > self._num_examples + 1:
                 raise DatasetError(f"data: every example is dropped (last: {ex['origin']}, "
                                    f"stats {self.stats}): raise data.max_prompt_len or "
                                    f"trainer.seq_len")
 
-    def _advance(self) -> None:
-        self._index += 1
-        global_pos = self._index * self.process_count + self.process_index
-        self.stats["epoch"] = global_pos // self._num_examples
-
-    def _take(self) -> dict:
-        ex = self._peek()
-        self._advance()
-        self.stats["examples"] += 1
+    def _take(self, r: int) -> dict:
+        ex = self._peek(r)
+        self._cursor[r] += 1
+        self._counts["examples"][r] += 1
         return ex
 
     def __iter__(self) -> _StreamIterator:
         return self
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """This process's counters: examples taken, drops by reason, batches, and the epoch
+        the slowest owned row is in."""
+        positions = self._cursor * self.rows + np.asarray(self._my_rows)
+        return {**self._source_stats, **{k: int(v.sum()) for k, v in self._counts.items()},
+                "batches": self._batches,
+                "epoch": int(positions.min()) // max(self._num_examples, 1)}
+
     def _identity(self) -> dict[str, int]:
         return {"version": STATE_VERSION, "seed": self._seed, "num_examples": self._num_examples,
-                "process_index": self.process_index, "process_count": self.process_count}
+                "rows": self.rows}
 
     def get_state(self) -> dict[str, Any]:
-        """JSON-able; save it with the train state and hand it to ``set_state`` to resume."""
-        return {**self._identity(), "index": self._index, "stats": dict(self.stats)}
+        """JSON-able state of every row, the same on every process: with several processes
+        this is a collective (each process contributes its rows), so every process calls it at
+        the same step. ``set_state`` on any process count that divides ``rows`` resumes the
+        exact continuation."""
+        local = {**self._identity(), "row_start": self._my_rows.start,
+                 "cursor": self._cursor.tolist(), "batches": self._batches,
+                 **{k: v.tolist() for k, v in self._counts.items()}}
+        return merge_row_states(multihost.allgather_json(local))
 
     def set_state(self, state: dict[str, Any]) -> None:
-        # A changed dataset, seed or process layout would silently change the continuation.
+        """Resume from ``get_state()``'s dict, written by this or any other process count."""
+        if state.get("version") != STATE_VERSION:
+            raise DatasetError(f"checkpointed data iterator state version = "
+                               f"{state.get('version')!r}: this build reads version "
+                               f"{STATE_VERSION} (a per-row layout that any process count can "
+                               f"resume); use a new --workdir, or the meshrl version that "
+                               f"wrote it")
+        # A changed dataset, seed or batch size would silently change the continuation.
         for key, mine in self._identity().items():
             if state.get(key) != mine:
                 raise DatasetError(f"checkpointed data iterator state {key} = "
                                    f"{state.get(key)!r}: this run's pipeline has {mine!r}, so it "
                                    f"cannot resume exactly: use a new --workdir, or the data "
-                                   f"config (and process count) that wrote it")
-        self._index = int(state["index"])
-        self.stats = {**self.stats, **{k: int(v) for k, v in state["stats"].items()}}
+                                   f"config (and trainer batch size) that wrote it")
+        lo, n = int(state.get("row_start", 0)), len(state["cursor"])
+        if not lo <= self._my_rows.start <= self._my_rows.stop <= lo + n:
+            raise DatasetError(f"checkpointed data iterator state covers rows [{lo}, {lo + n}) "
+                               f"of {self.rows}; process {self.process_index} of "
+                               f"{self.process_count} reads rows [{self._my_rows.start}, "
+                               f"{self._my_rows.stop}): restore the state get_state() returned "
+                               f"on every process, not one process's rows")
+        mine = slice(self._my_rows.start - lo, self._my_rows.stop - lo)
+        self._cursor = np.asarray(state["cursor"][mine], np.int64)
+        self._counts = {k: np.asarray(state[k][mine], np.int64) for k in _ROW_COUNTS}
+        self._batches = int(state["batches"])
+        self._peeked = {}
 
 
 class PromptIterator(_StreamIterator):
@@ -183,8 +237,8 @@ class PromptIterator(_StreamIterator):
     ``prompt_text`` (as fed to the model), ``answer`` and the reward fields."""
 
     def __next__(self) -> list[dict]:
-        batch = [self._take() for _ in range(self.local_batch_size)]
-        self.stats["batches"] += 1
+        batch = [self._take(r) for r in range(self.local_batch_size)]
+        self._batches += 1
         return batch
 
 
@@ -205,13 +259,13 @@ class SFTIterator(_StreamIterator):
         segment_ids_BxL = np.zeros((B, L), np.int32)
         for row in range(B):
             fill, segment = 0, 0
-            # Greedy in stream order: a row closes when the next example does not fit, and that
-            # example opens the next row, so no example is ever split or skipped.
+            # Greedy in the row's sub-stream order: a row closes when its next example does not
+            # fit, and that example opens the row next step, so no example is split or skipped.
             while True:
-                n = len(self._peek()["_input"])
+                n = len(self._peek(row)["_input"])
                 if fill + n > L:
                     break
-                ex = self._take()
+                ex = self._take(row)
                 segment += 1
                 span = slice(fill, fill + n)
                 input_ids_BxL[row, span] = ex["_input"]
@@ -222,7 +276,7 @@ class SFTIterator(_StreamIterator):
                 fill += n
                 if not self.pack:
                     break
-        self.stats["batches"] += 1
+        self._batches += 1
         return {"input_ids": input_ids_BxL, "targets": targets_BxL, "loss_mask": loss_mask_BxL,
                 "positions": positions_BxL, "segment_ids": segment_ids_BxL}
 

@@ -40,6 +40,7 @@ register(Job.SFT, "meshrl.jobs.sft:run")
 register(Job.SAMPLE, "meshrl.jobs.sample:run")
 register(Job.RL, "meshrl.jobs.rl:run")
 register(Job.EXPORT, "meshrl.jobs.export:run")
+register(Job.EVALUATE, "meshrl.jobs.evaluate:run")
 
 
 def dry_run(config: Config) -> str:
@@ -87,5 +88,8 @@ def run(config: Config, workdir: str) -> None:
         raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "
                                   f"available: {known}")
     module, fn = _JOBS[config.job].split(":")
+    # Every job, sample and export included, joins the multi-controller runtime the same way.
+    initialize_distributed(config.distributed)
+    log.set_process_index(jax.process_index())
     pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
     getattr(importlib.import_module(module), fn)(config, workdir)

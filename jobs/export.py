@@ -13,6 +13,8 @@ Contract:
   in), plus the tokenizer files of the run's tokenizer when it is a directory (``model.tokenizer``
   or the ``model.hf_path`` checkpoint's own). Written into a temporary sibling directory and
   renamed to ``OUT`` whole: a failed export leaves nothing at ``OUT``.
+* Processes: on several (``distributed.*``), every process restores its shards and takes part
+  in gathering each tensor; process 0 alone writes ``OUT`` (a path all processes share).
 * Errors: no checkpoint, a missing step or version, an unusable ``export.path``: one
   ``ConfigError`` line; nothing is written.
 """
@@ -24,6 +26,7 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import Any
 
 import jax
 from flax import nnx
@@ -47,6 +50,7 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import resolve_tokenizer_spec
 from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.utils import multihost
 from meshrl.utils.log import get_logger, set_process_index
 
 log = get_logger("models")
@@ -147,20 +151,9 @@ def tokenizer_dir(src: ExportSource) -> str | None:
     return None if spec == "char" else spec
 
 
-def run(config: Config, workdir: str) -> pathlib.Path:
-    """Export (see the module docstring); returns the output directory."""
-    set_process_index(jax.process_index())
-    if jax.process_count() > 1:
-        # TODO(meshrl): multi-host export (gather params to process 0) is not built.
-        raise NotImplementedError("the export job runs on one process in this build")
-    out = check_output(config.export.path)
-    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
-    try:
-        src = resolve_export(config, workdir, reader)
-        tok = tokenizer_dir(src)
-        model = load_source(config, workdir, src, reader)
-    finally:
-        reader.close()
+def _write(model: Any, out: pathlib.Path, tok: str | None) -> list[str]:
+    """The HF checkpoint of ``model`` (and the tokenizer files in ``tok``) at ``out``, moved
+    into place whole; the tokenizer files copied."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         save_hf_checkpoint(model, tmp)
@@ -173,5 +166,30 @@ def run(config: Config, workdir: str) -> pathlib.Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return copied
+
+
+def run(config: Config, workdir: str) -> pathlib.Path:
+    """Export (see the module docstring); returns the output directory."""
+    set_process_index(jax.process_index())
+    out = check_output(config.export.path)
+    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+    try:
+        src = resolve_export(config, workdir, reader)
+        tok = tokenizer_dir(src)
+        model = load_source(config, workdir, src, reader)
+    finally:
+        reader.close()
+    primary = jax.process_index() == 0
+    # Every process takes part in gathering the params; process 0 alone writes (the same
+    # path on a shared filesystem), and the others wait for the finished directory.
+    copied: list[str] = []
+    try:
+        if primary:
+            copied = _write(model, out, tok)
+        else:
+            save_hf_checkpoint(model, out, write=False)
+    finally:
+        multihost.sync("meshrl-export-done")
     log.info("exported to %s (tokenizer files: %s)", out, copied or "none, char tokenizer")
     return out

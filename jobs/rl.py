@@ -51,6 +51,7 @@ from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.engine import Trainee, check_versions, put_batch
 from meshrl.trainer.reference import ReferencePolicy
+from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import decoder_forward
 from meshrl.utils import log as log_lib
 from meshrl.utils.aio import run_sync
@@ -305,6 +306,8 @@ class RLTrainer:
             "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,
             "sampler_devices": int(self.sampler_mesh.devices.size),
+            "processes": jax.process_count(),
+            "params_checksum": params_checksum(self.engine.state.params),
         }
         if jax.process_index() == 0:
             metrics = read_metrics(self.workdir / "metrics.jsonl")

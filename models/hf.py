@@ -312,19 +312,32 @@ def _place(host: np.ndarray, sharding: NamedSharding | SingleDeviceSharding) -> 
 # ---- export ---------------------------------------------------------------------------------
 
 
-def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path) -> None:
-    """Write ``model.safetensors`` + ``config.json`` (single process: params must be fully
-    addressable from this host)."""
+def _host_copy(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+
+    # Params sharded across processes: every process takes part; each gets the whole tensor.
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = True) -> None:
+    """Write ``model.safetensors`` + ``config.json``. Params sharded over several processes are
+    gathered tensor by tensor, so every process calls this; only those with ``write`` (process
+    0) write files."""
     from safetensors.numpy import save_file
 
     path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     cfg = model.cfg
     mapping = param_map(cfg)
     tensors: dict[str, np.ndarray] = {}
     for key, var in _flat_params(nnx.state(model, nnx.Param)).items():
-        host = np.asarray(jax.device_get(var.get_value()))
-        tensors.update(split_entry(entry_of(mapping, cfg, key), host))
+        host = _host_copy(var.get_value())
+        if write:
+            tensors.update(split_entry(entry_of(mapping, cfg, key), host))
+    if not write:
+        return
+    path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
     get_logger("models").info("saved %s (%d tensors)", path, len(tensors))

@@ -13,7 +13,9 @@ reported as corrupt). Steps past ``keep`` are renamed into ``deleted/`` before r
 mid-deletion never leaves a half-deleted step. Resume walks steps newest first; a step whose
 manifest is missing or does not match is moved aside to ``corrupt.<step>.<time>`` (the newest
 ``keep`` of those are kept) and the previous step is tried. A verified step that still fails to
-restore does not fit this run: ``CheckpointMismatchError``, nothing discarded.
+restore does not fit this run: ``CheckpointMismatchError``, nothing discarded. With several
+processes, each checks every file's size but hashes only its share of the files, the processes
+agree on the verdict, and process 0 moves a bad step aside between two barriers.
 Design notes: docs/checkpoints.md.
 """
 
@@ -27,9 +29,11 @@ import shutil
 import time
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 from meshrl.configs.schema import CheckpointConfig
+from meshrl.utils import multihost
 from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 
@@ -64,14 +68,22 @@ def _hash_file(path: pathlib.Path) -> str:
 _UNHASHED = {MANIFEST, "_CHECKPOINT_METADATA"}
 
 
-def _file_table(step_dir: pathlib.Path) -> dict[str, list[Any]]:
-    return {str(p.relative_to(step_dir)): [p.stat().st_size, _hash_file(p)]
-            for p in sorted(step_dir.rglob("*"))
-            if p.is_file() and str(p.relative_to(step_dir)) not in _UNHASHED}
+def _file_table(step_dir: pathlib.Path, hashed: Any = None) -> dict[str, list[Any]]:
+    """``{relative path: [size, sha256]}``; with ``hashed`` (a set of relative paths) only those
+    are hashed, the others get ``None``."""
+    out = {}
+    for p in sorted(step_dir.rglob("*")):
+        rel = str(p.relative_to(step_dir))
+        if p.is_file() and rel not in _UNHASHED:
+            digest = _hash_file(p) if hashed is None or rel in hashed else None
+            out[rel] = [p.stat().st_size, digest]
+    return out
 
 
-def verify_step_dir(step_dir: pathlib.Path) -> str | None:
-    """``None`` when ``step_dir`` matches its manifest, else what is wrong."""
+def verify_step_dir(step_dir: pathlib.Path, share: tuple[int, int] = (0, 1)) -> str | None:
+    """``None`` when ``step_dir`` matches its manifest, else what is wrong. ``share = (i, n)``
+    checks every file's size but hashes only every n-th file from the i-th (sorted by path), so
+    n processes together read each byte once (``Checkpointer`` combines their answers)."""
     manifest = step_dir / MANIFEST
     if not manifest.exists():
         return "no manifest (deleted, or not written by meshrl's checkpointer)"
@@ -79,11 +91,14 @@ def verify_step_dir(step_dir: pathlib.Path) -> str | None:
         expected = json.loads(manifest.read_text())["files"]
     except (ValueError, KeyError) as e:
         return f"unreadable manifest: {e!r}"
-    actual = _file_table(step_dir)
+    index, count = share
+    mine = set(sorted(expected)[index::count])
+    actual = _file_table(step_dir, hashed=mine)
     missing = sorted(set(expected) - set(actual))
     if missing:
         return f"missing files: {missing[:5]}"
-    changed = sorted(k for k in expected if expected[k] != actual[k])
+    changed = sorted(k for k in expected
+                     if actual[k][0] != expected[k][0] or (k in mine and actual[k] != expected[k]))
     if changed:
         return f"size/checksum mismatch in: {changed[:5]}"
     return None
@@ -153,14 +168,25 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
 
+    def _verify(self, step: int) -> str | None:
+        """``verify_step_dir`` with the hashing shared by all processes; every process gets the
+        same answer (the first problem any process found)."""
+        mine = verify_step_dir(self.directory / str(step),
+                               (jax.process_index(), jax.process_count()))
+        return next((p for p in multihost.allgather_json(mine) if p is not None), None)
+
     def _quarantine(self, step: int, why: str) -> None:
         _log.warning("checkpoint step %d is unusable (%s); falling back to the previous one",
                      step, why)
+        # No process may still be reading the step while process 0 moves it, nor list steps
+        # before the move is done.
+        multihost.sync(f"meshrl-quarantine-{step}-start")
         if self._primary:
             src = self.directory / str(step)
             if src.exists():
                 src.rename(self.directory / f"corrupt.{step}.{time.time_ns()}")
             self._prune_corrupt()
+        multihost.sync(f"meshrl-quarantine-{step}-done")
         self._mngr.reload()
 
     def _prune_corrupt(self) -> None:
@@ -204,7 +230,7 @@ class Checkpointer:
         there is none. Target shardings come from the caller, so the mesh may differ from the
         one that saved."""
         for step in sorted(self._mngr.all_steps(), reverse=True):
-            problem = verify_step_dir(self.directory / str(step))
+            problem = self._verify(step)
             if problem is not None:
                 self._quarantine(step, problem)
                 continue

@@ -46,6 +46,7 @@ from meshrl.trainer.step import (
     make_train_step,
 )
 from meshrl.utils.log import get_logger
+from meshrl.utils.watchdog import Watchdog
 
 _log = get_logger("trainer")
 
@@ -182,6 +183,9 @@ class TrainEngine:
                                      process_index=jax.process_index(),
                                      resume_step=None if self.restored is None
                                      else self.start_step)
+        # Armed from the first step of the loop (open_progress) to finish(); see utils.watchdog.
+        d = config.distributed
+        self.watchdog = Watchdog(d.step_timeout_s, d.first_step_timeout_s)
         self.state: TrainState | None = None
         self.data: DataIterator | None = None
         self.progress: Progress | None = None
@@ -215,6 +219,7 @@ class TrainEngine:
         write (every ``trainer.log_every`` steps) on process 0 and replaces the bar's own
         every-10% log lines (the job writes its own step line)."""
         self.on_log = on_log if jax.process_index() == 0 else None
+        self.watchdog.start()
         self.progress = Progress(self.config.trainer.steps, self.start_step,
                                  enabled=self.config.logging.progress_bar and
                                  jax.process_index() == 0, log_lines=on_log is None)
@@ -227,6 +232,7 @@ class TrainEngine:
         """Run step ``step`` on the device ``batch`` (``prepare(batch) -> (batch, metrics)``
         first, e.g. the KL reference), then read the previous step's metrics while it runs."""
         dispatched = time.perf_counter()
+        self.watchdog.launched(f"train step {step}")
         with jax.transfer_guard("disallow"):
             extra: dict[str, jax.Array] = {}
             if prepare is not None:
@@ -247,6 +253,7 @@ class TrainEngine:
         p, self._pending = self._pending, None
         values = read_step_metrics(p.metrics, p.step, self.config.trainer.on_nonfinite,
                                    self.what)
+        self.watchdog.completed(p.step)
         record = {f"{self.metric_prefix}{k}": v for k, v in values.items()
                   if k not in ("step", "finite")}
         if self.step_timing:
@@ -285,6 +292,7 @@ class TrainEngine:
         if data_state is None:
             assert self.data is not None, "save() needs data_state or start(data=...)"
             data_state = self.data.get_state()
+        self.watchdog.launched(f"checkpoint save of step {step}")
         self.checkpointer.save(step, self.state, data_state, self.config.to_dict(),
                                {**(counters or {}), "step": step})
         self._excluded += time.perf_counter() - t0
@@ -292,18 +300,22 @@ class TrainEngine:
     def publish(self, version: int) -> None:
         """Orbax weight version ``<workdir>/weights/<version>`` (replaces a leftover of a killed
         run, which may hold different weights of the same version)."""
+        self.watchdog.launched(f"publish of weight version {version}")
         path = weights_dir(self.workdir, version)
         if path.exists() and jax.process_index() == 0:
             shutil.rmtree(path)
         publish_weights(self.state.params, self.workdir, version)
 
     def finish(self) -> None:
-        """Wait for pending checkpoint writes; close the progress line."""
+        """Wait for pending checkpoint writes; close the progress line; disarm the watchdog."""
+        self.watchdog.launched("wait for checkpoint writes")
         self.checkpointer.wait()
+        self.watchdog.stop()
         if self.progress is not None:
             self.progress.close()
 
     def close(self) -> None:
+        self.watchdog.stop()
         self.checkpointer.close()
         self.metrics.close()
 

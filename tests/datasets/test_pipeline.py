@@ -13,6 +13,7 @@ from meshrl.datasets import (
     eval_examples,
     make_prompt_iterator,
     make_sft_iterator,
+    merge_row_states,
 )
 from meshrl.models.tokenizer import CharTokenizer
 
@@ -177,3 +178,62 @@ def test_eval_examples_are_disjoint_from_the_training_set(source: str):
     assert len(held_out) == 50
     assert train.isdisjoint(ex["prompt"] for ex in held_out)
     assert all(ex["prompt_ids"] for ex in held_out)
+
+
+def _sft(process_index: int = 0, process_count: int = 1, **kw) -> object:
+    return make_sft_iterator(DataConfig(num_examples=37, difficulty=3), TOK, batch_size=4,
+                             seq_len=40, seed=2, process_index=process_index,
+                             process_count=process_count, **kw)
+
+
+def _assert_batches_equal(a: dict, b: dict) -> None:
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_global_sft_batch_is_the_same_for_one_two_and_four_processes(pack: bool):
+    for count in (2, 4):
+        single, shards = _sft(pack=pack), [_sft(p, count, pack=pack) for p in range(count)]
+        for _ in range(6):  # several epochs of 37 examples
+            local = [next(it) for it in shards]
+            _assert_batches_equal(next(single),
+                                  {k: np.concatenate([b[k] for b in local]) for k in local[0]})
+
+
+def test_state_written_by_two_processes_resumes_on_one_and_on_four():
+    shards = [_sft(p, 2) for p in range(2)]
+    for _ in range(3):
+        for it in shards:
+            next(it)
+    state = json.loads(json.dumps(merge_row_states([it.get_state() for it in shards])))
+    expected = [{k: np.concatenate([b[k] for b in pair]) for k in pair[0]}
+                for pair in ([next(it) for it in shards] for _ in range(4))]
+    one = _sft()
+    one.set_state(state)
+    four = [_sft(p, 4) for p in range(4)]
+    for it in four:
+        it.set_state(state)
+    for want in expected:
+        _assert_batches_equal(want, next(one))
+        quarter = [next(it) for it in four]
+        _assert_batches_equal(want, {k: np.concatenate([b[k] for b in quarter]) for k in want})
+    assert one.stats["examples"] == sum(it.stats["examples"] for it in four)
+
+
+def test_state_of_one_process_rows_is_rejected_by_a_process_owning_other_rows():
+    p0, p1 = _sft(0, 2), _sft(1, 2)
+    next(p0)
+    with pytest.raises(DatasetError, match=r"covers rows \[0, 2\) of 4; process 1 of 2 reads "
+                                           r"rows \[2, 4\)"):
+        p1.set_state(p0.get_state())
+
+
+def test_state_of_a_different_batch_size_or_older_layout_is_rejected():
+    state = _sft().get_state()
+    other = make_sft_iterator(DataConfig(num_examples=37, difficulty=3), TOK, batch_size=8,
+                              seq_len=40, seed=2)
+    with pytest.raises(DatasetError, match="rows = 4: this run's pipeline has 8"):
+        other.set_state(state)
+    with pytest.raises(DatasetError, match="state version = 1: this build reads version 2"):
+        _sft().set_state({**state, "version": 1})

@@ -19,13 +19,13 @@ LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
 pytestmark = pytest.mark.distributed
 
 # SGD: Adam's first steps are ~lr * sign(g) and would turn the two runs' last-bit differences
-# (gloo's all-reduce order against the in-process one) into lr-sized jumps. Unpacked rows: each
-# process reads every other example, so a global batch holds the same examples either way.
+# (gloo's all-reduce order against the in-process one) into lr-sized jumps. Rows are packed: each
+# global batch row has its own example sub-stream, so the batch is the same for any process count.
 SFT = ["main.py", "--config", str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
        "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.trainer.steps=3",
        "--config.trainer.eval_every=0", "--config.optimizer.name=sgd",
        "--config.trainer.learning_rate=0.5", "--config.optimizer.weight_decay=0.0",
-       "--config.data.pack=false", "--config.logging.progress_bar=false"]
+       "--config.logging.progress_bar=false"]
 
 
 def _env(devices: int) -> dict[str, str]:

@@ -22,6 +22,7 @@ from meshrl.trainer.checkpoint import (
     TMP_SUFFIX,
     Checkpointer,
     CheckpointMismatchError,
+    verify_step_dir,
 )
 from meshrl.trainer.engine import expand_prefix
 from meshrl.trainer.optimizer import make_optimizer
@@ -149,6 +150,24 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage):
     loop.run_sft()  # training continues from step 2 and writes a good step 4 again
     loop.close()
     assert (step4 / MANIFEST).exists()
+
+
+def test_shared_verification_hashes_each_file_once_and_every_size_everywhere(tmp_path):
+    config = tiny_config(**{"trainer.steps": 1})
+    _run(config, tmp_path)
+    step = tmp_path / "checkpoints" / "1"
+    files = sorted(json.loads((step / MANIFEST).read_text())["files"])
+    victim = step / files[-1]
+    data = bytearray(victim.read_bytes())
+    data[0] ^= 0xFF  # same size, other bytes: only the hash can tell
+    victim.write_bytes(bytes(data))
+    shares = [(i, 3) for i in range(3)]
+    verdicts = [verify_step_dir(step, share) for share in shares]
+    owner = (len(files) - 1) % 3  # sorted(files)[i::3] holds the last file for this i
+    assert [v is not None for v in verdicts] == [i == owner for i in range(3)]
+    assert files[-1] in verdicts[owner]
+    victim.write_bytes(bytes(data[:-1]))  # a size change is seen by every share
+    assert all(verify_step_dir(step, share) for share in shares)
 
 
 def test_intact_checkpoint_of_another_model_raises_instead_of_falling_back(tmp_path):
