@@ -105,6 +105,22 @@ def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any
     return out
 
 
+def process_local_copy(params: Any) -> Any:
+    """``params`` (global arrays, possibly sharded across processes) as arrays on this
+    process's first local device holding the whole value: what a sampler on this process's
+    devices alone takes (``update_weights`` then reshards it). Every process calls it: one
+    jitted all-gather (a collective). Fully addressable params come back unchanged."""
+    leaves = jax.tree.leaves(params)
+    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
+        return params
+    mesh = leaves[0].sharding.mesh
+    # TODO(meshrl): this gathers every tensor whole onto every device at once; a large model
+    # needs it tensor by tensor (or a sampler mesh that spans processes).
+    replicated = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))(params)
+    return jax.tree.map(lambda x: x.addressable_shards[0].data, replicated)
+
+
 def weights_dir(workdir: str | pathlib.Path, version: int) -> pathlib.Path:
     return pathlib.Path(workdir).absolute() / "weights" / str(int(version))
 

@@ -14,6 +14,7 @@ is in ``docs/rl.md``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import pathlib
@@ -25,10 +26,12 @@ import jax
 import numpy as np
 
 from meshrl.algorithms.batch import RLTrainBatch
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
+from meshrl.inference.weights import process_local_copy
 from meshrl.jobs.report import rl_step_line, rl_summary_table
 from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.jobs.rl_setup import (
@@ -54,6 +57,7 @@ from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import decoder_forward
 from meshrl.utils import log as log_lib
+from meshrl.utils import multihost
 from meshrl.utils.aio import run_sync
 from meshrl.workflows import RolloutBatch, make_rollout_batch, make_runner
 
@@ -96,9 +100,11 @@ class RLTrainer:
     metrics), the KL reference, the sampler and the reward pool."""
 
     def __init__(self, config: Config, workdir: str | pathlib.Path) -> None:
-        if jax.process_count() > 1:
-            # TODO(meshrl): multi-host RL (one runner per process, one global batch) is untested.
-            raise NotImplementedError("the RL job runs on one process in this build")
+        n = jax.process_count()
+        if config.rollout.prompts_per_step % n:
+            raise ConfigError(f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: "
+                              f"must be divisible by the {n} processes (each process samples "
+                              f"prompts_per_step / {n} groups per step)")
         self.config, self.workdir = config, pathlib.Path(workdir)
         t = config.trainer
         self.mesh, self.sampler_mesh = create_meshes(config)
@@ -123,6 +129,10 @@ class RLTrainer:
         self.engine = rl_engine(config, self.workdir, self.mesh, trainee(params))
         # The host batch: the rollout's fields (the reference adds ``ref_logprobs`` on device).
         self.host_batch_sh = self.engine.batch_sh.replace(ref_logprobs=None)
+        rewards_sh = logical_to_sharding(("batch",), self.mesh, rules, (self.B,))
+        # This process's first sample in the global batch (its rows are one contiguous block).
+        self._sample_offset = min(idx[0].start or 0 for idx in
+                                  rewards_sh.addressable_devices_indices_map((self.B,)).values())
         self.counters: dict[str, Any] = {}
         self.warm_start_steps = 0
         kl = config.rl.kl_coef > 0.0
@@ -142,7 +152,7 @@ class RLTrainer:
                                         self.tokenizer, sft_steps)
             self.reference = None if not kl else ReferencePolicy(
                 config.rl, self.forward, params, self.engine.state_sh.params, self.mesh,
-                self.engine.batch_sh, logical_to_sharding(("batch",), self.mesh, rules, (self.B,)),
+                self.engine.batch_sh, rewards_sh,
                 temperature=config.sampler.temperature, group_size=config.rollout.group_size,
                 microbatches=t.microbatches)
             self.engine.start(params)
@@ -159,7 +169,8 @@ class RLTrainer:
                          self.start_step)
             # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
             self.sampler = Sampler(self.model_cfg, config.sampler, self.sampler_mesh,
-                                   self.state.params, version=self.start_step,
+                                   process_local_copy(self.state.params),
+                                   version=self.start_step,
                                    workdir=str(self.workdir), rules=rules_for("sample"))
             self.reward_pool = RewardPool.from_config(config.reward)
         except BaseException:
@@ -176,18 +187,34 @@ class RLTrainer:
         """(the step's device batch, packed into the smallest row bucket that holds it, and its
         version lag); a token staler than ``rollout.max_staleness`` allows raises
         ``StaleBatchError`` before anything reaches the device."""
-        # TODO(meshrl): multi-host RL must agree on the row count (max over processes) first.
-        rows = self.step.buckets if self.config.rl.pack_sequences else None
-        host = rb.to_train_batch(rows)
+        host = rb.to_train_batch(self._rows(rb) if self.config.rl.pack_sequences else None)
+        if jax.process_count() > 1:
+            # Sample ids index the global rewards; this process's samples sit at its offset.
+            ids = host.sample_ids
+            host = host.replace(sample_ids=np.where(ids >= 0, ids + self._sample_offset, ids))
         lag = check_versions(host, version, self.config.rollout.max_staleness)
         return put_batch(host, self.host_batch_sh), lag
+
+    def _rows(self, rb: RolloutBatch) -> Any:
+        """The row buckets to pack into; with several processes, the one bucket (this
+        process's share of it) that holds every process's rows, agreed by all of them, so all
+        run the same compiled step."""
+        if jax.process_count() == 1:
+            return self.step.buckets
+        n = jax.process_count()
+        need = max(multihost.allgather_json(rb.packed_rows()))
+        fits = [b for b in self.step.buckets if b % n == 0 and b // n >= need]
+        if not fits:
+            raise ValueError(f"packed rows: a process needs {need} rows, and no row bucket of "
+                             f"{self.step.buckets} gives each of the {n} processes that many")
+        return min(fits) // n
 
     def _handoff(self, engine: AsyncEngine, version: int) -> float:
         """Wait for the dispatched step's params, hand them to the sampler as ``version``;
         returns when the params were ready (``perf_counter``)."""
         jax.block_until_ready(self.state.params)
         t_trained = time.perf_counter()
-        engine.update_weights(self.state.params, version)
+        engine.update_weights(process_local_copy(self.state.params), version)
         return t_trained
 
     def precompile(self) -> None:
@@ -217,7 +244,10 @@ class RLTrainer:
         evaluations) use, e.g. to shape completion lengths in a benchmark."""
         c, t, train = self.config, self.config.trainer, self.engine
         engine = AsyncEngine(self.sampler)
-        runner = make_runner(c, rollout_engine(engine) if rollout_engine else engine,
+        # Each process samples its share of the step's groups on its own devices.
+        local = dataclasses.replace(c, rollout=dataclasses.replace(
+            c.rollout, prompts_per_step=c.rollout.prompts_per_step // jax.process_count()))
+        runner = make_runner(local, rollout_engine(engine) if rollout_engine else engine,
                              self.reward_pool, self.prompts, self.tokenizer,
                              version=self.start_step)
         if "runner" in self.counters:
@@ -331,6 +361,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     finally:
         trainer.close()
     summary["wall_s"] = time.perf_counter() - t0
+    # Every process logs it: equal values show the processes ended with the same params.
+    log.info("params_checksum %.17g", summary["params_checksum"])
     if jax.process_index() == 0:
         (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("%s", rl_summary_table(summary, workdir))

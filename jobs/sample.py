@@ -219,6 +219,10 @@ def source_model(config: Config, src: Source, mesh: Mesh, rules: Rules) -> Decod
 
 def run(config: Config, workdir: str) -> None:
     set_process_index(jax.process_index())
+    if jax.process_count() > 1:
+        # TODO(meshrl): split the prompts over processes, each sampling on its own devices
+        # (as the RL job does), and gather the records to process 0.
+        raise NotImplementedError("the sample job runs on one process in this build")
     # Every check that needs no weights first: a bad source, tokenizer or prompt file fails fast.
     src = resolve_source(config, workdir)
     tokenizer = tokenizer_for(src.model, src.arch.vocab_size)

@@ -169,6 +169,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         "processes": jax.process_count(), "params_checksum": checksum,
         **ev,
     }
+    _log.info("params_checksum %.17g", checksum)  # on every process: they must agree
     if jax.process_index() == 0:
         (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         _log.info("%s", sft_summary_table(summary, workdir))

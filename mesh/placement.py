@@ -5,7 +5,8 @@ Contract: ``create_meshes(config)`` returns ``(trainer mesh, sampler mesh)``. Co
 hold the sampler and ``mesh.*`` must multiply to the others; the sampler mesh keeps the
 trainer's resolved tensor, expert and expert_tensor sizes and fills ``data``. A split that does
 not fit the devices raises ``ConfigError`` naming ``rl.sampler_devices``; the RL job and
-``jobs.dispatch.dry_run`` both call this, so the dry run rejects it too. Design:
+``jobs.dispatch.dry_run`` both call this, so the dry run rejects it too. With several
+processes the sampler mesh is this process's devices alone (``_per_process_meshes``). Design:
 docs/architecture.md, "Device placement and dispatch".
 """
 
@@ -47,10 +48,33 @@ def sampler_mesh_config(config: Config, trainer_mesh: Mesh) -> MeshConfig:
     return MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
 
 
+def _per_process_meshes(config: Config) -> tuple[Mesh, Mesh]:
+    """Several processes: the trainer mesh over every device, and on each process a sampler
+    mesh over its own devices alone (no collective crosses processes inside the sampler, so
+    each process schedules its decoding on its own), with the trainer's model-parallel sizes
+    and ``data`` filling the process's devices."""
+    if config.rl.placement != "colocated":
+        raise ConfigError(f"rl.placement = {config.rl.placement!r}: with "
+                          f"{jax.process_count()} processes only 'colocated' is built (each "
+                          f"process samples on its own devices)")
+    trainer_mesh = create_mesh(config.mesh)
+    sampler_cfg = MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
+    local = jax.local_devices()
+    try:
+        return trainer_mesh, create_mesh(sampler_cfg, local)
+    except MeshShapeError as e:
+        sizes = ", ".join(f"mesh.{a} = {getattr(sampler_cfg, a)}" for a in _MODEL_AXES)
+        raise ConfigError(f"{sizes}: with several processes each process's sampler keeps "
+                          f"these sizes on its own {len(local)} devices, so their product must "
+                          f"divide {len(local)} ({e})") from e
+
+
 def create_meshes(config: Config, devices: Sequence[jax.Device] | None = None
                   ) -> tuple[Mesh, Mesh]:
     """``(trainer mesh, sampler mesh)`` for ``rl.placement``; a split that does not fit the
     devices raises ConfigError naming ``rl.sampler_devices`` and the mesh sizes."""
+    if jax.process_count() > 1 and devices is None:
+        return _per_process_meshes(config)
     trainer_devices, sampler_devices = split_devices(config, devices)
     if config.rl.placement == "colocated":
         return create_mesh(config.mesh, trainer_devices), create_mesh(config.mesh,

@@ -25,7 +25,7 @@ _PEAK_BF16: tuple[tuple[str, float], ...] = (
 def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float32,
                         device: jax.Device | None = None) -> float:
     """Best-of-``repeats`` FLOP/s of one ``n x n`` matmul on ``device``: the practical peak."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # devices()[0] is remote on process > 0
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
@@ -42,7 +42,7 @@ def peak_flops_per_device(configured: float, device: jax.Device | None = None) -
     unknown chip) a measured f32 matmul peak."""
     if configured > 0:
         return configured
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]  # devices()[0] is remote on process > 0
     kind = device.device_kind.lower()
     for name, peak in _PEAK_BF16:
         if name in kind:
