@@ -11,6 +11,7 @@ or devices run in the jobs and in ``jobs.dispatch.dry_run``. Design: docs/archit
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.loader import base_config, from_config_dict, load_config_file, to_config_dict
 from meshrl.configs.schema import (
+    DCN_DATA_AXIS,
     MESH_AXES,
     CheckpointConfig,
     Config,
@@ -32,7 +33,7 @@ from meshrl.configs.schema import (
 )
 
 __all__ = [
-    "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
+    "DCN_DATA_AXIS", "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
     "RolloutConfig", "RuntimeConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",

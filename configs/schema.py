@@ -41,10 +41,20 @@ class Job(str, enum.Enum):
 
 
 MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
+# Hybrid sharding (mesh.fsdp with mesh.dcn_data > 1) splits `data` into this outer DCN axis and
+# the ICI `data` axis: params shard over `data` and replicate over this one (HSDP).
+DCN_DATA_AXIS = "dcn_data"
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig(Section):
+    """The device mesh: each axis has an ICI size (within a slice or host) and a DCN size
+    (across slices or hosts); the mesh axis is their product, DCN outermost, and the product of
+    all sizes equals the device count. Hybrid sharding (HSDP): with ``fsdp`` and ``dcn_data``
+    above 1, the trainer shards params and optimizer state over the ICI ``data`` axis only and
+    replicates them over DCN (the mesh then holds a separate outer ``dcn_data`` axis), so the
+    FSDP all-gathers stay inside a slice and only the gradient reduction crosses DCN; the batch
+    splits over both."""
     _section = "mesh"
     data: int = field(-1, "ICI size of the data axis (batch; FSDP shards params here).",
                       one_of_or_fill)
@@ -55,7 +65,8 @@ class MeshConfig(Section):
                         one_of_or_fill)
     expert_tensor: int = field(1, "ICI size of the expert_tensor axis (each expert's FFN hidden).",
                                one_of_or_fill)
-    fsdp: bool = field(False, "Trainer role shards params and optimizer state over data (ZeRO-3).")
+    fsdp: bool = field(False, "Trainer role shards params and optimizer state over the ICI data "
+                       "axis (ZeRO-3); with dcn_data > 1 they replicate over DCN (HSDP).")
     dcn_data: int = field(1, "DCN (across slices/hosts) size of the data axis.", one_of_or_fill)
     dcn_tensor: int = field(1, "DCN size of the tensor axis.", one_of_or_fill)
     dcn_context: int = field(1, "DCN size of the context axis.", one_of_or_fill)

@@ -7,14 +7,15 @@ identical on the sampler.
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 from flax import nnx
 
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
@@ -121,20 +122,20 @@ def process_local_copy(params: Any) -> Any:
     return jax.tree.map(lambda x: x.addressable_shards[0].data, replicated)
 
 
-def weights_dir(workdir: str | pathlib.Path, version: int) -> pathlib.Path:
-    return pathlib.Path(workdir).absolute() / "weights" / str(int(version))
+def weights_dir(workdir: paths.PathLike, version: int) -> epath.Path:
+    return paths.as_path(workdir) / "weights" / str(int(version))
 
 
-def published_versions(workdir: str | pathlib.Path) -> list[int]:
+def published_versions(workdir: paths.PathLike) -> list[int]:
     """The weight versions published under ``<workdir>/weights``, ascending (Orbax writes each
     under a temporary name and renames it whole, so a listed version is complete)."""
-    root = pathlib.Path(workdir).absolute() / "weights"
+    root = paths.as_path(workdir) / "weights"
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
 
 
-def publish_weights(params: Any, workdir: str | pathlib.Path, version: int) -> pathlib.Path:
+def publish_weights(params: Any, workdir: paths.PathLike, version: int) -> epath.Path:
     """Write ``params`` (any sharding) as an Orbax checkpoint at ``<workdir>/weights/<version>``."""
     import orbax.checkpoint as ocp
 
@@ -147,7 +148,7 @@ def publish_weights(params: Any, workdir: str | pathlib.Path, version: int) -> p
     return path
 
 
-def restore_weights(workdir: str | pathlib.Path, version: int, expected: dict[str, Any],
+def restore_weights(workdir: paths.PathLike, version: int, expected: dict[str, Any],
                     shardings: dict[str, Any]) -> dict[str, jax.Array]:
     """Restore a published version straight into the sampler shardings (stored dtype kept)."""
     import orbax.checkpoint as ocp

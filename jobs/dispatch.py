@@ -11,7 +11,6 @@ checks, then calls the job. Design: docs/architecture.md, "Device placement and 
 from __future__ import annotations
 
 import importlib
-import pathlib
 
 import jax
 
@@ -26,7 +25,7 @@ from meshrl.mesh import (
     rules_for,
 )
 from meshrl.models.build import resolve_model_config
-from meshrl.utils import compile_cache, log
+from meshrl.utils import compile_cache, log, paths
 
 # Job -> "module:function"; each function takes (config, workdir).
 _JOBS: dict[Job, str] = {}
@@ -91,5 +90,5 @@ def run(config: Config, workdir: str) -> None:
     # Every job, sample and export included, joins the multi-controller runtime the same way.
     initialize_distributed(config.distributed)
     log.set_process_index(jax.process_index())
-    pathlib.Path(workdir).mkdir(parents=True, exist_ok=True)
+    paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     getattr(importlib.import_module(module), fn)(config, workdir)

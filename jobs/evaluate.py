@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import pathlib
 import time
 from typing import Any
 
 import jax
+from etils import epath
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
@@ -48,6 +48,7 @@ from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.utils import log as log_lib
+from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.utils.errors import UserError
 
@@ -80,11 +81,11 @@ def final_version(config: Config) -> int | None:
     return config.trainer.steps or None
 
 
-def run_ended(workdir: str | pathlib.Path, config: Config) -> bool:
+def run_ended(workdir: paths.PathLike, config: Config) -> bool:
     """Whether the RL run of ``config`` in ``workdir`` finished: its ``summary.json`` (written
     after its last publication) records ``steps = trainer.steps``. The summary of an earlier,
     shorter run in the same workdir (``trainer.steps`` raised since) does not count."""
-    path = pathlib.Path(workdir) / "summary.json"
+    path = paths.as_path(workdir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
     except (OSError, ValueError):  # absent, or being written
@@ -92,7 +93,7 @@ def run_ended(workdir: str | pathlib.Path, config: Config) -> bool:
     return summary.get("job") == "rl" and summary.get("steps") == config.trainer.steps
 
 
-def evaluated_versions(eval_dir: pathlib.Path) -> dict[int, dict[str, float]]:
+def evaluated_versions(eval_dir: epath.Path) -> dict[int, dict[str, float]]:
     """The versions ``<eval_dir>/metrics.jsonl`` holds an evaluation of, with their metrics."""
     return {v: m for v, m in read_metrics(eval_dir / "metrics.jsonl").items() if ACCURACY in m}
 
@@ -101,7 +102,7 @@ class _Evaluator:
     """The held-out set, tokenizer, reward pool and one sampler (behind the async engine) that
     takes each version in turn."""
 
-    def __init__(self, config: Config, workdir: pathlib.Path) -> None:
+    def __init__(self, config: Config, workdir: epath.Path) -> None:
         self.config, self.workdir = config, workdir
         arch = resolve_model_config(config.model)
         self.tokenizer = tokenizer_for(config.model, arch.vocab_size)
@@ -146,7 +147,7 @@ class _Evaluator:
         self.pool.close()
 
 
-def _timeout_error(config: Config, workdir: pathlib.Path, done: dict[int, Any]
+def _timeout_error(config: Config, workdir: epath.Path, done: dict[int, Any]
                    ) -> EvaluateTimeoutError:
     t = config.evaluate.timeout_s
     return EvaluateTimeoutError(
@@ -210,7 +211,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         # TODO(meshrl): a multi-host evaluator must agree on the versions it lists first.
         raise NotImplementedError("the evaluate job runs on one process in this build")
     t0 = time.perf_counter()
-    root = pathlib.Path(workdir).absolute()
+    root = paths.as_path(workdir)
     eval_dir = root / "eval"
     eval_dir.mkdir(parents=True, exist_ok=True)
     done = evaluated_versions(eval_dir)

@@ -17,7 +17,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +56,7 @@ from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import decoder_forward
 from meshrl.utils import log as log_lib
-from meshrl.utils import multihost
+from meshrl.utils import multihost, paths
 from meshrl.utils.aio import run_sync
 from meshrl.workflows import RolloutBatch, make_rollout_batch, make_runner
 
@@ -99,13 +98,13 @@ class RLTrainer:
     """The trainer's side of the RL job: a ``TrainEngine`` (state, packed step, checkpoints,
     metrics), the KL reference, the sampler and the reward pool."""
 
-    def __init__(self, config: Config, workdir: str | pathlib.Path) -> None:
+    def __init__(self, config: Config, workdir: paths.PathLike) -> None:
         n = jax.process_count()
         if config.rollout.prompts_per_step % n:
             raise ConfigError(f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: "
                               f"must be divisible by the {n} processes (each process samples "
                               f"prompts_per_step / {n} groups per step)")
-        self.config, self.workdir = config, pathlib.Path(workdir)
+        self.config, self.workdir = config, paths.as_path(workdir)
         t = config.trainer
         self.mesh, self.sampler_mesh = create_meshes(config)
         rules = rules_for("train", config.mesh.fsdp)
@@ -364,6 +363,6 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     # Every process logs it: equal values show the processes ended with the same params.
     log.info("params_checksum %.17g", summary["params_checksum"])
     if jax.process_index() == 0:
-        (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        (paths.as_path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         log.info("%s", rl_summary_table(summary, workdir))
     return summary

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import math
-import pathlib
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+from etils import epath
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
@@ -30,6 +31,7 @@ from meshrl.jobs.sample import build_sampler, resolve_source
 from meshrl.mesh import create_mesh
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.rewards import RewardPool
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 from meshrl.workflows.episode import reward_fields
 
@@ -103,7 +105,7 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
     return out
 
 
-def sample_versions(config: Config, workdir: str | pathlib.Path,
+def sample_versions(config: Config, workdir: paths.PathLike,
                     versions: Sequence[int] | None = None, num_prompts: int = 4) -> list[dict]:
     """Greedy completions of the first ``num_prompts`` held-out prompts (``data.eval_*``, as the
     RL job's evaluation reads them) under each published weight version of the run in
@@ -151,7 +153,7 @@ def sample_versions(config: Config, workdir: str | pathlib.Path,
     return records
 
 
-def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
+def read_metrics(path: epath.Path) -> dict[int, dict[str, float]]:
     """``metrics.jsonl`` merged per step; a step re-run after a resume keeps its newest values."""
     by_step: dict[int, dict[str, float]] = {}
     if not path.exists():
@@ -165,7 +167,7 @@ def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
     return by_step
 
 
-def plot_curves(metrics: dict[int, dict[str, float]], path: pathlib.Path) -> None:
+def plot_curves(metrics: dict[int, dict[str, float]], path: epath.Path) -> None:
     """PNG of the batch reward and the held-out greedy accuracy over RL steps."""
     from matplotlib.figure import Figure
 
@@ -185,4 +187,6 @@ def plot_curves(metrics: dict[int, dict[str, float]], path: pathlib.Path) -> Non
     ax.legend(loc="upper right")
     ax.set_title("meshrl: asynchronous GRPO")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    buf = io.BytesIO()  # savefig writes local files only; the workdir may be gs://
+    fig.savefig(buf, format="png", dpi=100)
+    path.write_bytes(buf.getvalue())

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
 from typing import Any
 
 import jax
+from etils import epath
 
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.losses import get_loss
@@ -51,7 +51,7 @@ def warm_start_config(config: Config, steps: int) -> Config:
         optimizer=dataclasses.replace(config.optimizer, name="adamw"))
 
 
-def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee,
+def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee,
                    tokenizer: Any, steps: int) -> Any:
     """``steps`` of SFT under ``<workdir>/sft`` (resumable; a finished one is only restored);
     returns the final params."""
@@ -72,7 +72,7 @@ def run_warm_start(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Tr
         engine.close()
 
 
-def rl_engine(config: Config, workdir: pathlib.Path, mesh: Any, trainee: Trainee
+def rl_engine(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee
               ) -> TrainEngine:
     """The engine of the RL step: ``RLTrainBatch``es of ``rl_batch_size x trainer.seq_len`` (with
     ``ref_logprobs`` when the KL is in the loss), one compiled step per packed row bucket,

@@ -22,6 +22,10 @@ Contract:
 * Output: ``<workdir>/samples.jsonl``, one record per prompt: its row's fields, ``prompt_text``,
   ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``, ``raw_logprobs``, ``versions``,
   ``finish_reason``.
+* Several processes: each loads the weights onto a sampler mesh over its own devices
+  (``mesh.tensor``/``expert``/``expert_tensor`` kept, ``data`` filling them), samples a
+  contiguous block of the prompts with the seeds one process would use, and process 0 writes
+  every record, in prompt order, after gathering them.
 
 This is ARCHITECTURE.md's ``jobs/sample``: like ``jobs/sft.py`` and ``jobs/rl.py`` it
 composes datasets, checkpoints and the sampler; nothing in ``inference/`` imports it.
@@ -32,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pathlib
 import time
 from typing import Any
 
@@ -48,6 +51,7 @@ from meshrl.inference.engine import Request, Sampler
 from meshrl.inference.requests import buckets_up_to
 from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
 from meshrl.mesh import Rules, create_mesh, rules_for
+from meshrl.mesh.placement import process_sampler_mesh
 from meshrl.models import (
     Decoder,
     abstract_model,
@@ -58,6 +62,7 @@ from meshrl.models import (
 )
 from meshrl.models.tokenizer import Tokenizer, tokenizer_for
 from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.utils import multihost, paths
 from meshrl.utils.log import get_logger, set_process_index
 
 log = get_logger("inference")
@@ -135,7 +140,7 @@ def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
                           f"written by meshrl? pass that run's workdir as --workdir") from None
 
 
-def resolve_source(config: Config, workdir: str | pathlib.Path) -> Source:
+def resolve_source(config: Config, workdir: paths.PathLike) -> Source:
     """Check that ``sample.source`` exists and find its model config; loads no weights."""
     source, model = config.sample.source, config.model
     # The config already holds model.hf_path set exactly for source hf_path (cross_section.py).
@@ -143,7 +148,7 @@ def resolve_source(config: Config, workdir: str | pathlib.Path) -> Source:
         return Source(model, _hf_arch(model))
     if source == "random":
         return Source(model, model)
-    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+    reader = CheckpointReader(paths.as_path(workdir) / "checkpoints")
     try:
         step = reader.latest_step()
         if source == "checkpoint":
@@ -180,7 +185,7 @@ def abstract_params(arch: ModelConfig, mesh: Mesh, rules: Rules) -> Any:
         param_shardings(abstract, mesh, rules), abstract)
 
 
-def build_sampler(config: Config, workdir: str | pathlib.Path, src: Source, mesh: Mesh
+def build_sampler(config: Config, workdir: paths.PathLike, src: Source, mesh: Mesh
                   ) -> Sampler:
     """The sampler holding ``src``'s weights at their weight version."""
     rules = rules_for("sample")
@@ -197,7 +202,7 @@ def build_sampler(config: Config, workdir: str | pathlib.Path, src: Source, mesh
         return sampler
     if s.source == "checkpoint":
         assert src.step is not None
-        reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
+        reader = CheckpointReader(paths.as_path(workdir) / "checkpoints")
         try:
             params, version = reader.params(src.step, abstract_params(src.arch, mesh, rules))
         finally:
@@ -217,12 +222,33 @@ def source_model(config: Config, src: Source, mesh: Mesh, rules: Rules) -> Decod
     return build_model(src.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
 
 
+def _process_share(n: int) -> range:
+    """This process's contiguous block of ``n`` prompts (the first ``n % count`` processes take
+    one more), so the processes' records concatenate in prompt order."""
+    count, index = jax.process_count(), jax.process_index()
+    base, extra = divmod(n, count)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))
+
+
+def _sampling_mesh(config: Config) -> Mesh:
+    """``mesh.*`` over every device on one process; with several, this process's devices alone
+    (each samples its share of the prompts without collectives, as in the RL job)."""
+    mesh = create_mesh(config.mesh)
+    return mesh if jax.process_count() == 1 else process_sampler_mesh(mesh)
+
+
+def _record(ex: dict[str, Any], text: str, ids: list[int], out: Any, tokenizer: Tokenizer
+            ) -> dict[str, Any]:
+    record = {k: v for k, v in ex.items() if _jsonable(v)}
+    record.update(prompt_text=text, prompt_ids=ids, completion=tokenizer.decode(out.tokens),
+                  tokens=out.tokens, logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
+                  versions=out.versions, finish_reason=out.finish_reason)
+    return record
+
+
 def run(config: Config, workdir: str) -> None:
     set_process_index(jax.process_index())
-    if jax.process_count() > 1:
-        # TODO(meshrl): split the prompts over processes, each sampling on its own devices
-        # (as the RL job does), and gather the records to process 0.
-        raise NotImplementedError("the sample job runs on one process in this build")
     # Every check that needs no weights first: a bad source, tokenizer or prompt file fails fast.
     src = resolve_source(config, workdir)
     tokenizer = tokenizer_for(src.model, src.arch.vocab_size)
@@ -231,24 +257,21 @@ def run(config: Config, workdir: str) -> None:
     if dropped:
         log.warning("dropped %d prompts longer than %d tokens (data.on_overlong = drop)",
                     dropped, limit)
-    sampler = build_sampler(config, workdir, src, create_mesh(config.mesh))
+    sampler = build_sampler(config, workdir, src, _sampling_mesh(config))
+    share = _process_share(len(rows))
 
     t0 = time.perf_counter()
-    outs = sampler.generate([Request(ids, seed=config.trainer.seed + i,
-                                     stop_ids=(tokenizer.eos_id,))
-                             for i, (_, _, ids) in enumerate(rows)])
+    # Seeds follow the prompt's index in the whole file: any process count draws the same.
+    outs = sampler.generate([Request(rows[i][2], seed=config.trainer.seed + i,
+                                     stop_ids=(tokenizer.eos_id,)) for i in share])
     dt = time.perf_counter() - t0
-    n_tokens = sum(len(o.tokens) for o in outs)
-    path = pathlib.Path(workdir) / "samples.jsonl"
-    with open(path, "w", encoding="utf-8") as f:
-        for (ex, text, ids), out in zip(rows, outs):
-            record = {k: v for k, v in ex.items() if _jsonable(v)}
-            record.update(prompt_text=text, prompt_ids=ids,
-                          completion=tokenizer.decode(out.tokens), tokens=out.tokens,
-                          logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
-                          versions=out.versions, finish_reason=out.finish_reason)
-            f.write(json.dumps(record) + "\n")
-    log.info("wrote %d samples (%d tokens, %.1f tok/s, %d prompts dropped) to %s", len(outs),
+    records = [_record(*rows[i], out, tokenizer) for i, out in zip(share, outs)]
+    records = [r for part in multihost.allgather_json(records) for r in part]
+    path = paths.as_path(workdir) / "samples.jsonl"
+    if jax.process_index() == 0:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    n_tokens = sum(len(r["tokens"]) for r in records)
+    log.info("wrote %d samples (%d tokens, %.1f tok/s, %d prompts dropped) to %s", len(records),
              n_tokens, n_tokens / max(dt, 1e-9), dropped, path)
 
 

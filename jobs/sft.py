@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import pathlib
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,7 +37,7 @@ from meshrl.models.tokenizer import tokenizer_for
 from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import ForwardFn, decoder_forward
-from meshrl.utils import log
+from meshrl.utils import log, paths
 
 _log = log.get_logger("trainer.sft")
 
@@ -171,6 +170,6 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     }
     _log.info("params_checksum %.17g", checksum)  # on every process: they must agree
     if jax.process_index() == 0:
-        (pathlib.Path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        (paths.as_path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
         _log.info("%s", sft_summary_table(summary, workdir))
     return summary

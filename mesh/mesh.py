@@ -1,8 +1,10 @@
 """The named 5-axis device mesh: data, tensor, context, expert, expert_tensor.
 
 Each axis has an ICI size (inside a slice/host) and a DCN size (across slices/hosts); the mesh
-axis is their product, DCN outermost. Nothing here runs at import time: callers build the mesh
-explicitly and pass it down.
+axis is their product, DCN outermost. One exception, hybrid sharding: with ``mesh.fsdp`` and a
+DCN data size above 1 the data axis stays split, as an outer ``dcn_data`` axis and the ICI
+``data`` axis, so the trainer can shard params over ICI and replicate them over DCN (HSDP).
+Nothing here runs at import time: callers build the mesh explicitly and pass it down.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from meshrl.configs.schema import MESH_AXES, MeshConfig
+from meshrl.configs.schema import DCN_DATA_AXIS, MESH_AXES, MeshConfig
 from meshrl.utils.errors import UserError
 
 
@@ -29,9 +31,16 @@ def _describe(cfg: MeshConfig) -> str:
     return f"ICI [{ici}] x DCN [{dcn}]"
 
 
+def _multislice(devices: Sequence[jax.Device]) -> bool:
+    # CPU and single-slice devices may carry a slice_index too (all 0): then the processes are
+    # the units DCN spans, not the one slice.
+    slices = {getattr(d, "slice_index", None) for d in devices}
+    return None not in slices and len(slices) > 1
+
+
 def _num_granules(devices: Sequence[jax.Device]) -> int:
     """Slices on TPU multislice, else processes: the units DCN axes span."""
-    if all(hasattr(d, "slice_index") for d in devices):
+    if _multislice(devices):
         return len({d.slice_index for d in devices})
     return len({d.process_index for d in devices})
 
@@ -65,7 +74,7 @@ def resolve_shapes(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[
 
 def _hybrid_device_array(ici: tuple[int, ...], dcn: tuple[int, ...],
                          devices: Sequence[jax.Device]) -> np.ndarray:
-    if all(hasattr(d, "slice_index") for d in devices):
+    if _multislice(devices):
         return mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, allow_split_physical_axes=True)
     if len({d.process_index for d in devices}) == math.prod(dcn):
@@ -88,7 +97,13 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
         arr = _hybrid_device_array(ici, dcn, devices)
     else:
         arr = mesh_utils.create_device_mesh(ici, devices, allow_split_physical_axes=True)
-    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    names = MESH_AXES
+    if cfg.fsdp and dcn[0] > 1:
+        # DCN is the outer part of `data` in the array, so splitting it keeps every device's
+        # batch rows: (dcn_data, data) indexes the rows exactly as the combined axis did.
+        arr = arr.reshape((dcn[0], ici[0]) + arr.shape[1:])
+        names = (DCN_DATA_AXIS,) + MESH_AXES
+    return Mesh(arr, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def describe_mesh(mesh: Mesh) -> str:

@@ -48,25 +48,31 @@ def sampler_mesh_config(config: Config, trainer_mesh: Mesh) -> MeshConfig:
     return MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
 
 
-def _per_process_meshes(config: Config) -> tuple[Mesh, Mesh]:
-    """Several processes: the trainer mesh over every device, and on each process a sampler
-    mesh over its own devices alone (no collective crosses processes inside the sampler, so
-    each process schedules its decoding on its own), with the trainer's model-parallel sizes
-    and ``data`` filling the process's devices."""
-    if config.rl.placement != "colocated":
-        raise ConfigError(f"rl.placement = {config.rl.placement!r}: with "
-                          f"{jax.process_count()} processes only 'colocated' is built (each "
-                          f"process samples on its own devices)")
-    trainer_mesh = create_mesh(config.mesh)
-    sampler_cfg = MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
+def process_sampler_mesh(global_mesh: Mesh) -> Mesh:
+    """A sampler mesh over this process's devices alone, with ``global_mesh``'s resolved
+    tensor, expert and expert_tensor sizes and ``data`` filling the rest: no collective crosses
+    processes inside it, so each process schedules its decoding on its own. The RL and sample
+    jobs use it when there are several processes."""
+    sampler_cfg = MeshConfig(data=-1, **{a: int(global_mesh.shape[a]) for a in _MODEL_AXES})
     local = jax.local_devices()
     try:
-        return trainer_mesh, create_mesh(sampler_cfg, local)
+        return create_mesh(sampler_cfg, local)
     except MeshShapeError as e:
         sizes = ", ".join(f"mesh.{a} = {getattr(sampler_cfg, a)}" for a in _MODEL_AXES)
         raise ConfigError(f"{sizes}: with several processes each process's sampler keeps "
                           f"these sizes on its own {len(local)} devices, so their product must "
                           f"divide {len(local)} ({e})") from e
+
+
+def _per_process_meshes(config: Config) -> tuple[Mesh, Mesh]:
+    """Several processes: the trainer mesh over every device, and on each process a sampler
+    mesh over its own devices (``process_sampler_mesh``)."""
+    if config.rl.placement != "colocated":
+        raise ConfigError(f"rl.placement = {config.rl.placement!r}: with "
+                          f"{jax.process_count()} processes only 'colocated' is built (each "
+                          f"process samples on its own devices)")
+    trainer_mesh = create_mesh(config.mesh)
+    return trainer_mesh, process_sampler_mesh(trainer_mesh)
 
 
 def create_meshes(config: Config, devices: Sequence[jax.Device] | None = None

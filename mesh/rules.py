@@ -4,8 +4,8 @@ Model code names only logical axes. This module alone decides where they go:
 
 | logical        | train role                           | sample role          |
 |----------------|--------------------------------------|----------------------|
-| batch          | (data, expert)                       | (data, expert,       |
-|                |                                      |  context)            |
+| batch          | (dcn_data, data, expert)             | (dcn_data, data,     |
+|                |                                      |  expert, context)    |
 | length         | context                              | -                    |
 | embed          | data if mesh.fsdp, else -            | -                    |
 | heads          | tensor                               | tensor               |
@@ -22,10 +22,15 @@ Model code names only logical axes. This module alone decides where they go:
 | act_mlp        | tensor                               | tensor               |
 | act_vocab      | tensor                               | tensor               |
 | loss_vocab     | (tensor, data, expert, context,      | tensor               |
-|                |  expert_tensor)                      |                      |
-| cache_slots    | (data, expert)                       | (data, expert,       |
-|                |                                      |  context)            |
+|                |  expert_tensor, dcn_data)            |                      |
+| cache_slots    | (dcn_data, data, expert)             | (dcn_data, data,     |
+|                |                                      |  expert, context)    |
 | cache_len      | -                                    | -                    |
+
+``dcn_data`` exists only in a hybrid-sharded mesh (``mesh.fsdp`` with ``mesh.dcn_data`` > 1,
+see ``mesh.mesh``): there ``data`` is the ICI part alone, so ``embed`` shards params within a
+slice/host and they replicate across DCN (HSDP), while the batch still splits over both. Axes a
+mesh does not have are dropped, like axes of size 1.
 
 The sample role folds ``context`` into the batch: the sampler's sequences are short next to a
 training sequence, so a colocated sampler spends those devices on more slots instead.
@@ -48,10 +53,12 @@ from typing import Any, Literal
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.configs.schema import DCN_DATA_AXIS
+
 Role = Literal["train", "sample"]
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
-_BATCH = ("data", "expert")
+_BATCH = (DCN_DATA_AXIS, "data", "expert")
 _COMMON: Rules = (
     ("batch", _BATCH),
     ("heads", ("tensor",)),
@@ -74,11 +81,12 @@ _COMMON: Rules = (
 
 def train_rules(fsdp: bool) -> Rules:
     return (("length", ("context",)), ("embed", ("data",) if fsdp else ()),
-            ("loss_vocab", ("tensor", "data", "expert", "context", "expert_tensor"))) + _COMMON
+            ("loss_vocab", ("tensor", "data", "expert", "context", "expert_tensor",
+                            DCN_DATA_AXIS))) + _COMMON
 
 
 def sample_rules() -> Rules:
-    folded = ("data", "expert", "context")
+    folded = (*_BATCH, "context")
     common = tuple((k, folded if k in ("batch", "cache_slots") else v) for k, v in _COMMON)
     return (("length", ()), ("embed", ()), ("loss_vocab", ("tensor",))) + common
 
@@ -107,7 +115,7 @@ def logical_to_spec(logical: Sequence[str | None], rules: Rules, mesh: Mesh | No
             raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
         axes = [a for a in table[name] if a not in used]
         if mesh is not None:
-            axes = [a for a in axes if mesh.shape[a] > 1]
+            axes = [a for a in axes if mesh.shape.get(a, 1) > 1]
             if shape is not None:
                 axes = _divisible_prefix(axes, shape[i], mesh)
         used.update(axes)

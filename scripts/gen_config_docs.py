@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import pathlib
 import sys
 import typing
@@ -29,7 +30,7 @@ def render() -> str:
     lines += [f"| `{j.value}` | {j.name.lower()} |" for j in Job]
     for name, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
-        lines += ["", f"## {name}", "", (cls.__doc__ or "").strip() if cls.__doc__ and
+        lines += ["", f"## {name}", "", inspect.cleandoc(cls.__doc__) if cls.__doc__ and
                   not cls.__doc__.startswith(cls.__name__ + "(") else "", "",
                   "| field | type | default | constraint | doc |", "|---|---|---|---|---|"]
         for f in dataclasses.fields(cls):

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 
 # Must run before any test module imports jax and touches a backend.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Fast-compiling XLA (tests/xla.py) for the session; subprocesses get it through cpu_env.
+from meshrl.tests.xla import xla_flags  # noqa: E402 -- plain os, imports no jax
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # JAX's persistent compilation cache for the session and every subprocess it starts: many tests

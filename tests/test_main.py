@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import sys
 
 import pytest
 
+from meshrl.tests.xla import cpu_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-       "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env(8)
 
 
 def _main(*args: str) -> subprocess.CompletedProcess:

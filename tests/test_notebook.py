@@ -4,7 +4,6 @@ completions of more than one weight version."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import re
 import subprocess
@@ -12,6 +11,8 @@ import sys
 
 import nbformat
 import pytest
+
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
@@ -43,8 +44,7 @@ def test_committed_notebook_is_valid_clean_and_has_a_parameters_cell():
 def executed(tmp_path_factory) -> nbformat.NotebookNode:
     """The notebook run by papermill in QUICK mode from the repository root, as in CI."""
     tmp = tmp_path_factory.mktemp("notebook")
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # CI's shell has no fake devices: the notebook sets none either
+    env = cpu_env()  # CI's shell has no fake devices: the notebook sets none either
     env["TMPDIR"] = str(tmp)  # the notebook's temporary workdir lands under tmp_path
     env["PYTHONUNBUFFERED"] = "1"
     out = tmp / "OUT.ipynb"

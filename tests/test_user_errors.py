@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -21,6 +20,7 @@ from meshrl.jobs import dispatch as jobs
 from meshrl.mesh import MeshShapeError
 from meshrl.models.hf import CheckpointError, load_hf_config
 from meshrl.models.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
+from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import CheckpointMismatchError
 from meshrl.utils.errors import MissingFileError, UserError
 
@@ -29,7 +29,7 @@ SFT = str(ROOT / "configs" / "sft_synthetic.py") + ":smoke"
 RL = str(ROOT / "configs" / "default.py") + ":smoke"
 # One CPU device (the suite's 8 fake ones would not divide the tiny batches) and a tiny SFT run:
 # one step, one checkpoint, no eval, no tensorboard.
-ENV = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env()
 TINY_SFT = ("--config.trainer.steps=1", "--config.checkpoint.every_steps=1",
             "--config.trainer.eval_every=0", "--config.data.eval_examples=0",
             "--config.trainer.batch_size=2", "--config.trainer.seq_len=16",

@@ -24,16 +24,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import pathlib
-import shutil
 import time
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from meshrl.configs.schema import CheckpointConfig
-from meshrl.utils import multihost
+from meshrl.utils import multihost, paths
 from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 
@@ -56,9 +55,9 @@ class Restored:
     counters: dict[str, Any]
 
 
-def _hash_file(path: pathlib.Path) -> str:
+def _hash_file(path: epath.Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -68,22 +67,22 @@ def _hash_file(path: pathlib.Path) -> str:
 _UNHASHED = {MANIFEST, "_CHECKPOINT_METADATA"}
 
 
-def _file_table(step_dir: pathlib.Path, hashed: Any = None) -> dict[str, list[Any]]:
+def _file_table(step_dir: epath.Path, hashed: Any = None) -> dict[str, list[Any]]:
     """``{relative path: [size, sha256]}``; with ``hashed`` (a set of relative paths) only those
     are hashed, the others get ``None``."""
     out = {}
-    for p in sorted(step_dir.rglob("*")):
-        rel = str(p.relative_to(step_dir))
-        if p.is_file() and rel not in _UNHASHED:
+    for rel, p in paths.files_under(step_dir):
+        if rel not in _UNHASHED:
             digest = _hash_file(p) if hashed is None or rel in hashed else None
-            out[rel] = [p.stat().st_size, digest]
+            out[rel] = [paths.size_of(p), digest]
     return out
 
 
-def verify_step_dir(step_dir: pathlib.Path, share: tuple[int, int] = (0, 1)) -> str | None:
+def verify_step_dir(step_dir: paths.PathLike, share: tuple[int, int] = (0, 1)) -> str | None:
     """``None`` when ``step_dir`` matches its manifest, else what is wrong. ``share = (i, n)``
     checks every file's size but hashes only every n-th file from the i-th (sorted by path), so
     n processes together read each byte once (``Checkpointer`` combines their answers)."""
+    step_dir = epath.Path(step_dir)
     manifest = step_dir / MANIFEST
     if not manifest.exists():
         return "no manifest (deleted, or not written by meshrl's checkpointer)"
@@ -107,9 +106,9 @@ def verify_step_dir(step_dir: pathlib.Path, share: tuple[int, int] = (0, 1)) -> 
 class Checkpointer:
     """Save/restore of the train state, data iterator state, config and counters."""
 
-    def __init__(self, directory: str | pathlib.Path, cfg: CheckpointConfig, *,
+    def __init__(self, directory: paths.PathLike, cfg: CheckpointConfig, *,
                  process_index: int = 0) -> None:
-        self.directory = pathlib.Path(directory).absolute()
+        self.directory = paths.as_path(directory)
         self._cfg = cfg
         self._primary = process_index == 0
         self._saving: int | None = None
@@ -130,8 +129,8 @@ class Checkpointer:
     def _empty_deleted(self) -> None:
         """Finish removing steps past ``keep`` (a kill may have interrupted it)."""
         trash = self.directory / DELETED
-        if self._primary and trash.exists():
-            shutil.rmtree(trash, ignore_errors=True)
+        if self._primary:
+            paths.remove_tree(trash)
 
     def _write_manifest(self) -> None:
         """Manifest the step being saved, inside its temporary directory (runs after Orbax
@@ -143,9 +142,9 @@ class Checkpointer:
         if not step_dir.exists():
             raise RuntimeError(f"checkpoint step {step}: Orbax's temporary directory "
                                   f"{step_dir} is missing at finalisation; cannot manifest it")
-        tmp = step_dir / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"step": step, "files": _file_table(step_dir)}))
-        tmp.replace(step_dir / MANIFEST)  # atomic: a manifest is whole or absent
+        # Atomic: a manifest is whole or absent.
+        paths.write_text_atomic(step_dir / MANIFEST,
+                                json.dumps({"step": step, "files": _file_table(step_dir)}))
 
     def save(self, step: int, state: Any, data_state: dict[str, Any],
              config_dict: dict[str, Any], counters: dict[str, Any]) -> None:
@@ -194,7 +193,7 @@ class Checkpointer:
         moved = sorted(self.directory.glob("corrupt.*"),
                        key=lambda p: int(p.name.rsplit(".", 1)[-1]))
         for old in moved[:-self._cfg.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            paths.remove_tree(old)
 
     def _misfit(self, step: int, abstract_state: Any) -> str | None:
         """How step's saved train state differs from ``abstract_state`` in tree or shapes,

@@ -9,7 +9,6 @@ run's own resume deals with it.
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import jax
@@ -17,6 +16,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from meshrl.trainer.checkpoint import verify_step_dir
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.checkpoint")
@@ -26,8 +26,8 @@ _ITEMS = ("state", "data", "config", "counters")
 class CheckpointReader:
     """The checkpoints under ``directory`` (``<workdir>/checkpoints``), read only."""
 
-    def __init__(self, directory: str | pathlib.Path) -> None:
-        self.directory = pathlib.Path(directory).absolute()
+    def __init__(self, directory: paths.PathLike) -> None:
+        self.directory = paths.as_path(directory)
         self._mngr: ocp.CheckpointManager | None = None
         if self.directory.is_dir():
             self._mngr = ocp.CheckpointManager(

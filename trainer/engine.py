@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import pathlib
-import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -45,6 +43,7 @@ from meshrl.trainer.step import (
     jit_train_step,
     make_train_step,
 )
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 from meshrl.utils.watchdog import Watchdog
 
@@ -146,14 +145,14 @@ class TrainEngine:
     learning-rate schedule then counts steps (``make_optimizer``).
     """
 
-    def __init__(self, config: Config, workdir: str | pathlib.Path, mesh: Mesh,
+    def __init__(self, config: Config, workdir: paths.PathLike, mesh: Mesh,
                  trainee: Trainee, loss_fn: LossFn, *, batch_sh: TrainBatch | None = None,
                  row_buckets: Sequence[int] | None = None, metric_prefix: str = "",
                  step_timing: bool = True, rate_key: str = "tokens_per_s",
                  what: str = "loss", make_step: StepBuilder | None = None,
                  updates_per_step: int = 1) -> None:
         t = config.trainer
-        self.config, self.workdir, self.mesh, self.trainee = (config, pathlib.Path(workdir), mesh,
+        self.config, self.workdir, self.mesh, self.trainee = (config, paths.as_path(workdir), mesh,
                                                               trainee)
         self.metric_prefix, self.step_timing, self.rate_key, self.what = (
             metric_prefix, step_timing, rate_key, what)
@@ -302,8 +301,8 @@ class TrainEngine:
         run, which may hold different weights of the same version)."""
         self.watchdog.launched(f"publish of weight version {version}")
         path = weights_dir(self.workdir, version)
-        if path.exists() and jax.process_index() == 0:
-            shutil.rmtree(path)
+        if jax.process_index() == 0:
+            paths.remove_tree(path)
         publish_weights(self.state.params, self.workdir, version)
 
     def finish(self) -> None:

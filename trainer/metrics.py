@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import pathlib
 import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from etils import epath
 
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.metrics")
@@ -63,21 +64,21 @@ class MetricsWriter:
     ``resume_step + 1`` on (its ``SessionLog.START`` convention).
     """
 
-    def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool, process_index: int,
+    def __init__(self, workdir: paths.PathLike, *, tensorboard: bool, process_index: int,
                  resume_step: int | None = None) -> None:
         self._enabled = process_index == 0
         self._tb = None
         self._jsonl = None
         if not self._enabled:
             return
-        workdir = pathlib.Path(workdir)
+        workdir = paths.as_path(workdir)
         last_kept = -1 if resume_step is None else resume_step
         _drop_rows_after(workdir / "metrics.jsonl", last_kept)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(workdir / "tb"), purge_step=last_kept + 1)
-        self._jsonl = open(workdir / "metrics.jsonl", "a")  # noqa: SIM115 (closed in close())
+        self._jsonl = (workdir / "metrics.jsonl").open("a")  # noqa: SIM115 (closed in close())
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self._enabled:
@@ -96,7 +97,7 @@ class MetricsWriter:
             self._jsonl.close()
 
 
-def _drop_rows_after(path: pathlib.Path, last_kept: int) -> None:
+def _drop_rows_after(path: epath.Path, last_kept: int) -> None:
     """Move rows of ``path`` whose step is after ``last_kept`` to ``metrics.discarded.jsonl``;
     the rewrite is atomic (tmp + rename), so a kill here loses no row."""
     if not path.exists():
@@ -112,10 +113,8 @@ def _drop_rows_after(path: pathlib.Path, last_kept: int) -> None:
         (kept if step is not None and step <= last_kept else dropped).append(line)
     if not dropped:
         return
-    with open(path.with_name("metrics.discarded.jsonl"), "a") as f:
+    with path.with_name("metrics.discarded.jsonl").open("a") as f:
         f.write("".join(line + "\n" for line in dropped))
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    tmp.replace(path)
+    paths.write_text_atomic(path, "".join(line + "\n" for line in kept))
     _log.warning("%s: %d rows after step %d came from a run that died before checkpointing "
                  "them; moved to metrics.discarded.jsonl", path, len(dropped), last_kept)

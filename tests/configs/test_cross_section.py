@@ -4,7 +4,6 @@ rejects exactly what a run rejects; the device-count rules stay at run time and 
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import re
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 from meshrl.configs import ConfigError, base_config, from_config_dict
 from meshrl.configs.schema import Config, Job, MeshConfig
 from meshrl.jobs import dispatch
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -125,8 +125,7 @@ def test_device_count_rule_loads_but_the_dry_run_rejects_it(overrides, message):
 
 
 def test_main_dry_run_exits_one_naming_the_cross_section_field():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
                           str(ROOT / "configs" / "default.py"), "--dry_run",
                           "--config.sampler.top_k=5"],

@@ -23,6 +23,7 @@ from meshrl.inference.weights import published_versions
 from meshrl.jobs import evaluate
 from meshrl.jobs.rl_eval import read_metrics
 from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
@@ -175,9 +176,7 @@ def test_no_weights_ever_is_an_error_naming_evaluate_timeout_s_after_the_timeout
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cpu_env()  # one CPU device
 
 
 def _start(cmd: list[str], log: pathlib.Path) -> subprocess.Popen:

@@ -23,16 +23,14 @@ from meshrl.jobs.rl_eval import (
     plot_curves,
     read_metrics,
 )
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as on a laptop: not the suite's 8 fake ones
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cpu_env()  # one CPU device, as on a laptop: not the suite's 8 fake ones
 
 
 def _start(workdir: pathlib.Path, *overrides: str) -> subprocess.Popen:

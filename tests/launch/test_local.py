@@ -1,5 +1,6 @@
-"""launch/local.py: N JAX processes on this machine. Two processes x 2 fake devices train SFT
-(data=2 x tensor=2) with one process x 4 devices' losses and params checksum; a failing process stops the others
+"""launch/local.py: N JAX processes on this machine. Two processes x 4 fake devices train SFT
+(data=4 x tensor=2; also with FSDP and with HSDP) with one process x 8 devices' losses and params
+checksum; a failing process stops the others
 (no orphans) and the launcher exits with its code; output lines carry their process."""
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import time
 import numpy as np
 import pytest
 
+from meshrl.tests.xla import cpu_env
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
 pytestmark = pytest.mark.distributed
@@ -22,15 +25,14 @@ pytestmark = pytest.mark.distributed
 # (gloo's all-reduce order against the in-process one) into lr-sized jumps. Rows are packed: each
 # global batch row has its own example sub-stream, so the batch is the same for any process count.
 SFT = ["main.py", "--config", str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
-       "--config.mesh.data=2", "--config.mesh.tensor=2", "--config.trainer.steps=3",
+       "--config.trainer.steps=3",
        "--config.trainer.eval_every=0", "--config.optimizer.name=sgd",
        "--config.trainer.learning_rate=0.5", "--config.optimizer.weight_decay=0.0",
        "--config.logging.progress_bar=false"]
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {**os.environ, "JAX_PLATFORMS": "cpu",
-            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    return cpu_env(devices)
 
 
 def _losses(workdir: pathlib.Path) -> list[float]:
@@ -38,21 +40,31 @@ def _losses(workdir: pathlib.Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-@pytest.mark.parametrize("fsdp", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_two_processes_train_sft_like_one_process_of_four_devices(tmp_path, fsdp):
-    extra = [f"--config.mesh.fsdp={fsdp}"]
-    multi = subprocess.run([*LAUNCH, "--num_processes", "2", "--devices_per_process", "2", "--",
+MESHES = {
+    "data4_tensor2": ["--config.mesh.data=4", "--config.mesh.tensor=2"],
+    "fsdp": ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.mesh.fsdp=true"],
+    # HSDP: params sharded over data=2 within each process, replicated across the 2 processes.
+    "hsdp": ["--config.mesh.data=2", "--config.mesh.dcn_data=2", "--config.mesh.tensor=2",
+             "--config.mesh.fsdp=true"],
+}
+
+
+@pytest.mark.parametrize("mesh", ["data4_tensor2", pytest.param("fsdp", marks=pytest.mark.slow),
+                                  pytest.param("hsdp", marks=pytest.mark.slow)])
+def test_two_processes_train_sft_like_one_process_of_eight_devices(tmp_path, mesh):
+    extra = MESHES[mesh]
+    multi = subprocess.run([*LAUNCH, "--num_processes", "2", "--devices_per_process", "4", "--",
                             *SFT, "--workdir", str(tmp_path / "multi"), *extra], cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
     single = subprocess.run([sys.executable, *SFT, "--workdir", str(tmp_path / "single"),
-                             *extra], cwd=ROOT, env=_env(4), capture_output=True, text=True,
+                             *extra], cwd=ROOT, env=_env(8), capture_output=True, text=True,
                             timeout=300)
 
     assert multi.returncode == 0, multi.stdout[-3000:]
     assert single.returncode == 0, single.stderr[-3000:]
     a = json.loads((tmp_path / "multi" / "summary.json").read_text())
     b = json.loads((tmp_path / "single" / "summary.json").read_text())
-    assert (a["processes"], a["devices"], b["processes"], b["devices"]) == (2, 4, 1, 4)
+    assert (a["processes"], a["devices"], b["processes"], b["devices"]) == (2, 8, 1, 8)
     np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"),
                                rtol=1e-5)
     np.testing.assert_allclose(a["params_checksum"], b["params_checksum"], rtol=1e-5)

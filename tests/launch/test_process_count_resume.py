@@ -5,13 +5,14 @@ equal an uninterrupted run's (packed SFT, constant learning rate, SGD)."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
@@ -29,8 +30,7 @@ ONE_PROC = ["--config.mesh.data=4", "--config.mesh.tensor=1"]  # 1 process x 4 d
 
 
 def _single(workdir: pathlib.Path, steps: int, mesh: list[str]) -> None:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = cpu_env(4)
     out = subprocess.run([sys.executable, *SFT, *mesh, f"--config.trainer.steps={steps}",
                           "--workdir", str(workdir)], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=300)
@@ -91,8 +91,7 @@ def test_export_on_two_processes_of_params_sharded_across_them_equals_one_proces
                             f"--config.export.path={tmp_path / 'multi'}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert multi.returncode == 0, multi.stdout[-3000:]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = cpu_env(4)
     single = subprocess.run([sys.executable, *export, f"--config.export.path={tmp_path / 'one'}"],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert single.returncode == 0, single.stderr[-3000:]

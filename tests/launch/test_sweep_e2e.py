@@ -5,13 +5,14 @@ rerun, and a trial main.py rejects."""
 from __future__ import annotations
 
 import csv
-import os
 import pathlib
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SWEEP_PY = ROOT / "launch" / "sweep.py"
@@ -32,10 +33,7 @@ def axes():
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device per trial, not the suite's 8 fake ones
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
+    return cpu_env()  # one CPU device per trial, not the suite's 8 fake ones
 
 
 def _sweep(sweep_file: pathlib.Path, workdir: pathlib.Path) -> subprocess.CompletedProcess:

@@ -41,6 +41,17 @@ def test_dcn_axis_multiplies_into_its_mesh_axis_outermost():
     assert set(ids[2:].flat) == {4, 5, 6, 7}
 
 
+def test_hsdp_mesh_splits_data_into_an_outer_dcn_axis_over_the_same_devices():
+    flat = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2))
+    hsdp = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2, fsdp=True))
+
+    assert hsdp.axis_names == ("dcn_data", *MESH_AXES)
+    assert (hsdp.shape["dcn_data"], hsdp.shape["data"], hsdp.shape["tensor"]) == (2, 2, 2)
+    np.testing.assert_array_equal(hsdp.devices.reshape(flat.devices.shape), flat.devices)
+    # Without DCN data there is nothing to replicate over: the five axes stay.
+    assert create_mesh(MeshConfig(data=4, tensor=2, fsdp=True)).axis_names == MESH_AXES
+
+
 def test_dcn_fill_takes_the_granule_count():
     ici, dcn = resolve_shapes(MeshConfig(data=-1, dcn_data=-1), jax.devices())
     assert dcn == (1, 1, 1, 1, 1)  # one process, no slices: one granule

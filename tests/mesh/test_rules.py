@@ -14,7 +14,7 @@ pytestmark = pytest.mark.distributed
 
 DOCUMENTED = {
     # logical: (train, train with fsdp, sample)
-    "batch": (("data", "expert"),) * 2 + (("data", "expert", "context"),),
+    "batch": (("dcn_data", "data", "expert"),) * 2 + (("dcn_data", "data", "expert", "context"),),
     "length": (("context",), ("context",), ()),
     "embed": ((), ("data",), ()),
     "heads": (("tensor",),) * 3,
@@ -30,9 +30,11 @@ DOCUMENTED = {
     "act_kv_heads": (("tensor",),) * 3,
     "act_mlp": (("tensor",),) * 3,
     "act_vocab": (("tensor",),) * 3,
-    "cache_slots": (("data", "expert"),) * 2 + (("data", "expert", "context"),),
+    "cache_slots": (("dcn_data", "data", "expert"),) * 2
+    + (("dcn_data", "data", "expert", "context"),),
     "cache_len": ((),) * 3,
-    "loss_vocab": (("tensor", "data", "expert", "context", "expert_tensor"),) * 2 + (("tensor",),),
+    "loss_vocab": (("tensor", "data", "expert", "context", "expert_tensor", "dcn_data"),) * 2
+    + (("tensor",),),
 }
 
 
@@ -50,7 +52,7 @@ def test_rule_tables_cover_the_same_names():
 
 def test_without_mesh_spec_keeps_all_rule_axes():
     spec = logical_to_spec(("batch", "length", "act_embed"), rules_for("train"))
-    assert spec == P(("data", "expert"), "context", None)
+    assert spec == P(("dcn_data", "data", "expert"), "context", None)
 
 
 def test_mesh_drops_size_one_axes():
@@ -96,3 +98,35 @@ def test_tree_shardings_follow_logical_tree():
     out = tree_shardings(logical, mesh, rules_for("train", fsdp=True), arrays)
     assert out["w"].spec == P("data", "tensor")
     assert out["norm"].spec == P("data")
+
+
+def _replica_groups(x: jax.Array) -> list[set[int]]:
+    """Device ids grouped by the shard (index) they hold."""
+    groups: dict[str, set[int]] = {}
+    for shard in x.addressable_shards:
+        groups.setdefault(str(shard.index), set()).add(shard.device.id)
+    return sorted(groups.values(), key=min)
+
+
+def test_hsdp_shards_params_within_a_granule_and_replicates_them_across_dcn():
+    mesh = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2, fsdp=True))
+    rules = rules_for("train", fsdp=True)
+    sharding = logical_to_sharding(("embed", "mlp"), mesh, rules, shape=(16, 32))
+    w = jax.device_put(np.zeros((16, 32), np.float32), sharding)
+
+    assert mesh.axis_names[:2] == ("dcn_data", "data") and mesh.shape["dcn_data"] == 2
+    assert sharding.spec == P("data", "tensor")
+    assert {s.data.shape for s in w.addressable_shards} == {(8, 16)}
+    # The two granules are devices 0-3 and 4-7: each shard lives once in each of them.
+    for group in _replica_groups(w):
+        assert len(group) == 2 and len({d // 4 for d in group}) == 2, group
+
+
+def test_hsdp_batch_rows_land_where_plain_data_parallelism_puts_them():
+    hsdp = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2, fsdp=True))
+    flat = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2, fsdp=False))
+    rows = [logical_to_sharding(("batch", "length"), m, rules_for("train", fsdp=True), (8, 16))
+            for m in (hsdp, flat)]
+
+    assert rows[0].spec == P(("dcn_data", "data"), None) and rows[1].spec == P("data", None)
+    assert rows[0].devices_indices_map((8, 16)) == rows[1].devices_indices_map((8, 16))

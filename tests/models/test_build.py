@@ -5,7 +5,6 @@ naming it, before anything is written."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import build_model, resolve_model_config
 from meshrl.tests.models.conftest import TINY, hf_logits, random_ids
 from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.xla import cpu_env
 from meshrl.utils.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -139,7 +139,7 @@ def test_bad_hf_path_is_one_error_naming_it_and_nothing_is_written(llama_dir, tm
 
 def test_main_with_unsupported_hf_architecture_prints_one_error_line(llama_dir, tmp_path):
     path = _bad_dirs(tmp_path, llama_dir[0])["gpt2"]
-    env = {**{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}, "JAX_PLATFORMS": "cpu"}
+    env = cpu_env()
     workdir = tmp_path / "run"
 
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",

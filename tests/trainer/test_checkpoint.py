@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pathlib
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 
 from meshrl.tests.trainer.tiny import make_loop, make_trainee, mesh_for, tiny_config
+from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import (
     DELETED,
     MANIFEST,
@@ -28,8 +28,7 @@ from meshrl.trainer.engine import expand_prefix
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
 
-ENV = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-       "JAX_PLATFORMS": "cpu"}
+ENV = cpu_env(8)
 
 # Phase one of the resume test: train, and die without any shutdown two steps after the step-3
 # checkpoint is durable (as a preempted or OOM-killed job would), metrics rows up to 4 written.

@@ -5,7 +5,6 @@ devices with context = 4."""
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from meshrl.tests.trainer.test_step import (
     _train,
     _two_batches,
 )
+from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
@@ -40,8 +40,7 @@ def test_context4_data2_step_matches_one_device(strategy):
 
 @pytest.mark.slow  # ~1 minute: 4,096-token sequences through main.py on 8 fake devices
 def test_sft_run_at_seq_4096_with_context4_completes_on_8_fake_devices(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(8)
     overrides = ["--config.mesh.data=2", "--config.mesh.context=4",
                  "--config.model.context_attention=ring", "--config.trainer.seq_len=4096",
                  "--config.trainer.batch_size=2", "--config.trainer.steps=2",

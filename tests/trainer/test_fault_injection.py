@@ -8,7 +8,6 @@ appears under its final name ("after"), or at a random time since start ("random
 
 from __future__ import annotations
 
-import os
 import pathlib
 import random
 import re
@@ -22,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import MANIFEST, TMP_SUFFIX
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -33,9 +33,8 @@ _RESUMED = re.compile(r"resuming at step (\d+)")
 
 def _env(cache: pathlib.Path) -> dict[str, str]:
     # The compilation cache makes each restart cheap; the programs (and so the bits) are the same.
-    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-            "JAX_PLATFORMS": "cpu", "JAX_COMPILATION_CACHE_DIR": str(cache),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    return cpu_env(2, JAX_COMPILATION_CACHE_DIR=str(cache),
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _start(workdir: pathlib.Path, steps: int, env: dict[str, str], log: pathlib.Path

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import sys
 import pytest
 
 from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
+from meshrl.tests.xla import cpu_env
 from meshrl.trainer.engine import NonFiniteLossError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -43,8 +43,7 @@ def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
 
 
 def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}
+    env = cpu_env(2)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
                           str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
                           "--workdir", str(tmp_path), "--config.logging.progress_bar=false"],

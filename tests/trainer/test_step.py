@@ -84,7 +84,8 @@ def _single_device_reference() -> tuple[TrainState, list[dict]]:
     {"mesh.data": 2, "mesh.tensor": 4},
     {"mesh.data": 8, "mesh.fsdp": True},
     {"mesh.data": 2, "mesh.tensor": 4, "mesh.fsdp": True, "trainer.microbatches": 2},
-], ids=["data8", "data2_tensor4", "fsdp8", "fsdp2_tensor4_accum2"])
+    {"mesh.data": 2, "mesh.dcn_data": 2, "mesh.tensor": 2, "mesh.fsdp": True},
+], ids=["data8", "data2_tensor4", "fsdp8", "fsdp2_tensor4_accum2", "hsdp2x2_tensor2"])
 def test_sharded_step_matches_single_device(mesh_overrides):
     batches = _two_batches()
     ref_state, ref_hist = _single_device_reference()
