@@ -78,8 +78,7 @@ def dry_run(config: Config) -> str:
 
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
-    if (cache := compile_cache.enable(config.runtime)) is not None:
-        log.get_logger("main").info("JAX compilation cache: %s", cache)
+    cache = compile_cache.enable(config.runtime)
     check_input_paths(config)  # the same checks as dry_run, before anything is written
     resolve_model_config(config.model)
     if config.job not in _JOBS:
@@ -90,5 +89,7 @@ def run(config: Config, workdir: str) -> None:
     # Every job, sample and export included, joins the multi-controller runtime the same way.
     initialize_distributed(config.distributed)
     log.set_process_index(jax.process_index())
+    if cache is not None:  # logged once the record can carry this process's index
+        log.get_logger("main").info("JAX compilation cache: %s", cache)
     paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
     getattr(importlib.import_module(module), fn)(config, workdir)
