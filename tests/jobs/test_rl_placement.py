@@ -101,3 +101,28 @@ def test_split_rl_run_keeps_trainer_and_sampler_on_their_devices_and_publishes_w
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want.astype(got.dtype)),
                                       err_msg=name)
     assert (tmp_path / "weights" / "2").is_dir()  # the Orbax publication at the last step
+
+
+def test_process_sampler_mesh_keeps_model_sizes_and_fills_data_with_this_processs_devices():
+    from meshrl.configs.schema import MeshConfig
+    from meshrl.mesh import create_mesh
+    from meshrl.mesh.placement import process_sampler_mesh
+
+    trainer = create_mesh(MeshConfig(data=2, tensor=2, dcn_data=2, fsdp=True))
+
+    mesh = process_sampler_mesh(trainer)
+
+    assert set(mesh.devices.flat) == set(jax.local_devices())
+    assert (mesh.shape["data"], mesh.shape["tensor"]) == (4, 2)
+    assert "dcn_data" not in mesh.shape  # a sampler never spans DCN
+
+
+def test_process_sampler_mesh_whose_tensor_size_does_not_divide_the_local_devices_is_an_error():
+    from meshrl.configs.schema import MeshConfig
+    from meshrl.mesh import create_mesh
+    from meshrl.mesh.placement import process_sampler_mesh
+
+    trainer = create_mesh(MeshConfig(data=1, tensor=3), jax.devices()[:3])
+
+    with pytest.raises(ConfigError, match=r"mesh.tensor = 3, .*must divide 8"):
+        process_sampler_mesh(trainer)
