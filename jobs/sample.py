@@ -265,8 +265,11 @@ def run(config: Config, workdir: str) -> None:
     outs = sampler.generate([Request(rows[i][2], seed=config.trainer.seed + i,
                                      stop_ids=(tokenizer.eos_id,)) for i in share])
     dt = time.perf_counter() - t0
-    records = [_record(*rows[i], out, tokenizer) for i, out in zip(share, outs)]
-    records = [r for part in multihost.allgather_json(records) for r in part]
+    parts = multihost.allgather_json(
+        {"records": [_record(*rows[i], out, tokenizer) for i, out in zip(share, outs)],
+         "seconds": dt})
+    records = [r for part in parts for r in part["records"]]
+    dt = max(part["seconds"] for part in parts)  # the processes sample side by side
     path = paths.as_path(workdir) / "samples.jsonl"
     if jax.process_index() == 0:
         path.write_text("".join(json.dumps(r) + "\n" for r in records))

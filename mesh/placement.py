@@ -45,7 +45,12 @@ def sampler_mesh_config(config: Config, trainer_mesh: Mesh) -> MeshConfig:
     resolved model-parallel sizes with ``data`` filling the sampler's devices."""
     if config.rl.placement == "colocated":
         return config.mesh
-    return MeshConfig(data=-1, **{a: int(trainer_mesh.shape[a]) for a in _MODEL_AXES})
+    return _model_parallel_of(trainer_mesh)
+
+
+def _model_parallel_of(mesh: Mesh) -> MeshConfig:
+    """``mesh``'s resolved tensor, expert and expert_tensor sizes, with ``data`` filling."""
+    return MeshConfig(data=-1, **{a: int(mesh.shape[a]) for a in _MODEL_AXES})
 
 
 def process_sampler_mesh(global_mesh: Mesh) -> Mesh:
@@ -53,7 +58,7 @@ def process_sampler_mesh(global_mesh: Mesh) -> Mesh:
     tensor, expert and expert_tensor sizes and ``data`` filling the rest: no collective crosses
     processes inside it, so each process schedules its decoding on its own. The RL and sample
     jobs use it when there are several processes."""
-    sampler_cfg = MeshConfig(data=-1, **{a: int(global_mesh.shape[a]) for a in _MODEL_AXES})
+    sampler_cfg = _model_parallel_of(global_mesh)
     local = jax.local_devices()
     try:
         return create_mesh(sampler_cfg, local)
