@@ -10,7 +10,8 @@ Decode cost follows the attended length: the model's cache path attends over eve
 cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the smallest window
 bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^n, so at most
 ~1.5x of the attended length is wasted. When a few long sequences would set a long window for
-every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``).
+every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``; the
+cost model is in ``schedule``).
 The device programs themselves live in ``programs``.
 """
 
@@ -42,6 +43,13 @@ from meshrl.inference.requests import (
     slot_settings,
     validate_request,
 )
+from meshrl.inference.schedule import (
+    SPLIT_CALL_OVERHEAD,
+    decode_shapes,
+    plan_windows,
+    split_cuts,
+    weights_pass_cost,
+)
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
@@ -49,7 +57,6 @@ from meshrl.utils.log import get_logger
 log = get_logger("inference")
 
 _REASONS = {programs.STOP: "stop", programs.LENGTH: "length"}
-SPLIT_CALL_OVERHEAD = 1 << 20
 
 
 class Sampler:
@@ -87,16 +94,16 @@ class Sampler:
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
         self.row_buckets = self._row_buckets()
-        # A chunk may split into a long-window call on the lowest slots and a short-window one.
+        # A full chunk may split into calls over slot ranges with their own windows (schedule).
         self._split = cfg.decode_split_windows and len(self.row_buckets) > 1
-        a = self.row_buckets[0]
-        self.decode_shapes = tuple((0, r) for r in self.row_buckets) + (
-            ((a, S - a),) if self._split else ())  # (lo, rows) of the decode calls
+        self.split_cuts = split_cuts(self.row_buckets, S) if self._split else ()
+        self.decode_shapes = decode_shapes(self.row_buckets, self.split_cuts, S)
         # A call's fixed cost per decode step, in elements read. Measured on a 2-core CPU: an
         # extra 4-step call of a 120k-parameter model costs ~1.1 ms, ~0.3 ms per step, about
         # what reading 1M floats takes there (the split made that model's chunk 6.6 vs 4.4 ms).
         self.split_call_overhead = SPLIT_CALL_OVERHEAD
         self._weights_size = sum(math.prod(v.shape) for v in self._expected.values())
+        self._weights_pass = weights_pass_cost(self._weights_size, mesh.devices.flat[0].platform)
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
         self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
@@ -365,46 +372,39 @@ class Sampler:
             if (x in self._stale_slots) != (y in self._stale_slots):
                 self._stale_slots ^= {x, y}
 
-    def _gather_low(self, keep: Sequence[int], rows: int) -> None:
-        """Swap the slots ``keep`` into slots [0, rows), displacing slots not in ``keep``."""
-        keep_set = set(keep)
-        incoming = [s for s in keep if s >= rows]
+    def _gather(self, keep: Sequence[Completion], lo: int, hi: int) -> None:
+        """Swap the completions ``keep`` into slots [lo, hi), displacing the slots there that
+        hold none of them to the slots they leave (all at or above ``hi``)."""
+        where = {id(c): s for s, c in enumerate(self._slot_out) if c is not None}
+        slots = {where[id(c)] for c in keep}
+        incoming = sorted(s for s in slots if not lo <= s < hi)
         if incoming:
-            outgoing = [s for s in range(rows) if s not in keep_set]
+            outgoing = [s for s in range(lo, hi) if s not in slots]
             self._swap_slots(list(zip(incoming, outgoing)))
 
     def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
         """(lo, rows, window) of each decode call of the next chunk.
 
-        Few live sequences: one call on the smallest row bucket holding them, packed low. Else,
-        when the longest ``row_buckets[0]`` sequences need a much longer cache window than the
-        rest, they move to the lowest slots and decode in a call of their own, so the rest
-        attends over their own, shorter window (see ``_split_pays``).
+        Few live sequences: one call on the smallest row bucket holding them, packed low. Else
+        the live sequences, ranked longest first, may split into slot ranges that decode over
+        their own windows (``schedule.plan_windows``); each range's members are swapped into
+        it first.
         """
         S = self.cfg.slots
         pos = {s: self._pos(s) for s in live}
         rows = bucket_for(len(live), self.row_buckets)
         if rows < S:
-            self._gather_low(live, rows)
+            self._gather([self._slot_out[s] for s in live], 0, rows)
             return [(0, rows, self.window_for(max(pos.values())))]
         if not self._split:
             return [(0, S, self.window_for(max(pos.values())))]
-        a = self.row_buckets[0]
-        top = sorted(live, key=lambda s: (-pos[s], s))[:a]  # ties: keep slots already low
-        w_long = self.window_for(pos[top[0]])
-        top_set = set(top)
-        w_rest = self.window_for(max(pos[s] for s in live if s not in top_set))
-        if not self._split_pays(w_long, w_rest):
-            return [(0, S, w_long)]
-        self._gather_low(top, a)
-        return [(0, a, w_long), (a, S - a, w_rest)]
-
-    def _split_pays(self, w_long: int, w_rest: int) -> bool:
-        """Decode is memory-bound: a second call reads the weights once more per step (plus a
-        fixed dispatch cost), and saves reading (S - a) x (w_long - w_rest) cache entries."""
-        saved_rows = self.cfg.slots - self.row_buckets[0]
-        saved = saved_rows * (w_long - w_rest) * self._entry_size
-        return saved > self._weights_size + self.split_call_overhead
+        ranked = sorted(live, key=lambda s: (-pos[s], s))  # ties: keep slots already low
+        calls = plan_windows([pos[s] for s in ranked], S, self.split_cuts, self.window_for,
+                             self._weights_pass + self.split_call_overhead, self._entry_size)
+        members = [self._slot_out[s] for s in ranked]
+        for lo, n, _ in calls[:-1]:  # the last range holds whoever is left
+            self._gather(members[lo:lo + n], lo, lo + n)
+        return calls
 
     def _dispatch_chunk(self, rnd: Round, live: list[int]) -> None:
         """Dispatch the decode calls of one chunk over ``live`` into ``rnd``."""

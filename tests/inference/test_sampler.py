@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.inference.engine import SPLIT_CALL_OVERHEAD, Request
+from meshrl.inference.engine import Request
 from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 
@@ -99,7 +99,7 @@ def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_
 
 
 @pytest.mark.slow  # ~40-50 s of decode-window compiles; the split's planning is covered by
-# the two split tests below, window decoding by the packed-chunk and row-bucket tests
+# tests/inference/test_schedule.py, split decoding by the three-range test below
 def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tiny_params):
     _, params = tiny_params
     prompts = _prompts(30, seed=5)
@@ -121,29 +121,41 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     sampler._split = False  # reference: every 8-row chunk decodes over one window
     refs = sampler.generate(requests)
 
-    split = [p for p in plans if len(p) == 2]
+    split = [p for p in plans if len(p) >= 2]
     assert split, plans
-    assert all(p[0][:2] == (0, 2) and p[1][:2] == (2, 6) and p[0][2] > p[1][2] for p in split)
+    assert all(p[0][:2] == (0, 2) and p[0][2] > p[-1][2] for p in split)
     assert sampler.compile_count() == compiled
     for out, ref in zip(outs, refs):
         assert out.tokens == ref.tokens
         np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
-def test_split_is_skipped_when_one_more_weight_pass_costs_more_than_it_saves(tiny_params):
+def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params):
     _, params = tiny_params
-    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=256)
-    # 6 rows x (window difference) x 2 layers x 2 kv heads x 8 dims (keys and values) of cache
-    # reads saved per step, against the weights read once more plus the call's fixed cost.
-    assert sampler._entry_size == 2 * 2 * 2 * 8
-    per_position = 6 * sampler._entry_size
-    for overhead in (0, 10_000):
-        sampler.split_call_overhead = overhead
-        needed = (sampler._weights_size + overhead) // per_position + 1
-        assert sampler._split_pays(32 + needed, 32)
-        assert not sampler._split_pays(32 + needed - 1, 32)
-    sampler.split_call_overhead = SPLIT_CALL_OVERHEAD
-    assert not sampler._split_pays(256, 32)  # a tiny model never splits by default
+    # Refills at different chunks leave live sequences at three position levels; with no
+    # fixed call cost every level decodes over its own window, its members swapped into place.
+    # Two long requests first, two middle ones after 20 short ones, then short ones again.
+    budgets = [55, 54] + [3 + i % 5 for i in range(20)] + [40, 40] + [3 + i % 5 for i in range(30)]
+    requests = [Request(p, max_new_tokens=b)
+                for p, b in zip(_prompts(len(budgets), seed=6, hi=8), budgets)]
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=64,
+                           max_new_tokens=55, prompt_buckets=(8,))
+    assert sampler.split_cuts == (2,)
+    sampler.split_cuts = (2, 4)  # three ranges: [0, 2), [2, 4), [4, 8)
+    sampler.split_call_overhead = -sampler._weights_pass  # a call costs only what it reads
+    plans = []
+    plan_chunk = sampler._plan_chunk
+    sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
+
+    outs = sampler.generate(requests)
+    sampler._split = False
+    refs = sampler.generate(requests)
+
+    assert any(len(p) == 3 for p in plans), plans
+    assert all([lo for lo, _, _ in p] == sorted(lo for lo, _, _ in p) for p in plans)
+    for out, ref, b in zip(outs, refs, budgets):
+        assert out.tokens == ref.tokens and len(out.tokens) == b
+        np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
 def test_slots_sharded_over_devices_decode_all_rows(tiny_params):
