@@ -1,12 +1,12 @@
 """How a decode chunk splits over cache windows: pure planning from host-side positions.
 
-Decode is memory-bound and a call attends over one window for all its rows, so when live
-sequences sit at very different positions (continuous batching refills slots at different
-times) one call over the longest window re-reads the short sequences' empty entries. The
+A decode call attends over one cache window for all its rows, so when live sequences sit at
+very different positions (continuous batching refills slots at different times) one call over
+the longest window reads the short sequences' empty entries on every step. The
 sampler ranks live slots by position (longest first) and may cut that ranking at the
 ``split_cuts`` into contiguous slot ranges, each its own call over its own window. A cut pays
-when the cache entries it saves outweigh one more call: one more pass over the weights plus a
-fixed per-call cost (``call_fixed_cost``). Free slots ride along with the last range, whose
+when the cache entries it saves outweigh one more call: one more pass over the weights
+(``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``). Free slots ride along with the last range, whose
 window its live rows set. ``Sampler`` swaps each range's members into place before dispatch.
 """
 
