@@ -213,13 +213,26 @@ class Sampler:
                 or any(c is not None for c in self._slot_out))
 
     def generate(self, requests: Sequence[Request]) -> list[Completion]:
-        """Run requests to completion with continuous batching; results in request order."""
-        ids = [self.submit(r) for r in requests]
+        """Run requests to completion with continuous batching; results in request order.
+
+        All requests are validated before any is queued. They are admitted longest token
+        budget first (ties in request order): the whole set is known, and a long request
+        admitted late would decode on its own after the rest finish (longest processing time
+        first; ``submit`` stays first come, first served)."""
+        for r in requests:
+            self.validate(r)
+        order = sorted(range(len(requests)), key=lambda i: -self.budget(requests[i]))
+        ids = dict(zip(order, (self.submit(requests[i]) for i in order)))
         done: dict[Any, Completion] = {}
         while len(done) < len(ids) or self._inflight is not None:
             for c in self.step():
                 done[c.request.id] = c
-        return [done[i] for i in ids]
+        return [done[ids[i]] for i in range(len(requests))]
+
+    def budget(self, request: Request) -> int:
+        """Most tokens ``request`` may generate here (its max_new_tokens and the cache end)."""
+        max_new = request.max_new_tokens or self.cfg.max_new_tokens
+        return min(max_new, self.cfg.max_len - len(request.prompt_ids))
 
     def step(self) -> list[Completion]:
         """One scheduling round: refresh stale caches, refill free slots, dispatch one decode

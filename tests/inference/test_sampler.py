@@ -8,7 +8,11 @@ import numpy as np
 import pytest
 
 from meshrl.inference.engine import Request
-from meshrl.tests.inference.tiny import make_sampler, reference_greedy
+from meshrl.tests.inference.tiny import (
+    generate_in_arrival_order,
+    make_sampler,
+    reference_greedy,
+)
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 16) -> list[list[int]]:
@@ -61,7 +65,8 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     sampler.warmup()
     compiled = sampler.compile_count()
 
-    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
+    outs = generate_in_arrival_order(
+        sampler, [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
 
     assert {shape[0] for shape in sampler.window_trace_shapes} == {2, 8}
     assert sampler.compile_count() == compiled  # packed chunks reuse warm variants
@@ -87,8 +92,9 @@ def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append((len(live), plan_chunk(live))) or plans[-1][1]
 
-    outs = sampler.generate([Request(p, max_new_tokens=b)
-                             for p, b in zip(_prompts(9, seed=6), budgets)])
+    # Arrival order: the longest requests sit in high slots and are packed low as rows end.
+    outs = generate_in_arrival_order(sampler, [Request(p, max_new_tokens=b)
+                                               for p, b in zip(_prompts(9, seed=6), budgets)])
 
     assert [len(o.tokens) for o in outs] == budgets
     for p, b, out in zip(_prompts(9, seed=6), budgets, outs):
@@ -117,9 +123,9 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
 
-    outs = sampler.generate(requests)
+    outs = generate_in_arrival_order(sampler, requests)
     sampler._split = False  # reference: every 8-row chunk decodes over one window
-    refs = sampler.generate(requests)
+    refs = generate_in_arrival_order(sampler, requests)
 
     split = [p for p in plans if len(p) >= 2]
     assert split, plans
@@ -147,9 +153,9 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
 
-    outs = sampler.generate(requests)
+    outs = generate_in_arrival_order(sampler, requests)
     sampler._split = False
-    refs = sampler.generate(requests)
+    refs = generate_in_arrival_order(sampler, requests)
 
     assert any(len(p) == 3 for p in plans), plans
     assert all([lo for lo, _, _ in p] == sorted(lo for lo, _, _ in p) for p in plans)
@@ -351,3 +357,42 @@ def test_slot_ending_by_length_in_flight_is_refilled_without_an_idle_round(tiny_
 
     assert [o.tokens for o in outs] == refs
     assert events == ["dispatch", "dispatch", "read", "read"]
+
+
+def test_generate_admits_longest_budget_first_and_returns_results_in_request_order(tiny_params):
+    # Two slots, four short requests and a long one last: first come, first served leaves the
+    # long one decoding alone after the rest; longest first runs the short ones beside it.
+    _, params = tiny_params
+    prompts = _prompts(5, seed=11)
+    budgets = [5, 5, 5, 5, 17]
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    fifo = make_sampler(params, slots=2)
+    for r in requests:
+        fifo.submit(r)
+    fifo_rounds, fifo_done = 0, {}
+    while fifo.has_work():
+        fifo_rounds += 1
+        fifo_done.update((c.request.id, c) for c in fifo.step())
+    sampler = make_sampler(params, slots=2)
+    rounds, admitted = [0], []
+    step, prefill = sampler.step, sampler._run_prefill
+    sampler.step = lambda: rounds.append(rounds.pop() + 1) or step()
+    sampler._run_prefill = lambda seqs, slots, reqs, *a: admitted.extend(
+        r.max_new_tokens for r in reqs) or prefill(seqs, slots, reqs, *a)
+
+    outs = sampler.generate(requests)
+
+    assert admitted == [17, 5, 5, 5, 5]
+    assert [len(o.tokens) for o in outs] == budgets
+    assert [o.tokens for o in outs] == [fifo_done[i].tokens for i in range(5)]
+    assert rounds[0] < fifo_rounds, (rounds[0], fifo_rounds)
+
+
+def test_generate_rejects_an_invalid_request_before_queueing_any(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params)
+
+    with pytest.raises(ValueError, match="max_new_tokens = 0"):
+        sampler.generate([Request([5, 6], max_new_tokens=3), Request([5], max_new_tokens=0)])
+
+    assert not sampler.has_work()
