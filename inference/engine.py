@@ -11,8 +11,9 @@ cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the
 bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^n, so at most
 ~1.5x of the attended length is wasted. When a few long sequences would set a long window for
 every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``; the
-cost model is in ``schedule``).
-The device programs themselves live in ``programs``.
+cost model is in ``schedule``). ``generate`` admits the longest token budgets first.
+The device programs live in ``programs``; applying read-back outputs to completions in
+``readback``.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
-from meshrl.inference import programs
+from meshrl.inference import programs, readback
 from meshrl.inference import weights as wts
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import (
@@ -41,6 +42,8 @@ from meshrl.inference.requests import (
     bucket_for,
     buckets_up_to,
     slot_settings,
+    token_budget,
+    tokens_left,
     validate_request,
 )
 from meshrl.inference.schedule import (
@@ -55,9 +58,6 @@ from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
-
-_REASONS = {programs.STOP: "stop", programs.LENGTH: "length"}
-
 
 class Sampler:
     """Continuous-batching sampler over its own mesh (params tensor-parallel, slots over data).
@@ -221,18 +221,13 @@ class Sampler:
         first; ``submit`` stays first come, first served)."""
         for r in requests:
             self.validate(r)
-        order = sorted(range(len(requests)), key=lambda i: -self.budget(requests[i]))
+        order = sorted(range(len(requests)), key=lambda i: -token_budget(requests[i], self.cfg))
         ids = dict(zip(order, (self.submit(requests[i]) for i in order)))
         done: dict[Any, Completion] = {}
         while len(done) < len(ids) or self._inflight is not None:
             for c in self.step():
                 done[c.request.id] = c
         return [done[ids[i]] for i in range(len(requests))]
-
-    def budget(self, request: Request) -> int:
-        """Most tokens ``request`` may generate here (its max_new_tokens and the cache end)."""
-        max_new = request.max_new_tokens or self.cfg.max_new_tokens
-        return min(max_new, self.cfg.max_len - len(request.prompt_ids))
 
     def step(self) -> list[Completion]:
         """One scheduling round: refresh stale caches, refill free slots, dispatch one decode
@@ -269,9 +264,11 @@ class Sampler:
         got_admitted, got_chunk = jax.device_get(([o for o, _ in rnd.admitted], rnd.outs))
         finished: list[Completion] = []
         for (_, comps), out in zip(rnd.admitted, got_admitted):
-            finished += self._first_tokens(comps, *out)
+            finished += readback.first_tokens(comps, *out)
         for comps, out in zip(rnd.rows, got_chunk):
-            finished += self._collect(comps, rnd.version, *out)
+            finished += readback.chunk_tokens(comps, rnd.version, *out)
+        for c in finished:
+            self._free(c)
         return finished
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
@@ -295,7 +292,7 @@ class Sampler:
         """Prefill queued requests into free slots and the ``ending`` ones (their sequence ends
         in the round in flight; the prefill runs after it). Returns each prefill's pending
         outputs with the completions it starts, whose first token is a placeholder until
-        ``_first_tokens``."""
+        ``readback.first_tokens``."""
         free = sorted([s for s, c in enumerate(self._slot_out) if c is None] + list(ending))
         take = min(len(free), len(self._queue))
         if not take:
@@ -318,20 +315,6 @@ class Sampler:
                 admitted.append((out, comps))
         return admitted
 
-    def _first_tokens(self, comps: Sequence[Completion], tok_N: np.ndarray, lp_N: np.ndarray,
-                      raw_N: np.ndarray, active_N: np.ndarray, reason_N: np.ndarray,
-                      ) -> list[Completion]:
-        """Fill in the first tokens of admitted completions; retire those already finished."""
-        finished = []
-        for i, c in enumerate(comps):
-            c.tokens[0], c.logprobs[0], c.raw_logprobs[0] = \
-                int(tok_N[i]), float(lp_N[i]), float(raw_N[i])
-            if not active_N[i]:
-                c.finish_reason = _REASONS[int(reason_N[i])]
-                self._free(c)
-                finished.append(c)
-        return finished
-
     def _free(self, c: Completion) -> None:
         """Empty the slot holding ``c``, if a new request has not taken it over already (slot
         swaps may have moved it since it was dispatched)."""
@@ -343,15 +326,9 @@ class Sampler:
     def _in_flight_chunk(self, c: Completion) -> bool:
         return self._inflight is not None and id(c) in self._inflight.decoding
 
-    def _left(self, c: Completion) -> int:
-        """Tokens ``c`` may still produce after its last known one (its length limits)."""
-        max_new = c.request.max_new_tokens or self.cfg.max_new_tokens
-        last_pos = len(c.request.prompt_ids) + len(c.tokens) - 1
-        return min(max_new - len(c.tokens), self.cfg.max_len - 1 - last_pos)
-
     def _ahead(self, c: Completion) -> int:
         """Most tokens the chunk in flight may add to ``c``."""
-        return min(self.cfg.decode_chunk, self._left(c)) if self._in_flight_chunk(c) else 0
+        return min(self.cfg.decode_chunk, tokens_left(c, self.cfg)) if self._in_flight_chunk(c) else 0
 
     def _pos(self, slot: int) -> int:
         """Upper bound on the position of the token slot ``slot`` feeds next: its last known
@@ -363,13 +340,13 @@ class Sampler:
         """Live slots that may still decode after the round in flight (the host knows each
         request's length limits, not whether a stop id comes)."""
         return [s for s, c in enumerate(self._slot_out)
-                if c is not None and self._left(c) > self._ahead(c)]
+                if c is not None and tokens_left(c, self.cfg) > self._ahead(c)]
 
     def _ending(self) -> list[int]:
         """Live slots whose sequence certainly ends, by length, in the round in flight: a new
         request may take them over now instead of one round later."""
         return [s for s, c in enumerate(self._slot_out)
-                if c is not None and self._left(c) <= self._ahead(c)]
+                if c is not None and tokens_left(c, self.cfg) <= self._ahead(c)]
 
     def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Exchange cache, device state and host records of each (a, b) slot pair."""
@@ -428,30 +405,6 @@ class Sampler:
             rnd.outs.append(out)
             rnd.rows.append(self._slot_out[lo:lo + rows])
         rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}
-
-    def _collect(self, comps: Sequence[Completion | None], version: int, tok_BxC: np.ndarray,
-                 lp_BxC: np.ndarray, raw_BxC: np.ndarray, active_B: np.ndarray,
-                 reason_B: np.ndarray) -> list[Completion]:
-        """Append one decode call's outputs (row r: ``comps[r]``, as dispatched) to the
-        completions; rows whose completion had already finished emit nothing and are skipped."""
-        # A slot's tokens are a prefix of its row (it never reactivates within a chunk): list
-        # slicing, since per-row numpy ops cost more host time than a small model's chunk.
-        n_B = (tok_BxC >= 0).sum(axis=1).tolist()
-        toks, lps, raws, active = tok_BxC.tolist(), lp_BxC.tolist(), raw_BxC.tolist(), \
-            active_B.tolist()
-        finished = []
-        for r, (c, n) in enumerate(zip(comps, n_B)):
-            if c is None or c.finish_reason:
-                continue
-            c.tokens += toks[r][:n]
-            c.logprobs += lps[r][:n]
-            c.raw_logprobs += raws[r][:n]
-            c.versions += [version] * n
-            if not active[r]:
-                c.finish_reason = _REASONS[int(reason_B[r])]
-                self._free(c)
-                finished.append(c)
-        return finished
 
     def _recompute(self) -> None:
         """Re-prefill every in-flight slot's prompt + tokens so far (except the last, not yet

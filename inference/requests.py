@@ -77,6 +77,16 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
+def token_budget(request: Request, c: SamplerConfig) -> int:
+    """Most tokens ``request`` may generate: its max_new_tokens (or ``c``'s) and the cache end."""
+    return min(request.max_new_tokens or c.max_new_tokens, c.max_len - len(request.prompt_ids))
+
+
+def tokens_left(comp: Completion, c: SamplerConfig) -> int:
+    """Tokens ``comp`` may still produce after its last known one."""
+    return token_budget(comp.request, c) - len(comp.tokens)
+
+
 def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequence[int]) -> None:
     """Raise ValueError for a request a sampler with ``c`` and ``prompt_buckets`` cannot serve."""
     n = len(request.prompt_ids)
