@@ -13,7 +13,7 @@ published weight versions, ``rl_curves.png`` and ``summary.json`` (accuracy befo
 under the workdir; a rerun of the same command resumes.
 
 Measured on 2 CPU cores (see BUILD_NOTES.md for the runs, 2026-12-04): held-out greedy
-accuracy 0.58 after the warm start, 0.74 after 300 RL steps (seeds 1 and 2: 0.57 -> 0.86,
+accuracy 0.58 after the warm start, 0.74-0.785 after 300 RL steps (seeds 1, 2: 0.57 -> 0.86,
 0.705 -> 0.89; builds before the per-row data order: 0.455 -> 0.80). What mattered: sampling
 at T = 1 left the model's sampled accuracy near 0.2 and RL gained ~7 points in 500 steps;
 rates of 1e-4 and above first lower the greedy accuracy of this 0.1M-param model by 10-35
