@@ -359,33 +359,31 @@ def test_slot_ending_by_length_in_flight_is_refilled_without_an_idle_round(tiny_
     assert events == ["dispatch", "dispatch", "read", "read"]
 
 
+def _count_rounds(sampler) -> list[int]:
+    rounds, step = [0], sampler.step
+    sampler.step = lambda: rounds.append(rounds.pop() + 1) or step()
+    return rounds
+
+
 def test_generate_admits_longest_budget_first_and_returns_results_in_request_order(tiny_params):
     # Two slots, four short requests and a long one last: first come, first served leaves the
     # long one decoding alone after the rest; longest first runs the short ones beside it.
     _, params = tiny_params
-    prompts = _prompts(5, seed=11)
     budgets = [5, 5, 5, 5, 17]
-    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
-    fifo = make_sampler(params, slots=2)
-    for r in requests:
-        fifo.submit(r)
-    fifo_rounds, fifo_done = 0, {}
-    while fifo.has_work():
-        fifo_rounds += 1
-        fifo_done.update((c.request.id, c) for c in fifo.step())
-    sampler = make_sampler(params, slots=2)
-    rounds, admitted = [0], []
-    step, prefill = sampler.step, sampler._run_prefill
-    sampler.step = lambda: rounds.append(rounds.pop() + 1) or step()
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(_prompts(5, seed=11), budgets)]
+    fifo, sampler = make_sampler(params, slots=2), make_sampler(params, slots=2)
+    fifo_rounds, rounds = _count_rounds(fifo), _count_rounds(sampler)
+    admitted, prefill = [], sampler._run_prefill
     sampler._run_prefill = lambda seqs, slots, reqs, *a: admitted.extend(
         r.max_new_tokens for r in reqs) or prefill(seqs, slots, reqs, *a)
+    in_arrival_order = generate_in_arrival_order(fifo, requests)
 
     outs = sampler.generate(requests)
 
     assert admitted == [17, 5, 5, 5, 5]
     assert [len(o.tokens) for o in outs] == budgets
-    assert [o.tokens for o in outs] == [fifo_done[i].tokens for i in range(5)]
-    assert rounds[0] < fifo_rounds, (rounds[0], fifo_rounds)
+    assert [o.tokens for o in outs] == [o.tokens for o in in_arrival_order]
+    assert rounds[0] < fifo_rounds[0], (rounds, fifo_rounds)
 
 
 def test_generate_rejects_an_invalid_request_before_queueing_any(tiny_params):
