@@ -1,8 +1,9 @@
 """Applying one scheduling round's read-back outputs to host-side completions.
 
-Pure host code over numpy arrays already transferred (``Sampler._read`` does the one
-device->host transfer per round): each function appends what a prefill or a decode call
-produced to its ``Completion``s and returns those that finished; the caller frees their slots.
+Host code only, over numpy arrays already transferred (``Sampler._read`` does the one
+device->host transfer per round): each function appends, in place, what a prefill or a decode
+call produced to its ``Completion``s and returns those that finished; the caller frees their
+slots.
 """
 
 from __future__ import annotations
