@@ -12,7 +12,7 @@ transformers (from_pretrained of that directory). Figures:
   of 32 (each runs to its longest request); useful (requested) tokens/s.
 * cb_speedup: the long-tail workload, meshrl continuous vs meshrl static batching
   (``generate`` admits the longest budgets first); cb_speedup_fifo: the same with the requests
-  submitted first come, first served (``submit`` + ``step``, as the async engine drives it).
+  admitted first come, first served (``longest_first=False``, as the async engine admits).
 * cache_growth: the fixed workload's time with max_len 1024 over max_len 192.
 * first_call_s: seconds from building the max_len-1024 sampler to the fixed workload's
   completions (compiling on first use; no warm-up call); compiled_programs: the programs
@@ -85,26 +85,13 @@ def _warm(sampler: Sampler, fn: Callable[[], float], label: str) -> None:
           flush=True)
 
 
-def _timed_generate(sampler: Sampler, requests: list[Request]) -> Callable[[], float]:
+def _timed_generate(sampler: Sampler, requests: list[Request], longest_first: bool = True
+                    ) -> Callable[[], float]:
     def run() -> float:
         t = time.perf_counter()
-        outs = sampler.generate(requests)
+        outs = sampler.generate(requests, longest_first=longest_first)
         dt = time.perf_counter() - t
         assert [len(o.tokens) for o in outs] == [r.max_new_tokens for r in requests]
-        return dt
-    return run
-
-
-def _timed_fifo(sampler: Sampler, requests: list[Request]) -> Callable[[], float]:
-    def run() -> float:
-        t = time.perf_counter()
-        for r in requests:
-            sampler.submit(r)
-        n = 0
-        while sampler.has_work():
-            n += len(sampler.step())
-        dt = time.perf_counter() - t
-        assert n == len(requests), n
         return dt
     return run
 
@@ -175,13 +162,13 @@ def main() -> None:
     print(f"long tail: {n_requests} requests, {useful} useful tokens, max "
           f"{budgets.max()}", flush=True)
     _warm(big, _timed_generate(big, tail), "long tail")
-    _warm(big, _timed_fifo(big, tail), "long tail, first come first served")
+    _warm(big, _timed_generate(big, tail, longest_first=False), "long tail, first come first served")
     _warm(big, _timed_static(big, tail), "static")
     # Interleaved, as the fixed workload: a slow stretch of the machine must not land on one
     # side of cb_speedup only.
     t_cb, t_fifo, t_static = _best_interleaved({
         "meshrl continuous": _timed_generate(big, tail),
-        "meshrl continuous, first come first served": _timed_fifo(big, tail),
+        "meshrl continuous, first come first served": _timed_generate(big, tail, longest_first=False),
         "meshrl static": _timed_static(big, tail)}, reps)
 
     def hf_tail() -> float:

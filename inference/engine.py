@@ -198,6 +198,9 @@ class Sampler:
     def submit(self, request: Request) -> Any:
         """Queue a request; returns its id (``request.id`` or a fresh integer)."""
         self.validate(request)
+        return self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> Any:
         if request.id is None:
             request = dataclasses.replace(request, id=next(self._ids))
         with self._lock:
@@ -212,17 +215,21 @@ class Sampler:
         return (bool(self._queue) or self._inflight is not None
                 or any(c is not None for c in self._slot_out))
 
-    def generate(self, requests: Sequence[Request]) -> list[Completion]:
+    def generate(self, requests: Sequence[Request], *, longest_first: bool = True
+                 ) -> list[Completion]:
         """Run requests to completion with continuous batching; results in request order.
 
-        All requests are validated before any is queued. They are admitted longest token
-        budget first (ties in request order): the whole set is known, and a long request
-        admitted late would decode on its own after the rest finish (longest processing time
-        first; ``submit`` stays first come, first served)."""
+        All requests are validated before any is queued. With ``longest_first`` they are
+        admitted longest token budget first (ties in request order): the whole set is known,
+        and a long request admitted late would decode on its own after the rest finish
+        (longest processing time first). Otherwise, and always for ``submit``, first come,
+        first served."""
         for r in requests:
             self.validate(r)
-        order = sorted(range(len(requests)), key=lambda i: -token_budget(requests[i], self.cfg))
-        ids = dict(zip(order, (self.submit(requests[i]) for i in order)))
+        order = list(range(len(requests)))
+        if longest_first:
+            order.sort(key=lambda i: -token_budget(requests[i], self.cfg))
+        ids = dict(zip(order, (self._enqueue(requests[i]) for i in order)))
         done: dict[Any, Completion] = {}
         while len(done) < len(ids) or self._inflight is not None:
             for c in self.step():

@@ -8,11 +8,7 @@ import numpy as np
 import pytest
 
 from meshrl.inference.engine import Request
-from meshrl.tests.inference.tiny import (
-    generate_in_arrival_order,
-    make_sampler,
-    reference_greedy,
-)
+from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 
 def _prompts(n: int, seed: int = 0, lo: int = 3, hi: int = 16) -> list[list[int]]:
@@ -65,8 +61,8 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     sampler.warmup()
     compiled = sampler.compile_count()
 
-    outs = generate_in_arrival_order(
-        sampler, [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
+    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)],
+                            longest_first=False)
 
     assert {shape[0] for shape in sampler.window_trace_shapes} == {2, 8}
     assert sampler.compile_count() == compiled  # packed chunks reuse warm variants
@@ -93,8 +89,8 @@ def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_
     sampler._plan_chunk = lambda live: plans.append((len(live), plan_chunk(live))) or plans[-1][1]
 
     # Arrival order: the longest requests sit in high slots and are packed low as rows end.
-    outs = generate_in_arrival_order(sampler, [Request(p, max_new_tokens=b)
-                                               for p, b in zip(_prompts(9, seed=6), budgets)])
+    outs = sampler.generate([Request(p, max_new_tokens=b)
+                             for p, b in zip(_prompts(9, seed=6), budgets)], longest_first=False)
 
     assert [len(o.tokens) for o in outs] == budgets
     for p, b, out in zip(_prompts(9, seed=6), budgets, outs):
@@ -123,9 +119,9 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
 
-    outs = generate_in_arrival_order(sampler, requests)
+    outs = sampler.generate(requests, longest_first=False)
     sampler._split = False  # reference: every 8-row chunk decodes over one window
-    refs = generate_in_arrival_order(sampler, requests)
+    refs = sampler.generate(requests, longest_first=False)
 
     split = [p for p in plans if len(p) >= 2]
     assert split, plans
@@ -153,9 +149,9 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
 
-    outs = generate_in_arrival_order(sampler, requests)
+    outs = sampler.generate(requests, longest_first=False)
     sampler._split = False
-    refs = generate_in_arrival_order(sampler, requests)
+    refs = sampler.generate(requests, longest_first=False)
 
     assert any(len(p) == 3 for p in plans), plans
     assert all([lo for lo, _, _ in p] == sorted(lo for lo, _, _ in p) for p in plans)
@@ -376,7 +372,7 @@ def test_generate_admits_longest_budget_first_and_returns_results_in_request_ord
     admitted, prefill = [], sampler._run_prefill
     sampler._run_prefill = lambda seqs, slots, reqs, *a: admitted.extend(
         r.max_new_tokens for r in reqs) or prefill(seqs, slots, reqs, *a)
-    in_arrival_order = generate_in_arrival_order(fifo, requests)
+    in_arrival_order = fifo.generate(requests, longest_first=False)
 
     outs = sampler.generate(requests)
 

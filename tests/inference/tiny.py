@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
-from meshrl.inference.engine import Completion, Request, Sampler
+from meshrl.inference.engine import Sampler
 from meshrl.mesh import create_mesh
 from meshrl.models import forward
 
@@ -56,13 +56,3 @@ def reference_greedy(graphdef, params, prompt: list[int], n: int) -> tuple[list[
         lps.append(float(logp_V[tok]))
     return seq[len(prompt):], lps
 
-
-def generate_in_arrival_order(sampler: Sampler, requests: list[Request]) -> list[Completion]:
-    """``sampler.generate`` without its longest-first admission: first come, first served
-    (``submit`` + ``step``, as the async engine drives it), so a test can place long requests
-    in high slots or refill slots at chosen chunks. Results in request order."""
-    ids = [sampler.submit(r) for r in requests]
-    done = {}
-    while sampler.has_work():
-        done.update((c.request.id, c) for c in sampler.step())
-    return [done[i] for i in ids]
