@@ -1,13 +1,14 @@
 """grain pipelines: shuffled, sharded, multi-epoch, checkpointable prompt and SFT iterators.
 
-The example stream is ``grain.MapDataset.source(examples).shuffle(seed).repeat()`` (grain
-reshuffles every epoch). Each global batch row ``j`` of ``batch_size`` rows reads its own
-sub-stream, positions ``j, j + batch_size, ...``, and each process owns a contiguous block of
-rows, so processes read disjoint elements (no overlap, no loss) and a global batch, packed or
-not, is the same for every process count. The state is one cursor and a few counters per row:
-``get_state()`` gathers every row's (a collective with several processes) into a small
-JSON-able dict, and ``set_state`` resumes the exact continuation on any process count that
-divides the batch, without replaying data. Design notes: docs/data.md.
+The example stream is ``grain.MapDataset.range(n).map(tokenize example i)`` read in a fresh
+permutation every epoch (one numpy permutation per epoch, see ``_StreamIterator._order``). Each
+global batch row ``j`` of ``batch_size`` rows reads its own sub-stream, positions ``j, j +
+batch_size, ...``, and each process owns a contiguous block of rows, so processes read disjoint
+elements (no overlap, no loss) and a global batch, packed or not, is the same for every process
+count. The state is one cursor and a few counters per row: ``get_state()`` gathers every row's
+(a collective with several processes) into a small JSON-able dict, and ``set_state`` resumes
+the exact continuation on any process count that divides the batch, without replaying data.
+Design notes: docs/data.md.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from meshrl.utils.log import get_logger
 
 log = get_logger("datasets")
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 _ROW_COUNTS = ("examples", "dropped_overlong_prompt", "dropped_overlong_sequence")
+# Epoch permutations kept (rows' cursors can be in different epochs; see _StreamIterator._order).
+_CACHED_EPOCHS = 4
 # Keys that are pipeline plumbing, not reward fields handed to workflows.
 _INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask")
 
@@ -101,6 +104,16 @@ class _Tokenize:
         return out
 
 
+class _TokenizeAt:
+    """grain map: example index -> ``_Tokenize`` of that example."""
+
+    def __init__(self, examples: list[dict], tokenize: _Tokenize) -> None:
+        self.examples, self.tokenize = examples, tokenize
+
+    def __call__(self, index: int) -> dict:
+        return self.tokenize(self.examples[index])
+
+
 def _mix_seed(seed: int, shuffle_seed: int) -> int:
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, shuffle_seed & 0xFFFFFFFF])
                .generate_state(1)[0])
@@ -142,8 +155,11 @@ class _StreamIterator:
         self.process_index, self.process_count = process_index, process_count
         lo = process_index * self.local_batch_size
         self._my_rows = range(lo, lo + self.local_batch_size)
-        self._ds = (grain.MapDataset.source(examples).shuffle(seed=self._seed).repeat(None)
-                    .map(_Tokenize(data, tokenizer, seq_len)))
+        # grain.MapDataset.source would record per-element read metrics: 2x the cost per
+        # element of this index -> example map.
+        self._ds = grain.MapDataset.range(len(examples)).map(
+            _TokenizeAt(examples, _Tokenize(data, tokenizer, seq_len)))
+        self._orders: dict[int, np.ndarray] = {}
         n = self.local_batch_size
         # Per owned row: next position in its sub-stream, examples taken, drops by reason.
         self._cursor = np.zeros(n, np.int64)
@@ -158,7 +174,8 @@ class _StreamIterator:
             pos = int(self._cursor[r]) * self.rows + self._my_rows[r]
             cached = self._peeked.get(r)
             if cached is None or cached[0] != pos:  # tokenize each stream position once
-                self._peeked[r] = cached = (pos, self._ds[pos])
+                epoch, i = divmod(pos, self._num_examples)
+                self._peeked[r] = cached = (pos, self._ds[int(self._order(epoch)[i])])
             ex = cached[1]
             if "_drop" not in ex:
                 return ex
@@ -170,6 +187,24 @@ class _StreamIterator:
                 raise DatasetError(f"data: every example is dropped (last: {ex['origin']}, "
                                    f"stats {self.stats}): raise data.max_prompt_len or "
                                    f"trainer.seq_len")
+
+    def _order(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s permutation of the example indices, from (seed, epoch) alone.
+
+        One O(n) numpy permutation per epoch instead of grain's ``MapDataset.shuffle``, whose
+        per-element ``index_shuffle`` call releases the GIL, so inside a train loop each element
+        waited to take it back (docs/data.md). The cost is ``4 n`` bytes per cached epoch; rows'
+        cursors drift apart by a few epochs at most, and an evicted epoch is recomputed."""
+        order = self._orders.get(epoch)
+        if order is None:
+            if len(self._orders) >= _CACHED_EPOCHS:
+                del self._orders[min(self._orders)]
+            rng = np.random.default_rng([self._seed, epoch])
+            order = rng.permutation(self._num_examples)
+            if self._num_examples < 2 ** 31:
+                order = order.astype(np.int32)  # half the memory of the cached orders
+            self._orders[epoch] = order
+        return order
 
     def _take(self, r: int) -> dict:
         ex = self._peek(r)
@@ -208,9 +243,9 @@ class _StreamIterator:
         if state.get("version") != STATE_VERSION:
             raise DatasetError(f"checkpointed data iterator state version = "
                                f"{state.get('version')!r}: this build reads version "
-                               f"{STATE_VERSION} (a per-row layout that any process count can "
-                               f"resume); use a new --workdir, or the meshrl version that "
-                               f"wrote it")
+                               f"{STATE_VERSION} (per-row cursors over one permutation per "
+                               f"epoch; version 2 read grain's shuffle order); use a new "
+                               f"--workdir, or the meshrl version that wrote it")
         # A changed dataset, seed or batch size would silently change the continuation.
         for key, mine in self._identity().items():
             if state.get(key) != mine:

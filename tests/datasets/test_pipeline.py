@@ -235,5 +235,26 @@ def test_state_of_a_different_batch_size_or_older_layout_is_rejected():
                               seq_len=40, seed=2)
     with pytest.raises(DatasetError, match="rows = 4: this run's pipeline has 8"):
         other.set_state(state)
-    with pytest.raises(DatasetError, match="state version = 1: this build reads version 2"):
-        _sft().set_state({**state, "version": 1})
+    for older in (1, 2):  # per-process layout; grain's shuffle order
+        with pytest.raises(DatasetError,
+                           match=f"state version = {older}: this build reads version 3"):
+            _sft().set_state({**state, "version": older})
+
+
+def test_every_epoch_is_a_permutation_over_more_epochs_than_are_cached():
+    data = DataConfig(num_examples=3, difficulty=4)  # 4 digits: no duplicate prompts
+    it = make_prompt_iterator(data, TOK, batch_size=1, seed=4)
+    prompts = _prompts([next(it) for _ in range(3 * 12)])
+    epochs = [prompts[i:i + 3] for i in range(0, len(prompts), 3)]
+    assert all(sorted(e) == sorted(epochs[0]) for e in epochs)
+    assert len({tuple(e) for e in epochs}) > 1  # reshuffled, not one order repeated
+
+
+def test_an_evicted_epoch_order_is_recomputed_identically():
+    it = make_prompt_iterator(DataConfig(num_examples=50), TOK, batch_size=2, seed=9)
+    first = it._order(0).copy()
+    for epoch in range(1, 8):  # pushes epoch 0 out of the cache
+        it._order(epoch)
+    assert 0 not in it._orders
+    np.testing.assert_array_equal(it._order(0), first)
+    np.testing.assert_array_equal(np.sort(first), np.arange(50))
