@@ -3,10 +3,12 @@
 Each pair runs ``main.py --config configs/default.py`` twice in fresh workdirs: first with a
 fresh, empty ``runtime.compile_cache_dir`` (cold), then with the directory that run filled
 (warm). A run is timed from its launch to the console line of RL step 1 (the warm start, the
-eval before RL and the first step are all inside), then stopped. Pairs are interleaved, so a
+eval before RL and the first step are all inside; a run always logs its first step), then
+stopped. The job runs as configured (``trainer.log_every = 10``; logging every step would add
+~1 s of metric writes to the warm start's 500 steps). Pairs are interleaved, so a
 slow stretch of the machine hits both kinds of run.
 
-``--resume`` times a restart instead: a run is stopped after RL step 102 (its checkpoint of
+``--resume`` times a restart instead: a run is stopped after RL step 110 (its checkpoint of
 step 100 is written, its cache warm), and two copies of its workdir resume, one with an empty
 cache and one with the warm one, each timed to the line of the first step it trains (101).
 
@@ -34,6 +36,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CHECKPOINT = 100  # configs/default.py's checkpoint.every_steps
+LOG_EVERY = 10  # and its trainer.log_every: the first step line after the checkpoint
 
 
 def first_step_s(workdir: pathlib.Path, cache: pathlib.Path, timeout_s: float, step: int = 1
@@ -42,7 +45,7 @@ def first_step_s(workdir: pathlib.Path, cache: pathlib.Path, timeout_s: float, s
     then stopped."""
     cmd = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py"),
            "--workdir", str(workdir), f"--config.runtime.compile_cache_dir={cache}",
-           "--config.trainer.log_every=1", "--config.logging.progress_bar=false"]
+           "--config.logging.progress_bar=false"]
     line = re.compile(rf"\bversion {step}/\d+ ")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
@@ -72,7 +75,7 @@ def fresh_pair(base: pathlib.Path, timeout_s: float) -> tuple[float, float]:
 
 def resume_pair(base: pathlib.Path, timeout_s: float) -> tuple[float, float]:
     """A run stopped once its checkpoint of step 100 is written, resumed twice from copies."""
-    first_step_s(base / "run", base / "cache", timeout_s, step=CHECKPOINT + 2)
+    first_step_s(base / "run", base / "cache", timeout_s, step=CHECKPOINT + LOG_EVERY)
     for name in ("cold", "warm"):
         shutil.copytree(base / "run", base / name)
     return (first_step_s(base / "cold", base / "empty", timeout_s, step=CHECKPOINT + 1),

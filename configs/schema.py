@@ -120,7 +120,8 @@ class TrainerConfig(Section):
     seed: int = field(0, "Seed of params init, dropout-free RNG stream and data order.")
     microbatches: int = field(1, "Gradient-accumulation microbatches per step; must divide "
                                  "batch_size.", at_least(1))
-    log_every: int = field(10, "Steps between metric writes (and RL console step lines).",
+    log_every: int = field(10, "Steps between metric writes (and RL console step lines); a "
+                               "run's first step is written too.",
                            at_least(1))
     eval_every: int = field(0, "Steps between held-out evaluations; 0 disables.", at_least(0))
     on_nonfinite: Literal["raise", "skip"] = field(

@@ -2,7 +2,7 @@
 
 Contract: pure functions from host values a job already has (metric records, ``summary.json``
 dicts) to text; nothing here reads the device or writes files. The RL job logs
-``rl_step_line`` every ``trainer.log_every`` steps and ``summary_table`` once at the end, so a
+``rl_step_line`` at its first step, then every ``trainer.log_every`` steps, and ``summary_table`` once at the end, so a
 run's console is a few dozen lines whatever its length.
 """
 

@@ -215,8 +215,8 @@ class TrainEngine:
     def open_progress(self, on_log: Callable[[int, dict[str, float]], None] | None = None
                       ) -> None:
         """The progress bar; with ``on_log``, ``on_log(step, record)`` runs at every metric
-        write (every ``trainer.log_every`` steps) on process 0 and replaces the bar's own
-        every-10% log lines (the job writes its own step line)."""
+        write (the run's first step, then every ``trainer.log_every`` steps) on process 0 and
+        replaces the bar's own every-10% log lines (the job writes its own step line)."""
         self.on_log = on_log if jax.process_index() == 0 else None
         self.watchdog.start()
         self.progress = Progress(self.config.trainer.steps, self.start_step,
@@ -259,7 +259,10 @@ class TrainEngine:
             record.update(self._timing(p.dispatched))
         record.update(p.host)
         self.history.append({"step": p.step, **record})
-        if p.step % self.config.trainer.log_every == 0 or p.step == self.config.trainer.steps:
+        # The first step of a run is written too: the console shows the run is training (and
+        # how long its start took) without waiting log_every steps.
+        if (p.step % self.config.trainer.log_every == 0 or p.step == self.config.trainer.steps
+                or p.step == self.start_step + 1):
             self.metrics.write(p.step, record)
             if self.on_log is not None:
                 self.on_log(p.step, record)

@@ -42,6 +42,17 @@ def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
     assert loop.checkpointer.all_steps() == [3]  # every_steps = 0: only the final save
 
 
+def test_metrics_are_written_at_the_first_step_then_every_log_every_and_the_last(tmp_path):
+    config = tiny_config(**{"trainer.log_every": 4, "checkpoint.every_steps": 0,
+                            "checkpoint.async_save": False})
+    loop = make_loop(config, tmp_path)
+    history = loop.run_sft()
+    loop.close()
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 4, 6]
+    assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]  # every step is still read
+
+
 def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
     env = cpu_env(2)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
