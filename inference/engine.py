@@ -12,8 +12,8 @@ bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^
 ~1.5x of the attended length is wasted. When a few long sequences would set a long window for
 every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``; the
 cost model is in ``schedule``). ``generate`` admits the longest token budgets first.
-The device programs live in ``programs``; applying read-back outputs to completions in
-``readback``.
+The device programs live in ``programs``, the buckets they are compiled for in ``shapes``,
+applying read-back outputs to completions in ``readback``.
 """
 
 from __future__ import annotations
@@ -40,19 +40,13 @@ from meshrl.inference.requests import (
     Request,
     Round,
     bucket_for,
-    buckets_up_to,
     slot_settings,
     token_budget,
     tokens_left,
     validate_request,
 )
-from meshrl.inference.schedule import (
-    SPLIT_CALL_OVERHEAD,
-    decode_shapes,
-    plan_windows,
-    split_cuts,
-    weights_pass_cost,
-)
+from meshrl.inference.schedule import SPLIT_CALL_OVERHEAD, plan_windows, weights_pass_cost
+from meshrl.inference.shapes import plan_shapes
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
@@ -84,20 +78,12 @@ class Sampler:
         self._copy_cast = wts.make_copy_cast(
             self._shardings, {k: v.dtype for k, v in self._expected.items()})
         S, T = cfg.slots, cfg.max_len
-        self.prompt_buckets = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
-        self.window_buckets = buckets_up_to(T, 32)
-        pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
-        # Prefill cost grows with the padded batch: 1.5x steps keep the padding under 50%.
-        self.insert_buckets = tuple(insert_buckets or sorted(
-            {min(x, S) for b in pow2 for x in (b, b * 3 // 2)}))
-        self.swap_buckets = pow2
+        shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules, insert_buckets)
+        (self.prompt_buckets, self.insert_buckets, self.window_buckets, self.row_buckets,
+         self.swap_buckets, self.split_cuts, self.decode_shapes) = dataclasses.astuple(shapes)
+        self._split = bool(self.split_cuts)  # a full chunk may split (see shapes, schedule)
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
-        self.row_buckets = self._row_buckets()
-        # A full chunk may split into calls over slot ranges with their own windows (schedule).
-        self._split = cfg.decode_split_windows and len(self.row_buckets) > 1
-        self.split_cuts = split_cuts(self.row_buckets, S) if self._split else ()
-        self.decode_shapes = decode_shapes(self.row_buckets, self.split_cuts, S)
         # A call's fixed cost per decode step, in elements read. Measured on a 2-core CPU: an
         # extra 4-step call of a 120k-parameter model costs ~1.1 ms, ~0.3 ms per step, about
         # what reading 1M floats takes there (the split made that model's chunk 6.6 vs 4.4 ms).
@@ -122,16 +108,6 @@ class Sampler:
         self.version = -1
         if params is not None:
             self.update_weights(params, version)
-
-    def _row_buckets(self) -> tuple[int, ...]:
-        S = self.cfg.slots
-        slots_per_shard = KVCache.slots_per_shard(self.model_cfg, S, self.cfg.max_len,
-                                                  self.mesh, self.rules)
-        if slots_per_shard < S:  # packing rows low would move work onto one shard
-            return (S,)
-        if self.cfg.decode_row_buckets:
-            return tuple(sorted(set(self.cfg.decode_row_buckets) | {S}))
-        return (S // 8, S) if S >= 16 else (S,)
 
     # ---- compiled functions --------------------------------------------------------------
 

@@ -1,0 +1,58 @@
+"""The sampler's compiled shapes, fixed when it is built: every bucket a prefill, decode or swap
+call is padded to, so a run compiles a bounded set of programs and never recompiles after them.
+
+Pure planning from the sampler config, the model config and how the mesh shards the KV cache;
+``Sampler`` compiles each variant when a run first reaches it (``warmup`` compiles them all).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from jax.sharding import Mesh
+
+from meshrl.configs.schema import ModelConfig, SamplerConfig
+from meshrl.inference.requests import buckets_up_to
+from meshrl.inference.schedule import decode_shapes, split_cuts
+from meshrl.mesh.rules import Rules
+from meshrl.models import KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerShapes:
+    prompt_buckets: tuple[int, ...]  # padded prompt lengths of a prefill
+    insert_buckets: tuple[int, ...]  # rows of a prefill (requests admitted at once)
+    window_buckets: tuple[int, ...]  # cache entries a decode call attends over
+    row_buckets: tuple[int, ...]  # rows of a packed decode call
+    swap_buckets: tuple[int, ...]  # slot pairs of one swap call
+    split_cuts: tuple[int, ...]  # where a full chunk's ranking may split into window ranges
+    decode_shapes: tuple[tuple[int, int], ...]  # every (lo, rows) of a decode call
+
+
+def decode_row_buckets(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
+                       rules: Rules) -> tuple[int, ...]:
+    """Row counts a decode call packs its live slots into (the lowest slots first)."""
+    S = cfg.slots
+    if KVCache.slots_per_shard(model_cfg, S, cfg.max_len, mesh, rules) < S:
+        return (S,)  # packing rows low would move the work onto one shard
+    if cfg.decode_row_buckets:
+        return tuple(sorted(set(cfg.decode_row_buckets) | {S}))
+    return (S // 8, S) if S >= 16 else (S,)
+
+
+def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: Rules,
+                insert_buckets: Sequence[int] | None = None) -> SamplerShapes:
+    """The buckets of a sampler with ``cfg`` on ``mesh`` (``insert_buckets`` overrides the
+    prefill row buckets)."""
+    S, T = cfg.slots, cfg.max_len
+    pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
+    # Prefill cost grows with the padded batch: 1.5x steps keep the padding under 50%.
+    inserts = tuple(insert_buckets or sorted({min(x, S) for b in pow2 for x in (b, b * 3 // 2)}))
+    rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
+    # A full chunk may split into calls over slot ranges with their own windows (schedule).
+    cuts = split_cuts(rows, S) if cfg.decode_split_windows and len(rows) > 1 else ()
+    return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
+                         insert_buckets=inserts, window_buckets=buckets_up_to(T, 32),
+                         row_buckets=rows, swap_buckets=pow2, split_cuts=cuts,
+                         decode_shapes=decode_shapes(rows, cuts, S))
