@@ -47,6 +47,7 @@ from meshrl.inference.requests import (
 )
 from meshrl.inference.schedule import SPLIT_CALL_OVERHEAD, plan_windows, weights_pass_cost
 from meshrl.inference.shapes import plan_shapes
+from meshrl.inference.slots import SlotTable
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.log import get_logger
@@ -72,11 +73,8 @@ class Sampler:
                                              compute_dtype=cfg.dtype, remat="none")
         abstract = abstract_model(self.model_cfg, mesh=mesh, rules=self.rules)
         self.graphdef, abstract_state = split_model(abstract)
-        self._state_template = abstract_state
-        self._expected = wts.flat_params(abstract_state)
-        self._shardings = wts.flat_params(param_shardings(abstract_state, mesh, self.rules))
-        self._copy_cast = wts.make_copy_cast(
-            self._shardings, {k: v.dtype for k, v in self._expected.items()})
+        self.weights = wts.SamplerWeights(abstract_state,
+                                          param_shardings(abstract_state, mesh, self.rules))
         S, T = cfg.slots, cfg.max_len
         shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules, insert_buckets)
         (self.prompt_buckets, self.insert_buckets, self.window_buckets, self.row_buckets,
@@ -88,7 +86,7 @@ class Sampler:
         # extra 4-step call of a 120k-parameter model costs ~1.1 ms, ~0.3 ms per step, about
         # what reading 1M floats takes there (the split made that model's chunk 6.6 vs 4.4 ms).
         self.split_call_overhead = SPLIT_CALL_OVERHEAD
-        self._weights_size = sum(math.prod(v.shape) for v in self._expected.values())
+        self._weights_size = sum(math.prod(v.shape) for v in self.weights.expected.values())
         self._weights_pass = weights_pass_cost(self._weights_size, mesh.devices.flat[0].platform)
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
@@ -99,8 +97,7 @@ class Sampler:
         self._build_jits()
         # Host-side scheduling mirror: which request sits in which slot, and what it produced.
         self._queue: collections.deque[Request] = collections.deque()
-        self._slot_out: list[Completion | None] = [None] * S
-        self._stale_slots: set[int] = set()
+        self.slots = SlotTable(S)
         self._inflight: Round | None = None  # dispatched, not read back yet
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -137,12 +134,10 @@ class Sampler:
     # ---- weights -------------------------------------------------------------------------
 
     def _install(self, flat: dict[str, jax.Array], version: int) -> None:
-        leaves = [flat[k] for k in self._expected]  # _expected follows the template's order
         with self._lock:
-            self.params = jax.tree.unflatten(jax.tree.structure(self._state_template), leaves)
+            self.params = self.weights.tree(flat)
             self.version = int(version)
-            # Every sequence in flight now has a KV cache from the old weights.
-            self._stale_slots = {s for s, c in enumerate(self._slot_out) if c is not None}
+            self.slots.mark_stale()
 
     def update_weights(self, params: Any, version: int) -> None:
         """In-process handoff: validate, reshard to the sampler, cast, copy; lands between
@@ -152,7 +147,7 @@ class Sampler:
     def prepare_weights(self, params: Any) -> dict[str, jax.Array]:
         """``update_weights``' first half: validated, resharded, cast copies of ``params``
         (waits for whatever computes them); touches no sampler state, so decoding may go on."""
-        return wts.reshard_cast(params, self._expected, self._shardings, self._copy_cast)
+        return self.weights.handoff(params)
 
     def install_weights(self, flat: dict[str, jax.Array], version: int) -> None:
         """``update_weights``' second half: swap in the copies; in-flight slots re-prefill."""
@@ -164,9 +159,7 @@ class Sampler:
         workdir = workdir or self.workdir
         if workdir is None:
             raise ValueError("load_weights needs a workdir (Sampler(workdir=...) or argument)")
-        restored = wts.restore_weights(workdir, version, self._expected, self._shardings)
-        flat = wts.reshard_cast(restored, self._expected, self._shardings, self._copy_cast)
-        self._install(flat, version)
+        self._install(self.weights.restore(workdir, version), version)
         log.debug("sampler weights -> version %d (from %s)", version, workdir)
 
     # ---- scheduling ----------------------------------------------------------------------
@@ -188,8 +181,7 @@ class Sampler:
         validate_request(request, self.cfg, self.prompt_buckets)
 
     def has_work(self) -> bool:
-        return (bool(self._queue) or self._inflight is not None
-                or any(c is not None for c in self._slot_out))
+        return bool(self._queue) or self._inflight is not None or self.slots.busy()
 
     def generate(self, requests: Sequence[Request], *, longest_first: bool = True
                  ) -> list[Completion]:
@@ -226,7 +218,7 @@ class Sampler:
             if self.params is None:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
             finished: list[Completion] = []
-            if self._stale_slots:  # re-prefill needs every token, the in-flight ones included
+            if self.slots.stale:  # re-prefill needs every token, the in-flight ones included
                 finished += self._read(self._take_inflight())
                 self._recompute()
             rnd = Round(self.version, self._admit(self._ending()))
@@ -251,7 +243,7 @@ class Sampler:
         for comps, out in zip(rnd.rows, got_chunk):
             finished += readback.chunk_tokens(comps, rnd.version, *out)
         for c in finished:
-            self._free(c)
+            self.slots.release(c)
         return finished
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
@@ -276,7 +268,7 @@ class Sampler:
         in the round in flight; the prefill runs after it). Returns each prefill's pending
         outputs with the completions it starts, whose first token is a placeholder until
         ``readback.first_tokens``."""
-        free = sorted([s for s, c in enumerate(self._slot_out) if c is None] + list(ending))
+        free = sorted(self.slots.free() + list(ending))
         take = min(len(free), len(self._queue))
         if not take:
             return []
@@ -294,17 +286,9 @@ class Sampler:
                                         bucket, n, True)
                 comps = [Completion(r, [-1], [0.0], [0.0], [self.version]) for r in reqs]
                 for (s, _), c in zip(part, comps):
-                    self._slot_out[s] = c
+                    self.slots.out[s] = c
                 admitted.append((out, comps))
         return admitted
-
-    def _free(self, c: Completion) -> None:
-        """Empty the slot holding ``c``, if a new request has not taken it over already (slot
-        swaps may have moved it since it was dispatched)."""
-        for s, x in enumerate(self._slot_out):
-            if x is c:
-                self._slot_out[s] = None
-                return
 
     def _in_flight_chunk(self, c: Completion) -> bool:
         return self._inflight is not None and id(c) in self._inflight.decoding
@@ -316,19 +300,19 @@ class Sampler:
     def _pos(self, slot: int) -> int:
         """Upper bound on the position of the token slot ``slot`` feeds next: its last known
         token's, plus the tokens a chunk still in flight may add."""
-        c = self._slot_out[slot]
+        c = self.slots.out[slot]
         return len(c.request.prompt_ids) + len(c.tokens) - 1 + self._ahead(c)
 
     def _plannable(self) -> list[int]:
         """Live slots that may still decode after the round in flight (the host knows each
         request's length limits, not whether a stop id comes)."""
-        return [s for s, c in enumerate(self._slot_out)
+        return [s for s, c in enumerate(self.slots.out)
                 if c is not None and tokens_left(c, self.cfg) > self._ahead(c)]
 
     def _ending(self) -> list[int]:
         """Live slots whose sequence certainly ends, by length, in the round in flight: a new
         request may take them over now instead of one round later."""
-        return [s for s, c in enumerate(self._slot_out)
+        return [s for s, c in enumerate(self.slots.out)
                 if c is not None and tokens_left(c, self.cfg) <= self._ahead(c)]
 
     def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -340,20 +324,12 @@ class Sampler:
         for i, (x, y) in enumerate(pairs):
             a_M[i], b_M[i] = x, y
         self.cache, self.state = self._swap(self.cache, self.state, a_M, b_M)
-        for x, y in pairs:
-            self._slot_out[x], self._slot_out[y] = self._slot_out[y], self._slot_out[x]
-            if (x in self._stale_slots) != (y in self._stale_slots):
-                self._stale_slots ^= {x, y}
+        self.slots.swap(pairs)
 
     def _gather(self, keep: Sequence[Completion], lo: int, hi: int) -> None:
-        """Swap the completions ``keep`` into slots [lo, hi), displacing the slots there that
-        hold none of them to the slots they leave (all at or above ``hi``)."""
-        where = {id(c): s for s, c in enumerate(self._slot_out) if c is not None}
-        slots = {where[id(c)] for c in keep}
-        incoming = sorted(s for s in slots if not lo <= s < hi)
-        if incoming:
-            outgoing = [s for s in range(lo, hi) if s not in slots]
-            self._swap_slots(list(zip(incoming, outgoing)))
+        """Swap the completions ``keep`` into slots [lo, hi) (``SlotTable.gathering``)."""
+        if pairs := self.slots.gathering(keep, lo, hi):
+            self._swap_slots(pairs)
 
     def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
         """(lo, rows, window) of each decode call of the next chunk.
@@ -367,14 +343,14 @@ class Sampler:
         pos = {s: self._pos(s) for s in live}
         rows = bucket_for(len(live), self.row_buckets)
         if rows < S:
-            self._gather([self._slot_out[s] for s in live], 0, rows)
+            self._gather([self.slots.out[s] for s in live], 0, rows)
             return [(0, rows, self.window_for(max(pos.values())))]
         if not self._split:
             return [(0, S, self.window_for(max(pos.values())))]
         ranked = sorted(live, key=lambda s: (-pos[s], s))  # ties: keep slots already low
         calls = plan_windows([pos[s] for s in ranked], S, self.split_cuts, self.window_for,
                              self._weights_pass + self.split_call_overhead, self._entry_size)
-        members = [self._slot_out[s] for s in ranked]
+        members = [self.slots.out[s] for s in ranked]
         for lo, n, _ in calls[:-1]:  # the last range holds whoever is left
             self._gather(members[lo:lo + n], lo, lo + n)
         return calls
@@ -386,15 +362,13 @@ class Sampler:
             self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
                                                        window=window, rows=rows, lo=lo)
             rnd.outs.append(out)
-            rnd.rows.append(self._slot_out[lo:lo + rows])
+            rnd.rows.append(self.slots.out[lo:lo + rows])
         rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}
 
     def _recompute(self) -> None:
         """Re-prefill every in-flight slot's prompt + tokens so far (except the last, not yet
         in the cache) under the current weights; the next token then comes from the new version."""
-        live = [(s, c) for s, c in enumerate(self._slot_out)
-                if c is not None and s in self._stale_slots]
-        self._stale_slots = set()
+        live = self.slots.take_stale()
         by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
         for s, c in live:
             prefix = list(c.request.prompt_ids) + c.tokens[:-1]

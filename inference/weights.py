@@ -106,6 +106,32 @@ def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any
     return out
 
 
+class SamplerWeights:
+    """The sampler's param layout: what a handoff or a restore must match (names, shapes,
+    dtypes), the shardings it lands on, and the jitted copy-cast that puts it there."""
+
+    def __init__(self, abstract_state: Any, shardings: Any) -> None:
+        self.template = abstract_state
+        self.expected = flat_params(abstract_state)
+        self.shardings = flat_params(shardings)
+        self.copy_cast = make_copy_cast(self.shardings,
+                                        {k: v.dtype for k, v in self.expected.items()})
+
+    def handoff(self, params: Any) -> dict[str, jax.Array]:
+        """In-process ``params`` (any mesh) as validated, resharded, cast sampler copies."""
+        return reshard_cast(params, self.expected, self.shardings, self.copy_cast)
+
+    def restore(self, workdir: paths.PathLike, version: int) -> dict[str, jax.Array]:
+        """Published version ``version`` as the same copies ``handoff`` gives."""
+        restored = restore_weights(workdir, version, self.expected, self.shardings)
+        return reshard_cast(restored, self.expected, self.shardings, self.copy_cast)
+
+    def tree(self, flat: dict[str, jax.Array]) -> Any:
+        """``flat`` as the sampler's params tree (``expected`` is in the template's order)."""
+        leaves = [flat[k] for k in self.expected]
+        return jax.tree.unflatten(jax.tree.structure(self.template), leaves)
+
+
 def process_local_copy(params: Any) -> Any:
     """``params`` (global arrays, possibly sharded across processes) as arrays on this
     process's first local device holding the whole value: what a sampler on this process's

@@ -43,7 +43,7 @@ def test_update_while_requests_run_tags_both_versions(tiny_params):
         tasks = [asyncio.create_task(engine.agenerate(Request(p, max_new_tokens=40)))
                  for p in PROMPTS[:4]]
         while engine.sampler.version == 0 and not any(t.done() for t in tasks):
-            if any(c is not None and len(c.tokens) >= 3 for c in engine.sampler._slot_out):
+            if any(c is not None and len(c.tokens) >= 3 for c in engine.sampler.slots.out):
                 await asyncio.to_thread(engine.update_weights, new, 1)
             await asyncio.sleep(0.001)
         return await asyncio.gather(*tasks)

@@ -70,7 +70,7 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
         alone = solo.generate([Request(p, max_new_tokens=b)])[0]
         assert out.tokens == alone.tokens
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
-    assert all(c is None for c in sampler._slot_out)
+    assert all(c is None for c in sampler.slots.out)
     assert not np.asarray(sampler.state.active_B).any()  # moved-from slots were retired
 
 
@@ -315,7 +315,7 @@ def test_request_ended_by_its_first_token_finishes_beside_decoding_slots(tiny_pa
 
     assert [o.tokens for o in outs] == [refs[0][:1], refs[1], refs[2][:1]]
     assert [o.finish_reason for o in outs] == ["length", "length", "stop"]
-    assert all(c is None for c in sampler._slot_out)
+    assert all(c is None for c in sampler.slots.out)
 
 
 def test_next_chunk_is_dispatched_before_the_previous_one_is_read(tiny_params):
