@@ -26,13 +26,19 @@ def test_nonfinite_loss_raises_with_step_number_and_saves_nothing_after_it(tmp_p
     assert sorted(loop.checkpointer.all_steps()) == [1, 2]
 
 
-def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
-    config = tiny_config(**{"trainer.steps": 3, "checkpoint.every_steps": 0,
-                            "checkpoint.async_save": False})
+def _sft_rows(tmp_path, **overrides):
+    """Run a tiny SFT loop saving only at the end; its engine, history and metrics rows."""
+    config = tiny_config(**{"checkpoint.every_steps": 0, "checkpoint.async_save": False,
+                            **overrides})
     loop = make_loop(config, tmp_path)
     history = loop.run_sft()
     loop.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    return loop, history, rows
+
+
+def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
+    loop, history, rows = _sft_rows(tmp_path, **{"trainer.steps": 3})
     assert [r["step"] for r in rows] == [1, 2, 3] == [h["step"] for h in history]
     for key in ("loss", "grad_norm", "learning_rate", "tokens_per_s", "step_time_s",
                 "model_flops_per_s", "mfu", "token_accuracy", "skipped"):
@@ -43,12 +49,7 @@ def test_metrics_reach_tensorboard_and_jsonl_with_throughput_and_mfu(tmp_path):
 
 
 def test_metrics_are_written_at_the_first_step_then_every_log_every_and_the_last(tmp_path):
-    config = tiny_config(**{"trainer.log_every": 4, "checkpoint.every_steps": 0,
-                            "checkpoint.async_save": False})
-    loop = make_loop(config, tmp_path)
-    history = loop.run_sft()
-    loop.close()
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    _, history, rows = _sft_rows(tmp_path, **{"trainer.log_every": 4})
     assert [r["step"] for r in rows] == [1, 4, 6]
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]  # every step is still read
 
