@@ -5,8 +5,8 @@ fresh, empty ``runtime.compile_cache_dir`` (cold), then with the directory that 
 (warm). A run is timed from its launch to the console line of RL step 1 (the warm start, the
 eval before RL and the first step are all inside; a run always logs its first step), then
 stopped. The job runs as configured (``trainer.log_every = 10``; logging every step would add
-~1 s of metric writes to the warm start's 500 steps). Pairs are interleaved, so a
-slow stretch of the machine hits both kinds of run.
+~1 s of metric writes to the warm start's 500 steps). Pairs are interleaved, so a slow stretch
+of the machine hits both kinds of run.
 
 ``--resume`` times a restart instead: a run is stopped after RL step 110 (its checkpoint of
 step 100 is written, its cache warm), and two copies of its workdir resume, one with an empty

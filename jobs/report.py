@@ -1,9 +1,9 @@
 """What a job says on the console: the RL step line and the closing summary tables.
 
 Contract: pure functions from host values a job already has (metric records, ``summary.json``
-dicts) to text; nothing here reads the device or writes files. The RL job logs
-``rl_step_line`` at its first step, then every ``trainer.log_every`` steps, and ``summary_table`` once at the end, so a
-run's console is a few dozen lines whatever its length.
+dicts) to text; nothing here reads the device or writes files. The RL job logs ``rl_step_line``
+at its first step, then every ``trainer.log_every`` steps, and ``summary_table`` once at the
+end, so a run's console is a few dozen lines whatever its length.
 """
 
 from __future__ import annotations
