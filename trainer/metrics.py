@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import time
 from typing import Any
 
@@ -54,6 +56,36 @@ def peak_flops_per_device(configured: float, device: jax.Device | None = None) -
     return peak
 
 
+def summary_writer_class() -> type:
+    """tensorboardX's ``SummaryWriter``, imported without loading torch where it can be.
+
+    tensorboardX's writer module imports torch whenever it is installed (Colab ships it), only
+    to accept torch tensors: 1.2-1.7 s and hundreds of MB in a JAX process, on every run's
+    start. meshrl writes Python floats. So unless torch is loaded already, the import first runs
+    with torch marked unimportable (the mark is removed right after; tensorboardX imports torch
+    lazily in the few methods, images and graphs, that need it). A tensorboardX that cannot
+    import without torch is imported again the ordinary way.
+    """
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules \
+            or importlib.util.find_spec("torch") is None:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # import torch -> ImportError
+    try:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    except ImportError:
+        pass
+    finally:
+        if sys.modules.get("torch", ...) is None:
+            del sys.modules["torch"]
+    _log.debug("tensorboardX needs torch to import; importing it with torch")
+    for name in [m for m in sys.modules if m == "tensorboardX" or m.startswith("tensorboardX.")]:
+        del sys.modules[name]  # half-imported under the mark
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+
+
 class MetricsWriter:
     """Scalars to ``<workdir>/tb`` (tensorboardX) and ``<workdir>/metrics.jsonl``, process 0 only.
 
@@ -75,9 +107,7 @@ class MetricsWriter:
         last_kept = -1 if resume_step is None else resume_step
         _drop_rows_after(workdir / "metrics.jsonl", last_kept)
         if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(workdir / "tb"), purge_step=last_kept + 1)
+            self._tb = summary_writer_class()(str(workdir / "tb"), purge_step=last_kept + 1)
         self._jsonl = (workdir / "metrics.jsonl").open("a")  # noqa: SIM115 (closed in close())
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
