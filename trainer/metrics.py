@@ -63,8 +63,9 @@ def summary_writer_class() -> type:
     to accept torch tensors: 1.2-1.7 s and hundreds of MB in a JAX process, on every run's
     start. meshrl writes Python floats. So unless torch is loaded already, the import first runs
     with torch marked unimportable (the mark is removed right after; tensorboardX imports torch
-    lazily in the few methods, images and graphs, that need it). A tensorboardX that cannot
-    import without torch is imported again the ordinary way.
+    lazily in the few methods, images and graphs, that need it). The mark is process-wide while
+    it lasts: call this where no other thread imports torch (the job's set-up). A tensorboardX
+    that cannot import without torch is imported again the ordinary way.
     """
     if "tensorboardX.writer" in sys.modules or "torch" in sys.modules \
             or importlib.util.find_spec("torch") is None:

@@ -29,7 +29,7 @@ print(json.dumps({"torch_loaded_by_writer": loaded, "torch_after": torch.__name_
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch not installed")
 def test_writer_with_torch_installed_does_not_import_it_and_leaves_it_importable(tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], capture_output=True,
-                         text=True, timeout=120, check=True)
+                         text=True, timeout=120, check=True, cwd=tmp_path)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"torch_loaded_by_writer": False, "torch_after": "torch"}
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
@@ -78,6 +78,6 @@ def test_writer_class_of_a_tensorboardx_that_needs_torch_imports_it_with_torch(t
     (tmp_path / "tensorboardX" / "writer.py").write_text("class SummaryWriter:\n    pass\n")
     env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", FAKE_PROBE], capture_output=True, text=True,
-                         timeout=120, check=True, env=env)
+                         timeout=120, check=True, env=env, cwd=tmp_path)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"writer": "tensorboardX.writer", "torch_loaded": True}
