@@ -211,14 +211,15 @@ class RLTrainer:
     def _handoff(self, engine: AsyncEngine, version: int) -> float:
         """Wait for the dispatched step's params, hand them to the sampler as ``version``;
         returns when the params were ready (``perf_counter``)."""
-        jax.block_until_ready(self.state.params)
+        params = self.engine.params
+        jax.block_until_ready(params)
         t_trained = time.perf_counter()
-        engine.update_weights(process_local_copy(self.state.params), version)
+        engine.update_weights(process_local_copy(params), version)
         return t_trained
 
     def precompile(self) -> None:
         """Compile the step for every row bucket now, not in the step that first needs it."""
-        self.step.precompile(self.state)
+        self.engine.precompile()
 
     async def aeval(self, engine: AsyncEngine, version: int) -> dict[str, float]:
         c = self.config

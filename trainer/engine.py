@@ -40,7 +40,7 @@ from meshrl.trainer.step import (
     ForwardFn,
     StepBuilder,
     batch_shardings,
-    jit_train_step,
+    jit_leaf_step,
     make_train_step,
 )
 from meshrl.utils import paths
@@ -123,6 +123,16 @@ def put_batch(host: TrainBatch, shardings: TrainBatch) -> TrainBatch:
                         shardings, host)
 
 
+def _params_slice(state_sh: TrainState) -> tuple[Any, slice]:
+    """The params' treedef and where their leaves sit among the state's leaves (found by
+    marking them, so it never depends on how TrainState orders its fields)."""
+    mark = lambda tree, m: jax.tree.map(lambda _: m, tree)  # noqa: E731
+    marks = jax.tree.leaves(mark(state_sh, 0).replace(params=mark(state_sh.params, 1)))
+    first, n = marks.index(1), marks.count(1)
+    assert marks[first:first + n] == [1] * n, "the params' leaves are not contiguous"
+    return jax.tree.structure(state_sh.params), slice(first, first + n)
+
+
 @dataclasses.dataclass
 class _Pending:
     step: int
@@ -174,8 +184,13 @@ class TrainEngine:
         if make_step is None:
             make_step = functools.partial(make_train_step, microbatches=t.microbatches)
         step_fn = make_step(trainee.forward, loss_fn, self.tx, self.schedule)
-        jitted = jit_train_step(step_fn, self.state_sh, self.batch_sh, mesh)
-        self.step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, Any]] = (
+        # The step runs on the state's leaves; ``state`` is a view built when read.
+        self._treedef = jax.tree.structure(self.state_sh)
+        self._params_def, self._params_at = _params_slice(self.state_sh)
+        self._leaves: list[jax.Array] | None = None
+        self._view: TrainState | None = None
+        jitted = jit_leaf_step(step_fn, self.state_sh, self.batch_sh, mesh)
+        self.step_fn: Callable[[list[jax.Array], TrainBatch], tuple[list[jax.Array], Any]] = (
             jitted if row_buckets is None
             else BucketedStep(jitted, self.batch_sh, t.seq_len, row_buckets))
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
@@ -185,7 +200,6 @@ class TrainEngine:
         # Armed from the first step of the loop (open_progress) to finish(); see utils.watchdog.
         d = config.distributed
         self.watchdog = Watchdog(d.step_timeout_s, d.first_step_timeout_s)
-        self.state: TrainState | None = None
         self.data: DataIterator | None = None
         self.progress: Progress | None = None
         self.on_log: Callable[[int, dict[str, float]], None] | None = None
@@ -212,6 +226,37 @@ class TrainEngine:
             _log.info("resuming at step %d", self.start_step)
         self.trainee.params = None  # the state owns the params now (they get donated)
 
+    @property
+    def state(self) -> TrainState | None:
+        """The train state: after a step, built from the step's output leaves when first read
+        (its params and moments are the arrays the next step donates)."""
+        if self._view is None and self._leaves is not None:
+            self._view = jax.tree.unflatten(self._treedef, self._leaves)
+        return self._view
+
+    @property
+    def params(self) -> Any:
+        """``state.params`` without building the rest of the state (what a weight handoff
+        reads every RL step)."""
+        if self._view is not None or self._leaves is None:
+            return None if self._view is None else self._view.params
+        return jax.tree.unflatten(self._params_def, self._leaves[self._params_at])
+
+    @state.setter
+    def state(self, state: TrainState | None) -> None:
+        leaves, treedef = jax.tree.flatten(state)
+        if state is not None and treedef != self._treedef:
+            raise ValueError(f"a train state of structure {treedef} does not fit this engine's "
+                             f"step, compiled for {self._treedef}")
+        self._leaves, self._view = (None, None) if state is None else (leaves, state)
+
+    def precompile(self) -> None:
+        """Compile a bucketed step for every row count now, not in the step that first needs
+        it (a plain step compiles at its first dispatch)."""
+        assert self._leaves is not None, "precompile() needs start()"
+        if isinstance(self.step_fn, BucketedStep):
+            self.step_fn.precompile(self._leaves)
+
     def open_progress(self, on_log: Callable[[int, dict[str, float]], None] | None = None
                       ) -> None:
         """The progress bar; with ``on_log``, ``on_log(step, record)`` runs at every metric
@@ -236,7 +281,8 @@ class TrainEngine:
             extra: dict[str, jax.Array] = {}
             if prepare is not None:
                 batch, extra = prepare(batch)
-            self.state, metrics = self.step_fn(self.state, batch)
+            self._leaves, metrics = self.step_fn(self._leaves, batch)
+            self._view = None
         self.flush()
         self._pending = _Pending(step, {**metrics, **extra}, dispatched, {})
 
@@ -306,7 +352,7 @@ class TrainEngine:
         path = weights_dir(self.workdir, version)
         if jax.process_index() == 0:
             paths.remove_tree(path)
-        publish_weights(self.state.params, self.workdir, version)
+        publish_weights(self.params, self.workdir, version)
 
     def finish(self) -> None:
         """Wait for pending checkpoint writes; close the progress line; disarm the watchdog."""

@@ -1,4 +1,5 @@
-"""The loop: non-finite raise path, metric sinks, the SFT job end to end."""
+"""The loop: non-finite raise path, metric sinks, the state the engine shows, the SFT job end to
+end."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import pathlib
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
+from meshrl.algorithms.batch import TrainBatch
 from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
 from meshrl.tests.xla import cpu_env
-from meshrl.trainer.engine import NonFiniteLossError
+from meshrl.trainer.engine import NonFiniteLossError, put_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -52,6 +56,34 @@ def test_metrics_are_written_at_the_first_step_then_every_log_every_and_the_last
     _, history, rows = _sft_rows(tmp_path, **{"trainer.log_every": 4})
     assert [r["step"] for r in rows] == [1, 4, 6]
     assert [h["step"] for h in history] == [1, 2, 3, 4, 5, 6]  # every step is still read
+
+
+def test_engine_state_and_params_after_a_step_are_the_trained_ones(tmp_path):
+    config = tiny_config()
+    loop = make_loop(config, tmp_path)
+    before = jax.device_get(loop.state.params)
+    data = RandomIterator(config.trainer.batch_size, config.trainer.seq_len)
+    for step in (1, 2):  # the warm-up's first rate is 0: the second step moves the params
+        loop.dispatch(step, put_batch(TrainBatch.from_mapping(data.batch(step)), loop.batch_sh))
+    params = loop.params  # read first: built from the params' leaves alone
+    state = loop.state
+    assert int(state.step) == 2 and int(state.weight_version) == 2
+    assert loop.state is state  # one view until the next step
+    assert jax.tree.structure(params) == jax.tree.structure(state.params)
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)))
+    moved = [not np.array_equal(np.asarray(a), np.asarray(b))
+             for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params))]
+    assert all(moved)
+    loop.close()
+
+
+def test_engine_refuses_a_state_of_another_structure(tmp_path):
+    loop = make_loop(tiny_config(), tmp_path)
+    state = loop.state
+    with pytest.raises(ValueError, match="does not fit this engine's step"):
+        loop.state = state.replace(opt_state=())
+    assert loop.state is state  # the refused state replaced nothing
+    loop.close()
 
 
 def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):

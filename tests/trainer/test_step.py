@@ -1,5 +1,5 @@
 """The jitted train step: accumulation equals one big batch, sharding does not change the math,
-non-finite steps are skipped on the device."""
+non-finite steps are skipped on the device, the step over the state's leaves is the same step."""
 
 from __future__ import annotations
 
@@ -17,11 +17,18 @@ from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, ti
 from meshrl.trainer.engine import expand_prefix, put_batch
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import TrainState, init_state, state_shardings
-from meshrl.trainer.step import batch_shardings, jit_train_step, make_train_step
+from meshrl.trainer.step import (
+    batch_shardings,
+    jit_leaf_step,
+    jit_train_step,
+    make_train_step,
+)
 
 
 def _train(config: Config, batches: list[dict[str, np.ndarray]],
-           devices: list[jax.Device] | None = None) -> tuple[TrainState, list[dict]]:
+           devices: list[jax.Device] | None = None, leaves: bool = False
+           ) -> tuple[TrainState, list[dict]]:
+    """Train on ``batches`` with ``jit_train_step`` (``leaves``: ``jit_leaf_step``)."""
     mesh = mesh_for(config, devices)
     trainee = make_trainee(config, mesh)
     tx, schedule = make_optimizer(config.optimizer, config.trainer.learning_rate,
@@ -31,9 +38,17 @@ def _train(config: Config, batches: list[dict[str, np.ndarray]],
     state = jax.jit(lambda p: init_state(p, tx, 0), out_shardings=state_sh)(trainee.params)
     B, L = batches[0]["input_ids"].shape
     batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, L)
-    step = jit_train_step(make_train_step(trainee.forward, get_loss("sft"), tx, schedule,
-                                          microbatches=config.trainer.microbatches),
-                          state_sh, batch_sh, mesh)
+    pure = make_train_step(trainee.forward, get_loss("sft"), tx, schedule,
+                           microbatches=config.trainer.microbatches)
+    if leaves:
+        leaf_step = jit_leaf_step(pure, state_sh, batch_sh, mesh)
+        treedef = jax.tree.structure(state_sh)
+
+        def step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
+            out, metrics = leaf_step(jax.tree.leaves(state), batch)
+            return jax.tree.unflatten(treedef, out), metrics
+    else:
+        step = jit_train_step(pure, state_sh, batch_sh, mesh)
     history = []
     for b in batches:
         state, metrics = step(state, put_batch(TrainBatch.from_mapping(b), batch_sh))
@@ -113,3 +128,15 @@ def test_nonfinite_loss_skips_update_and_counts_it():
     assert hist[2]["finite"] and np.isfinite(hist[2]["loss"])
     assert int(final.weight_version) == 2 and int(final.skipped) == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final.params))
+
+
+def test_step_over_state_leaves_equals_the_pytree_step_bitwise():
+    # Same program, only the arguments are passed as a list: the numbers must not move at all.
+    config = tiny_config()  # AdamW, as the jobs train
+    ref_state, ref_hist = _train(config, _two_batches(), [jax.devices()[0]])
+    leaf_state, leaf_hist = _train(config, _two_batches(), [jax.devices()[0]], leaves=True)
+    for r, a in zip(ref_hist, leaf_hist):
+        assert a["loss"] == r["loss"] and a["grad_norm"] == r["grad_norm"]
+    assert jax.tree.structure(leaf_state) == jax.tree.structure(ref_state)
+    for x, y in zip(jax.tree.leaves(leaf_state), jax.tree.leaves(ref_state)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
