@@ -238,8 +238,10 @@ class TrainEngine:
     def params(self) -> Any:
         """``state.params`` without building the rest of the state (what a weight handoff
         reads every RL step)."""
-        if self._view is not None or self._leaves is None:
-            return None if self._view is None else self._view.params
+        if self._view is not None:
+            return self._view.params
+        if self._leaves is None:
+            return None
         return jax.tree.unflatten(self._params_def, self._leaves[self._params_at])
 
     @state.setter
