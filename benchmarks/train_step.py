@@ -76,7 +76,7 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
         decoder_forward,
         expand_prefix,
         init_state,
-        jit_train_step,
+        jit_leaf_step,
         make_optimizer,
         make_train_step,
         put_batch,
@@ -102,13 +102,14 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
     batch_sh = batch_shardings(mesh, rules, BATCH, SEQ)
     # The jobs' forward: the loss computes float32 logits in trainer.logits_chunk-token chunks.
     forward = decoder_forward(graphdef, config.trainer.logits_chunk)
-    step = jit_train_step(make_train_step(forward, get_loss("sft"), tx, schedule), state_sh,
-                          batch_sh, mesh)
+    # The engine's step: over the state's leaves (TrainEngine.dispatch).
+    step = jit_leaf_step(make_train_step(forward, get_loss("sft"), tx, schedule), state_sh,
+                         batch_sh, mesh)
     batch = put_batch(TrainBatch.from_mapping(_batch_np()), batch_sh)
-    holder = {"state": state}
+    holder = {"leaves": jax.tree.leaves(state)}
 
     def one() -> None:
-        holder["state"], metrics = step(holder["state"], batch)
+        holder["leaves"], metrics = step(holder["leaves"], batch)
         jax.block_until_ready(metrics["loss"])
 
     return one, param_count(config.model)

@@ -20,6 +20,7 @@ from meshrl.trainer.state import TrainState, abstract_state, init_state, state_s
 from meshrl.trainer.step import (
     batch_shardings,
     decoder_forward,
+    jit_leaf_step,
     jit_train_step,
     make_train_step,
 )
@@ -28,6 +29,6 @@ __all__ = [
     "CheckpointMismatchError", "Checkpointer", "NonFiniteLossError", "Restored",
     "StaleBatchError", "TrainEngine", "TrainState", "Trainee", "abstract_state",
     "batch_shardings", "check_versions", "decay_mask", "decoder_forward", "expand_prefix",
-    "init_state", "jit_train_step", "make_optimizer", "make_schedule", "make_train_step",
-    "put_batch", "state_shardings", "verify_step_dir",
+    "init_state", "jit_leaf_step", "jit_train_step", "make_optimizer", "make_schedule",
+    "make_train_step", "put_batch", "state_shardings", "verify_step_dir",
 ]
