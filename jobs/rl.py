@@ -168,7 +168,7 @@ class RLTrainer:
                          self.start_step)
             # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
             self.sampler = Sampler(self.model_cfg, config.sampler, self.sampler_mesh,
-                                   process_local_copy(self.state.params),
+                                   process_local_copy(self.engine.params),
                                    version=self.start_step,
                                    workdir=str(self.workdir), rules=rules_for("sample"))
             self.reward_pool = RewardPool.from_config(config.reward)
@@ -337,7 +337,7 @@ class RLTrainer:
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,
             "sampler_devices": int(self.sampler_mesh.devices.size),
             "processes": jax.process_count(),
-            "params_checksum": params_checksum(self.engine.state.params),
+            "params_checksum": params_checksum(self.engine.params),
         }
         if jax.process_index() == 0:
             metrics = read_metrics(self.workdir / "metrics.jsonl")

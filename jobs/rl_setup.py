@@ -67,7 +67,7 @@ def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trai
     try:
         engine.start(data=data)
         engine.run_sft()
-        return engine.state.params
+        return engine.params
     finally:
         engine.close()
 

@@ -140,7 +140,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
 
     def periodic_eval(step: int, engine: TrainEngine) -> None:
         if tcfg.eval_every and step % tcfg.eval_every == 0 and step != tcfg.steps:
-            ev = evaluate(engine.state.params)
+            ev = evaluate(engine.params)
             _log.info("eval at step %d: %s", step, ev)
             engine.metrics.write(step, ev)
 
@@ -150,10 +150,10 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         engine.start(data=data)
         history = engine.run_sft(hooks=[periodic_eval])
         wall = time.perf_counter() - t0
-        ev = evaluate(engine.state.params)
+        ev = evaluate(engine.params)
         if ev:
             engine.metrics.write(tcfg.steps, ev)
-        checksum = params_checksum(engine.state.params)  # every process: a collective
+        checksum = params_checksum(engine.params)  # every process: a collective
     finally:
         engine.close()
     steady = [h["tokens_per_s"] for h in history[1:]] or [h["tokens_per_s"] for h in history]
