@@ -31,6 +31,9 @@ STATE_VERSION = 3
 _ROW_COUNTS = ("examples", "dropped_overlong_prompt", "dropped_overlong_sequence")
 # Epoch permutations kept (rows' cursors can be in different epochs; see _StreamIterator._order).
 _CACHED_EPOCHS = 4
+# Input tokens an SFT iterator keeps tokenized examples for (see SFTIterator._example): at
+# most ~60 MB of Python id lists; every example of a set up to that size is tokenized once.
+SFT_CACHE_TOKENS = 1 << 20
 # Keys that are pipeline plumbing, not reward fields handed to workflows.
 _INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask")
 
@@ -175,7 +178,7 @@ class _StreamIterator:
             cached = self._peeked.get(r)
             if cached is None or cached[0] != pos:  # tokenize each stream position once
                 epoch, i = divmod(pos, self._num_examples)
-                self._peeked[r] = cached = (pos, self._ds[int(self._order(epoch)[i])])
+                self._peeked[r] = cached = (pos, self._example(int(self._order(epoch)[i])))
             ex = cached[1]
             if "_drop" not in ex:
                 return ex
@@ -187,6 +190,10 @@ class _StreamIterator:
                 raise DatasetError(f"data: every example is dropped (last: {ex['origin']}, "
                                    f"stats {self.stats}): raise data.max_prompt_len or "
                                    f"trainer.seq_len")
+
+    def _example(self, index: int) -> dict:
+        """Example ``index`` tokenized (the element of the grain dataset)."""
+        return self._ds[index]
 
     def _order(self, epoch: int) -> np.ndarray:
         """Epoch ``epoch``'s permutation of the example indices, from (seed, epoch) alone.
@@ -281,9 +288,25 @@ class SFTIterator(_StreamIterator):
     """Yields dicts of numpy arrays, each ``[batch_size // process_count, seq_len]``."""
 
     def __init__(self, data: DataConfig, tokenizer: Tokenizer, *, seq_len: int, pack: bool,
-                 **kwargs: Any) -> None:
+                 cache_tokens: int = SFT_CACHE_TOKENS, **kwargs: Any) -> None:
         super().__init__(data, tokenizer, seq_len=seq_len, **kwargs)
         self.seq_len, self.pack, self._pad = seq_len, pack, tokenizer.pad_id
+        self._tokenized: dict[int, dict] = {}
+        self._cache_room = cache_tokens
+
+    def _example(self, index: int) -> dict:
+        """Example ``index`` tokenized, kept while the cache has room: every epoch reads every
+        example again, and a small SFT set is read for many epochs (the default job's warm
+        start: 24), so tokenizing it each time was most of the iterator's time. Batches only
+        read the examples' ids, so sharing one dict between epochs is safe."""
+        ex = self._tokenized.get(index)
+        if ex is None:
+            ex = super()._example(index)
+            size = len(ex.get("_input", ()))
+            if size <= self._cache_room:
+                self._tokenized[index] = ex
+                self._cache_room -= max(size, 1)
+        return ex
 
     def __next__(self) -> dict[str, np.ndarray]:
         B, L = self.local_batch_size, self.seq_len
@@ -318,10 +341,12 @@ class SFTIterator(_StreamIterator):
 
 def make_sft_iterator(data: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seq_len: int,
                       seed: int, process_index: int = 0, process_count: int = 1,
-                      pack: bool = True) -> SFTIterator:
-    """Checkpointable SFT batches for this process (see ``SFTIterator``)."""
+                      pack: bool = True, cache_tokens: int = SFT_CACHE_TOKENS) -> SFTIterator:
+    """Checkpointable SFT batches for this process (see ``SFTIterator``); tokenized examples
+    are kept up to ``cache_tokens`` input tokens (0: tokenize at every read)."""
     return SFTIterator(data, tokenizer, seq_len=seq_len, pack=pack, batch_size=batch_size,
-                       seed=seed, process_index=process_index, process_count=process_count)
+                       seed=seed, process_index=process_index, process_count=process_count,
+                       cache_tokens=cache_tokens)
 
 
 def make_prompt_iterator(data: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,

@@ -14,6 +14,7 @@ from meshrl.datasets import (
     make_prompt_iterator,
     make_sft_iterator,
     merge_row_states,
+    pipeline,
 )
 from meshrl.models.tokenizer import CharTokenizer
 
@@ -258,3 +259,37 @@ def test_an_evicted_epoch_order_is_recomputed_identically():
     assert 0 not in it._orders
     np.testing.assert_array_equal(it._order(0), first)
     np.testing.assert_array_equal(np.sort(first), np.arange(50))
+
+
+def _count_tokenize_calls(monkeypatch) -> list[int]:
+    calls = []
+    tokenize = pipeline._Tokenize.__call__
+
+    def counting(self, ex):
+        calls.append(1)
+        return tokenize(self, ex)
+    monkeypatch.setattr(pipeline._Tokenize, "__call__", counting)
+    return calls
+
+
+def test_sft_iterator_tokenizes_each_example_once_over_many_epochs(monkeypatch):
+    calls = _count_tokenize_calls(monkeypatch)
+    it = _sft()
+    batches = [next(it) for _ in range(40)]  # ~8 epochs of 37 examples
+
+    assert it.stats["epoch"] >= 5
+    assert len(calls) == 37
+    fresh = _sft(cache_tokens=0)  # tokenizes every read: the batches must not change
+    for b in batches:
+        _assert_batches_equal(b, next(fresh))
+
+
+def test_sft_iterator_stops_caching_at_its_token_budget(monkeypatch):
+    calls = _count_tokenize_calls(monkeypatch)
+    it = _sft(cache_tokens=60)  # room for a few examples of ~10-14 tokens
+    for _ in range(20):
+        next(it)
+
+    cached = sum(len(ex["_input"]) for ex in it._tokenized.values())
+    assert 0 < len(it._tokenized) < 37 and cached <= 60
+    assert len(calls) > 37  # the rest are tokenized at every read
