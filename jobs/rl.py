@@ -290,6 +290,9 @@ class RLTrainer:
                 host.update(runner.metrics())
                 host.update(self.reward_pool.metrics())
                 train.annotate(host)
+                # The handoff waited for this step, so reading its metrics now stalls nothing,
+                # and its line and metric row come before the next batch is gathered.
+                train.flush()
                 last, cpu_last = now, cpu_now
                 generated += float(rb.loss_mask_BxL.sum())
                 samples += rb.shape[0]
