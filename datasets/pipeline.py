@@ -302,10 +302,10 @@ class SFTIterator(_StreamIterator):
         ex = self._tokenized.get(index)
         if ex is None:
             ex = super()._example(index)
-            size = len(ex.get("_input", ()))
-            if size <= self._cache_room:
+            cost = max(len(ex.get("_input", ())), 1)  # a dropped example counts one
+            if cost <= self._cache_room:
                 self._tokenized[index] = ex
-                self._cache_room -= max(size, 1)
+                self._cache_room -= cost
         return ex
 
     def __next__(self) -> dict[str, np.ndarray]:

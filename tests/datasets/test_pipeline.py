@@ -282,6 +282,7 @@ def test_sft_iterator_tokenizes_each_example_once_over_many_epochs(monkeypatch):
     fresh = _sft(cache_tokens=0)  # tokenizes every read: the batches must not change
     for b in batches:
         _assert_batches_equal(b, next(fresh))
+    assert not fresh._tokenized
 
 
 def test_sft_iterator_stops_caching_at_its_token_budget(monkeypatch):

@@ -1,6 +1,6 @@
 """An RL step's metrics are recorded as soon as the step is done, not at the next dispatch: the
-loop already waits for the step's params (the weight handoff), so its line, its metric row and
-the first step's start time do not wait for the next rollout batch."""
+loop already waits for the step's params (the weight handoff), so the step's console line and
+metric row do not also wait for the next rollout batch."""
 
 from __future__ import annotations
 
