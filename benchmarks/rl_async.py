@@ -1,5 +1,10 @@
-"""Asynchronous vs synchronous RL throughput: trained samples/s of the RL job with
-``rollout.max_staleness = 2`` vs ``0`` on the same budget (steps, batch, model, data).
+"""Asynchronous vs synchronous RL throughput: trained tokens/s of the RL job with
+``rollout.max_staleness = 2`` vs the same job synchronous (``0``) on the same budget (steps,
+batch, model, data, placement, reward).
+
+Baseline: synchronous RL, the competent default of an RL job (no staleness, nothing dropped),
+running the same code, warm-up (every sampler variant and train step compiled first, the first
+``--warmup`` steps dropped) and measured steps as the asynchronous run.
 
 The workload is built to show what asynchrony buys: completion lengths are long-tailed (a
 Pareto draw per request; the random tiny model never stops early because stop ids are removed)
@@ -8,14 +13,26 @@ for the longest completion and the slowest reward of every batch before the trai
 asynchronous RL keeps generating and scoring the next batches meanwhile. Both runs use the real
 job (``RLTrainer``: sampler, runner, reward pool, train step, weight handoff), with no SFT warm
 start and no evaluation. Steady-state throughput skips the first ``--warmup`` steps and is
-measured over the rest: 90 steps by default, since a sync step lasts as long as its batch's
-longest completion and a few dozen steps sample the Pareto tail too thinly to compare.
+measured over the rest (wall time from the end of step ``--warmup`` to the end of the last
+step): 90 steps by default, since a sync step lasts as long as its batch's longest completion and
+a few dozen steps sample the Pareto tail too thinly to compare.
 
-The two modes run ``--repeats`` times, interleaved (sync, async, sync, async, ...), so a noisy
-stretch of the machine hits both; the headline ``ratio`` is the median of the paired ratios, with
-the spread beside it. ``--reward-latency-ms`` and ``--reward-workers`` set the reward's latency
-(default 2 ms, a cheap local verifier) and the reward pool's size. The sampler (96 slots, decode
-chunks of 4) packs live sequences into 12, 24, 48 or 96 rows (``sampler.decode_row_buckets``).
+Figures, per mode (``sync_*``, ``async_*``): ``trained_tokens_s``, the completion tokens that
+carry loss in the batches the trainer trained on (the loss mask), per second;
+``generated_tokens_s``, every completion token the sampler finished in the measured window,
+groups later dropped as stale included; ``trained_share`` = trained / generated tokens (what
+dropping stale groups costs); ``samples_s``, trained sequences per second (secondary). The two
+modes run ``--repeats`` times, interleaved round by round with the order rotating
+(``benchmarks/figures.py``), so a noisy stretch of the machine hits both. The headline ``ratio``
+is async / sync trained tokens/s, paired within each round, median with ``ratio_spread``
+(target: ``ratio >= 1.4``); ``samples_ratio`` is the same on samples/s. Earlier versions
+headlined the samples/s ratio. It favoured async: a long completion finishes late, so the groups
+async drops as stale are mostly long ones, and the batches it trains on are biased towards short
+completions, which count as many samples but fewer tokens than sync's.
+
+``--reward-latency-ms`` and ``--reward-workers`` set the reward's latency (default 2 ms, a
+cheap local verifier) and the reward pool's size. The sampler (96 slots, decode chunks of 4)
+packs live sequences into 12, 24, 48 or 96 rows (``sampler.decode_row_buckets``).
 
 Placement (``--placement``): ``split`` (default) gives the sampler one device and the trainer
 the rest (``rl.placement = "split"``), the disaggregated set-up asynchronous RL is built for
@@ -25,17 +42,20 @@ host the script asks XLA for 2 host devices, so the two sides run as two concurr
 device, and async gains mostly the time sync leaves it idle (reward latency, host work). Both
 modes of one run always share the placement.
 
-  python benchmarks/rl_async.py                          # ~14 minutes on 2 CPU cores
+  python benchmarks/rl_async.py                          # 3 rounds of 100 steps per mode
   python benchmarks/rl_async.py --placement colocated
-  python benchmarks/rl_async.py --quick                  # one pair, 30 steps
+  python benchmarks/rl_async.py --quick                  # smoke check: one round, 30 steps
 
-Last line: {"benchmark": "rl_async", "async_samples_s", "sync_samples_s", "ratio", "ratio_min",
-"ratio_max", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", ...} (medians over the
-repeats). ``*_cpu_cores`` is the job's process CPU time over its wall time in the measured steps
-(reward worker processes not included); ``ratio_cpu_bound = cores / sync_cpu_cores`` is the
-ratio an async run would reach doing sync's work with every core busy. On a small CPU host it
-estimates the ceiling; it is not a hard one (a run slowed by the host without using more CPU,
-or an async run doing less work than sync, can pass it).
+Last line: {"benchmark": "rl_async", "ratio", "ratio_spread", "async_trained_tokens_s",
+"sync_trained_tokens_s", "async_generated_tokens_s", "sync_generated_tokens_s",
+"async_trained_share", "sync_trained_share", "samples_ratio", "async_samples_s",
+"sync_samples_s", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", "target",
+"target_met", "valid"} (per-mode figures are medians over the rounds, each with its
+``_spread``). ``*_cpu_cores`` is the job's process CPU time over its step time in the measured
+steps (reward worker processes not included); ``ratio_cpu_bound = cores / sync_cpu_cores`` is
+the ratio an async run would reach doing sync's work with every core busy. On a small CPU host
+it estimates the ceiling; it is not a hard one (a run slowed by the host without using more
+CPU, or an async run doing less work than sync, can pass it).
 """
 
 from __future__ import annotations
@@ -43,19 +63,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from statistics import median
 from typing import Any
 
 import numpy as np
 
+from meshrl.benchmarks import figures
+
 # Read in the reward workers: main() sets it before the pool's processes start.
 LATENCY_ENV = "MESHRL_BENCH_REWARD_LATENCY_S"
 LENGTH_CAP = 48
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+TARGET = 1.4  # median async / sync trained tokens/s
 
 
 def latency_reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
@@ -65,10 +88,11 @@ def latency_reward(prompts: list[str], completions: list[str], **_: Any) -> list
 
 
 class LongTailEngine:
-    """Wraps the engine: each request's length is a Pareto draw (seeded by the request)."""
+    """Wraps the engine: each request's length is a Pareto draw (seeded by the request); appends
+    (end time, completion tokens) of every finished request to ``finished``."""
 
-    def __init__(self, engine: Any, seed: int = 0) -> None:
-        self.engine, self.seed = engine, seed
+    def __init__(self, engine: Any, finished: list[tuple[float, int]], seed: int = 0) -> None:
+        self.engine, self.finished, self.seed = engine, finished, seed
 
     @property
     def version(self) -> int:
@@ -79,8 +103,10 @@ class LongTailEngine:
         n = int(min(LENGTH_CAP, 2 + 2 * rng.pareto(1.0)))
         if request.max_new_tokens is not None:
             n = min(n, request.max_new_tokens)
-        return await self.engine.agenerate(
+        out = await self.engine.agenerate(
             dataclasses.replace(request, max_new_tokens=max(n, 1), stop_ids=()))
+        self.finished.append((time.perf_counter(), len(out.tokens)))
+        return out
 
 
 def make_config(max_staleness: int, steps: int, reward_workers: int = 2,
@@ -135,49 +161,105 @@ def without_side_outputs(cfg: Any) -> Any:
     return cfg
 
 
+def on_each_step(trainer: Any, fn: Callable[[dict[str, float]], None]) -> None:
+    """Calls ``fn(record)`` each time ``trainer``'s train engine records a step's metrics row.
+
+    The RL loop records a step after the step's timed window closes (``perf/step_time_s`` ends
+    at the weight handoff; what follows until the next step is not step time) and before it asks
+    the runner for the next batch, so ``fn``'s own time is no step's time."""
+    engine = trainer.engine
+    flush = engine.flush
+
+    def flush_then_call() -> None:
+        # A flush records at most one step (the history's length is capped: compare records).
+        newest = engine.history[-1] if engine.history else None
+        flush()
+        if engine.history and engine.history[-1] is not newest:
+            fn(engine.history[-1])
+    engine.flush = flush_then_call
+
+
 def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
              placement: str = "colocated") -> dict[str, float]:
-    """One RL run; steady-state figures over the steps after ``warmup``: samples/s, the max
-    staleness seen, mean ms per step waiting for the batch and on the trainer's path (batch
-    build, train step, weight handoff), and the CPU cores the process kept busy."""
+    """One RL run; steady-state figures over the steps after ``warmup``: trained and generated
+    tokens/s, samples/s, the measured wall time, the max staleness seen, mean ms per step
+    waiting for the batch and on the trainer's path (batch build, train step, weight handoff),
+    and the CPU cores the process kept busy."""
     from meshrl.jobs import rl as rl_loop
 
     config = make_config(max_staleness, steps, reward_workers, placement)
+    finished: list[tuple[float, int]] = []  # (end time, tokens) of every completion
+    trained: dict[int, int] = {}  # step -> loss tokens of its batch
+    step_ends: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as workdir:
         trainer = rl_loop.RLTrainer(config, workdir)
         try:
+            build = trainer.train_batch
+
+            def count(rb: Any, version: int) -> Any:
+                trained[version + 1] = int(rb.loss_mask_BxL.sum())
+                return build(rb, version)
+            trainer.train_batch = count
+            on_each_step(trainer, lambda record: step_ends.__setitem__(
+                int(record["step"]), time.perf_counter()))
             # Compile every sampler variant first (re-prefill after a mid-generation weight
             # update included) and the train step of every row count, so neither mode pays
             # compiles inside the measured steps.
             trainer.sampler.warmup(recompute=True)
             trainer.precompile()  # the train step of every packed row count
-            summary = asyncio.run(trainer.arun(rollout_engine=LongTailEngine))
+            summary = asyncio.run(trainer.arun(
+                rollout_engine=lambda engine: LongTailEngine(engine, finished)))
         finally:
             trainer.close()
     hist = trainer.history[warmup:]
     total = {k: sum(h[f"perf/{k}"] for h in hist)
              for k in ("step_time_s", "rollout_wait_s", "process_cpu_s")}
     n = len(hist)
-    return {"samples_s": rl_loop.rl_batch_size(config) * n / total["step_time_s"],
+    t0, t1 = step_ends[warmup], step_ends[steps]
+    wall = t1 - t0
+    trained_tokens = sum(trained[s] for s in range(warmup + 1, steps + 1))
+    generated = sum(k for t, k in finished if t0 < t <= t1)
+    return {"trained_tokens_s": trained_tokens / wall, "generated_tokens_s": generated / wall,
+            "trained_share": trained_tokens / max(generated, 1),
+            "samples_s": rl_loop.rl_batch_size(config) * n / wall, "wall_s": wall,
             "staleness_seen": int(summary["max_staleness_seen"]),
             "wait_ms": 1e3 * total["rollout_wait_s"] / n,
             "train_ms": 1e3 * (total["step_time_s"] - total["rollout_wait_s"]) / n,
             "cpu_cores": total["process_cpu_s"] / total["step_time_s"]}
 
 
+def summarize(runs: dict[int, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per-mode medians with spreads over the rounds, and the ratios paired round by round."""
+    out: dict[str, Any] = {
+        **figures.spread("ratio", figures.paired_ratios(
+            [a["trained_tokens_s"] for a in runs[2]], [s["trained_tokens_s"] for s in runs[0]]),
+            3),
+        **figures.spread("samples_ratio", figures.paired_ratios(
+            [a["samples_s"] for a in runs[2]], [s["samples_s"] for s in runs[0]]), 3)}
+    for mode, ms in (("async", 2), ("sync", 0)):
+        for key, digits in (("trained_tokens_s", 1), ("generated_tokens_s", 1),
+                            ("trained_share", 3), ("samples_s", 2), ("wait_ms", 1),
+                            ("train_ms", 1), ("cpu_cores", 2)):
+            out.update(figures.spread(f"{mode}_{key}", [r[key] for r in runs[ms]], digits))
+    return out
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=figures.MIN_ROUNDS)
     parser.add_argument("--reward-latency-ms", type=float, default=2.0)
     parser.add_argument("--reward-workers", type=int, default=2)
     parser.add_argument("--placement", choices=("split", "colocated"), default="split")
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke check: one round of 30 steps (not a headline figure)")
     args = parser.parse_args()
     steps, repeats = (30, 1) if args.quick else (args.steps, args.repeats)
-    if not 0 <= args.warmup < steps:
-        parser.error(f"--warmup {args.warmup}: must be in [0, steps) with {steps} steps")
+    if not 1 <= args.warmup < steps:
+        parser.error(f"--warmup {args.warmup}: must be in [1, steps) with {steps} steps")
+    if not args.quick and repeats < figures.MIN_ROUNDS:
+        parser.error(f"--repeats {repeats}: a headline needs >= {figures.MIN_ROUNDS} rounds")
     os.environ[LATENCY_ENV] = str(args.reward_latency_ms / 1000.0)
     # Before JAX starts: on a CPU host, one device each for the sampler and the trainer (the
     # model's mesh is one device; colocated, it must be the only one).
@@ -197,38 +279,33 @@ def main() -> None:
 
     log.setup("WARNING")
     runs: dict[int, list[dict[str, float]]] = {0: [], 2: []}
-    for r in range(repeats):
-        for ms in (0, 2):
+
+    def side(ms: int) -> Callable[[], float]:
+        def one() -> float:
             out = run_mode(ms, steps, args.warmup, args.reward_workers, args.placement)
             runs[ms].append(out)
-            print(f"repeat {r}: max_staleness={ms}: {out['samples_s']:.1f} samples/s, max "
-                  f"staleness seen {out['staleness_seen']}; per step {out['wait_ms']:.1f} ms "
-                  f"waiting for the batch, {out['train_ms']:.1f} ms on the trainer's path; "
+            print(f"round {len(runs[ms]) - 1}: max_staleness={ms}: "
+                  f"{out['trained_tokens_s']:.0f} trained / {out['generated_tokens_s']:.0f} "
+                  f"generated tokens/s, {out['samples_s']:.1f} samples/s, max staleness seen "
+                  f"{out['staleness_seen']}; per step {out['wait_ms']:.1f} ms waiting for the "
+                  f"batch, {out['train_ms']:.1f} ms on the trainer's path; "
                   f"{out['cpu_cores']:.2f} CPU cores busy", flush=True)
-    ratios = [a["samples_s"] / s["samples_s"] for a, s in zip(runs[2], runs[0])]
+            return out["wall_s"]
+        return one
+    # Each run drops its own warm-up steps, so no untimed round is needed.
+    figures.interleave({"sync": side(0), "async": side(2)}, repeats, warmup=0, verbose=False)
+    result = summarize(runs)
     cores = len(os.sched_getaffinity(0))
-
-    def med(ms: int, key: str, digits: int = 1) -> float:
-        return round(median(x[key] for x in runs[ms]), digits)
-
-    print(json.dumps({"benchmark": "rl_async", "async_samples_s": med(2, "samples_s", 2),
-                      "sync_samples_s": med(0, "samples_s", 2),
-                      "ratio": round(median(ratios), 3), "ratio_min": round(min(ratios), 3),
-                      "ratio_max": round(max(ratios), 3),
-                      # Where a step's time goes (medians): async is trainer-bound when its
-                      # wait is ~0, and can then gain at most what sync spends waiting.
-                      "sync_wait_ms": med(0, "wait_ms"), "sync_train_ms": med(0, "train_ms"),
-                      "async_wait_ms": med(2, "wait_ms"), "async_train_ms": med(2, "train_ms"),
-                      # Async overlaps the work sync does one phase at a time; on a CPU host,
-                      # doing the same work, it gains about the cores sync leaves idle:
-                      # ratio_cpu_bound = cores / sync_cpu_cores (same work, every core busy).
-                      "sync_cpu_cores": med(0, "cpu_cores", 2),
-                      "async_cpu_cores": med(2, "cpu_cores", 2), "cores": cores,
-                      "ratio_cpu_bound": round(cores / med(0, "cpu_cores", 3), 3),
-                      "placement": args.placement, "repeats": repeats, "steps": steps,
-                      "warmup_steps": args.warmup,
-                      "reward_latency_ms": args.reward_latency_ms,
-                      "reward_workers": args.reward_workers}))
+    sync_cores = median(r["cpu_cores"] for r in runs[0])
+    figures.emit({"benchmark": "rl_async", **result, "target": TARGET,
+                  "target_met": result["ratio"] >= TARGET, "cores": cores,
+                  # Async overlaps the work sync does one phase at a time; on a CPU host,
+                  # doing the same work, it gains about the cores sync leaves idle.
+                  "ratio_cpu_bound": round(cores / sync_cores, 3),
+                  "max_staleness_seen": max(r["staleness_seen"] for r in runs[2]),
+                  "placement": args.placement, "repeats": repeats, "steps": steps,
+                  "warmup_steps": args.warmup, "reward_latency_ms": args.reward_latency_ms,
+                  "reward_workers": args.reward_workers})
 
 
 if __name__ == "__main__":

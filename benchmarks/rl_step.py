@@ -1,26 +1,48 @@
-"""One GRPO step at the speed of its parts: the RL job's per-phase times beside each phase's floor.
+"""One GRPO step at the speed of its parts: the RL job's per-phase times beside each phase's floor,
+measured step by step in the same run.
 
 Shape: a Llama-shaped model (4 layers, hidden 256, SwiGLU MLP 688, 4 heads, 2 KV heads, vocab
 1,024, untied embeddings, float32), 8 prompts x 4 samples per step, every completion exactly 64
 tokens (``Request.min_new_tokens``), one optimizer update per batch, random init (no warm start,
-no eval), colocated on one CPU device. The real job runs (``RLTrainer``: runner, sampler, reward
+no eval), colocated on one device. The real job runs (``RLTrainer``: runner, sampler, reward
 pool, train step, handoff), synchronous (``max_staleness = 0``) and with ``max_staleness = 1``.
 
-Per synchronous step after ``--warmup`` steps (medians): ``generate`` (first request submitted
-to last completion), ``reward`` (last completion to last reward), ``batch_build``, ``train``
-(dispatch to params ready), ``handoff`` (the sampler's copy) and ``other`` (the rest: queueing,
-metrics, the event loop). Floors, measured in the same run after the RL runs: the sampler alone
-generating the last step's 32 requests (``Sampler.generate``), a minimal jitted train step (plain
-JAX and optax, the same model math and loss on the last step's batch, params donated) and a raw
-device copy of the params. ``floor_s`` is their sum.
+Baseline: what the step would cost done by hand, per phase, on the step's own work:
+``generate_floor`` is a second ``Sampler`` (same settings and model) alone running the step's 32
+requests (``Sampler.generate``), ``train_floor`` a minimal jitted GRPO step in plain JAX and optax
+(``benchmarks/minimal_rl.py``: the same model math and loss, on the step's batch packed as the job
+packed it, params donated) and ``handoff_floor`` one jitted raw device copy of every param leaf.
+``floor`` is their sum.
 
-  python benchmarks/rl_step.py            # ~3 minutes on 2 CPU cores
-  python benchmarks/rl_step.py --steps 12 --warmup 4
+Interleaving: after every synchronous step, between steps (outside the step's timed window, the
+sampler idle: with ``max_staleness = 0`` the runner admits the next batch only when the loop asks
+for it), each floor runs once on that step's work. Both sides compile first (the job's train step
+for every row bucket and its sampler's variants; the floor sampler's variants; the floor train
+step and copy on an untimed first call), and the first ``--warmup`` steps are dropped from both.
 
-Last line: {"benchmark": "rl_step", "sync_step_s", "async_step_s", "floor_s", "overhead_ratio"
-(sync_step_s / floor_s), "train_s", "train_floor_s", "train_ratio", "generate_s",
-"generate_floor_s", "handoff_s", "handoff_floor_s", ...}. Targets: overhead_ratio <= 1.25,
-train_ratio <= 1.15 (issue 22).
+Figures (medians over the measured steps, each with ``<name>_spread: [min, max]``):
+``sync_step_s`` (a synchronous step) with its phases ``generate_s`` (first request submitted to
+last completion), ``reward_s`` (last completion to last reward), ``batch_build_s``, ``train_s``
+(dispatch to params ready), ``handoff_s`` (the sampler's copy) and ``other_s`` (the rest:
+queueing, metrics, the event loop); the floors ``generate_floor_s``, ``train_floor_s``,
+``handoff_floor_s``, ``floor_s``; ``overhead_ratio`` (per step ``sync_step_s / floor_s``, then
+the median) and ``train_ratio`` (per step ``train_s / train_floor_s``). ``async_step_s``, the
+step of a second run with ``max_staleness = 1`` (generation overlaps the trainer's path), is
+secondary: a separate run, not interleaved with the synchronous one.
+
+Targets: ``overhead_ratio <= 1.25`` and ``train_ratio <= 1.15``; ``targets_met`` is true only
+when both hold and the run is valid. A real phase (or step) faster than its floor by more than
+5% is a broken measurement: ``"valid": false`` and exit status 1. Earlier versions measured each
+floor once after the RL runs, not interleaved with the steps, and counted a real step faster than
+its floor (ratios below 1) as meeting the targets.
+
+  python benchmarks/rl_step.py
+  python benchmarks/rl_step.py --steps 6 --warmup 2      # smoke check
+
+Last line: {"benchmark": "rl_step", "sync_step_s", "sync_step_s_spread", "floor_s",
+"overhead_ratio", "overhead_ratio_spread", "train_s", "train_floor_s", "train_ratio",
+"train_ratio_spread", "generate_s", "generate_floor_s", "handoff_s", "handoff_floor_s", ...,
+"async_step_s", "targets_met", "valid"}.
 """
 
 from __future__ import annotations
@@ -28,19 +50,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
-import json
 import os
-import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
+
+from meshrl.benchmarks import figures
 
 NEW_TOKENS, PROMPT_BUCKET = 64, 16
 SHAPE = dict(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4,
              num_heads=4, num_kv_heads=2, tie_embeddings=False)
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+TARGETS = {"overhead_ratio": 1.25, "train_ratio": 1.15}
+PHASES = ("generate", "reward", "batch_build", "train", "handoff", "other")
+FLOORS = ("generate_floor", "train_floor", "handoff_floor")
+# (sampler version at submission, start, end, request) of every request the job generated.
+Call = tuple[int, float, float, Any]
 
 
 def make_config(max_staleness: int, steps: int) -> Any:
@@ -71,12 +96,11 @@ def make_config(max_staleness: int, steps: int) -> Any:
 
 
 class ExactLengthEngine:
-    """Wraps the engine: every request generates exactly ``NEW_TOKENS`` tokens; records each
-    request's (sampler version at submission, start, end) and the request itself."""
+    """Wraps the engine: every request generates exactly ``NEW_TOKENS`` tokens; appends each
+    request's ``Call`` to ``calls``."""
 
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.calls: list[tuple[int, float, float, Any]] = []
+    def __init__(self, engine: Any, calls: list[Call]) -> None:
+        self.engine, self.calls = engine, calls
 
     @property
     def version(self) -> int:
@@ -109,51 +133,133 @@ class TimedRewards:
         self.pool.close()
 
 
-def run_mode(max_staleness: int, steps: int, warmup: int,
-             floors: Callable[[Any, Any, ExactLengthEngine], dict[str, float]] | None = None
-             ) -> dict[str, float]:
-    """One RL run: the median step time over the steps after ``warmup``; synchronous runs add
-    the median phases, and ``floors(trainer, last_batch, engine)`` runs before the trainer
-    closes."""
+class StepFloors:
+    """The floors, one repetition each on a step's own work, run after the step is recorded."""
+
+    def __init__(self, trainer: Any, calls: list[Call], rollouts: dict[int, Any]) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        from meshrl.benchmarks import minimal_rl
+        from meshrl.inference.engine import Sampler
+        from meshrl.mesh import rules_for
+
+        self.trainer, self.calls, self.rollouts = trainer, calls, rollouts
+        # Same settings and weights as the job's sampler, compiled up front as that one is.
+        self.sampler = Sampler(trainer.model_cfg, trainer.config.sampler, trainer.sampler_mesh,
+                               trainer.state.params, version=0, rules=rules_for("sample"))
+        self.sampler.warmup()
+        self.train_step, self.params, self.opt = minimal_rl.build(trainer.config,
+                                                                  jax.random.key(0))
+        self.copy = jax.jit(lambda xs: [jnp.array(x, copy=True) for x in xs])
+        self.compiled: set[Any] = set()
+        self.rows: dict[int, dict[str, float]] = {}
+        self.spans: list[tuple[float, float]] = []
+
+    def __call__(self, record: dict[str, float]) -> None:
+        step = int(record["step"])
+        version = step - 1
+        if max(self.rollouts) != version:  # the job already built a later step's batch
+            raise RuntimeError(f"floors of step {step} would run inside a later step")
+        t0 = time.perf_counter()
+        self.rows[step] = {"generate_floor": self._generate(version),
+                           "train_floor": self._train(self.rollouts.pop(version)),
+                           "handoff_floor": self._handoff()}
+        self.spans.append((t0, time.perf_counter()))
+
+    def _generate(self, version: int) -> float:
+        requests = [r for v, _, _, r in self.calls if v == version]
+        t = time.perf_counter()
+        self.sampler.generate(requests)
+        return time.perf_counter() - t
+
+    def _train(self, rollout: Any) -> float:
+        import jax
+        import jax.numpy as jnp
+        import numpy as np
+
+        from meshrl.benchmarks.minimal_rl import BATCH_FIELDS
+
+        buckets = self.trainer.step.buckets if self.trainer.config.rl.pack_sequences else None
+        host = rollout.to_train_batch(buckets)
+        batch = jax.block_until_ready(
+            {k: jnp.asarray(np.asarray(getattr(host, k))) for k in BATCH_FIELDS})
+        shape = batch["input_ids"].shape
+        if shape not in self.compiled:  # the job's step is compiled for every bucket up front
+            self._train_once(batch)
+            self.compiled.add(shape)
+        t = time.perf_counter()
+        self._train_once(batch)
+        return time.perf_counter() - t
+
+    def _train_once(self, batch: dict[str, Any]) -> None:
+        self.params, self.opt, loss = self.train_step(self.params, self.opt, batch)
+        loss.block_until_ready()
+
+    def _handoff(self) -> float:
+        import jax
+
+        leaves = jax.tree.leaves(self.trainer.state.params)
+        if "copy" not in self.compiled:
+            jax.block_until_ready(self.copy(leaves))
+            self.compiled.add("copy")
+        t = time.perf_counter()
+        jax.block_until_ready(self.copy(leaves))
+        return time.perf_counter() - t
+
+    def check_no_overlap(self) -> None:
+        """Raises if any floor ran while the job was generating (they would slow each other)."""
+        for t0, t1 in self.spans:
+            if any(c0 < t1 and t0 < c1 for _, c0, c1, _ in self.calls):
+                raise RuntimeError("a floor overlapped the job's generation: the sampler was "
+                                   "not idle between steps")
+
+
+def run_mode(max_staleness: int, steps: int, with_floors: bool
+             ) -> tuple[dict[int, dict[str, float]], dict[int, dict[str, float]]]:
+    """One RL run: per step, the step time (and for a synchronous run its phases), and the
+    floors of each step when ``with_floors``."""
+    from meshrl.benchmarks.rl_async import on_each_step
     from meshrl.jobs import rl as rl_loop
 
     config = make_config(max_staleness, steps)
-    holder: dict[str, Any] = {}
+    calls: list[Call] = []
+    rollouts: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as workdir:
         trainer = rl_loop.RLTrainer(config, workdir)
         try:
             trainer.reward_pool = rewards = TimedRewards(trainer.reward_pool)
             build = trainer.train_batch
 
-            def keep_last(rb: Any, version: int) -> Any:
-                holder["rollout"] = rb
+            def keep(rb: Any, version: int) -> Any:
+                rollouts[version] = rb
                 return build(rb, version)
-            trainer.train_batch = keep_last
+            trainer.train_batch = keep
             trainer.precompile()
-
-            def wrap(engine: Any) -> ExactLengthEngine:
-                holder["engine"] = ExactLengthEngine(engine)
-                return holder["engine"]
-            asyncio.run(trainer.arun(rollout_engine=wrap))
-            out = {"step_s": statistics.median(
-                h["perf/step_time_s"] for h in trainer.history[warmup:])}
-            if max_staleness == 0:
-                out.update(phases(trainer.history, holder["engine"].calls, rewards.ends,
-                                  warmup))
+            # Weight updates land mid-generation only when batches overlap.
+            trainer.sampler.warmup(recompute=max_staleness > 0)
+            floors = StepFloors(trainer, calls, rollouts) if with_floors else None
             if floors is not None:
-                out.update(floors(trainer, holder["rollout"], holder["engine"]))
+                on_each_step(trainer, floors)
+            asyncio.run(trainer.arun(
+                rollout_engine=lambda engine: ExactLengthEngine(engine, calls)))
+            if floors is not None:
+                floors.check_no_overlap()
+            rows = {int(h["step"]): {"step": h["perf/step_time_s"]} for h in trainer.history}
+            if max_staleness == 0:
+                for step, got in phases(trainer.history, calls, rewards.ends).items():
+                    rows[step].update(got)
         finally:
             trainer.close()
-    return out
+    return rows, floors.rows if floors is not None else {}
 
 
-def phases(history: list[dict[str, float]], calls: list[tuple[int, float, float, Any]],
-           reward_ends: list[float], warmup: int) -> dict[str, float]:
-    """Median per-phase seconds of synchronous steps (step k generates at version k - 1)."""
+def phases(history: list[dict[str, float]], calls: list[Call], reward_ends: list[float]
+           ) -> dict[int, dict[str, float]]:
+    """Per-phase seconds of each synchronous step (step k generates at version k - 1)."""
     starts = {v: min(t0 for w, t0, _, _ in calls if w == v) for v, *_ in calls}
-    rows: dict[str, list[float]] = {k: [] for k in ("generate", "reward", "batch_build",
-                                                    "train", "handoff", "other")}
-    for h in history[warmup:]:
+    out: dict[int, dict[str, float]] = {}
+    for h in history:
         v = int(h["step"]) - 1
         gen = [(t0, t1) for w, t0, t1, _ in calls if w == v]
         gen_end = max(t1 for _, t1 in gen)
@@ -164,105 +270,62 @@ def phases(history: list[dict[str, float]], calls: list[tuple[int, float, float,
                "batch_build": h["perf/batch_build_s"], "train": h["perf/train_step_s"],
                "handoff": h["perf/handoff_s"]}
         got["other"] = h["perf/step_time_s"] - sum(got.values())
-        for k, x in got.items():
-            rows[k].append(x)
-    return {f"{k}_s": statistics.median(x) for k, x in rows.items()}
+        out[v + 1] = got
+    return out
 
 
-# ---- floors ----------------------------------------------------------------------------------
+def summarize(rows: dict[int, dict[str, float]], floor_rows: dict[int, dict[str, float]],
+              measured: list[int]) -> tuple[dict[str, Any], figures.Floors]:
+    """Medians and spreads over the ``measured`` steps, ratios paired step by step, and the
+    real-vs-floor checks."""
+    def col(src: dict[int, dict[str, float]], key: str) -> list[float]:
+        return [src[s][key] for s in measured]
 
-
-def _median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # compile / warm
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
-
-
-def generate_floor(trainer: Any, engine: ExactLengthEngine, repeats: int) -> float:
-    """The sampler alone (a fresh one, same settings and weights) on the last step's requests."""
-    from meshrl.inference.engine import Sampler
-    from meshrl.mesh import rules_for
-
-    last = max(v for v, *_ in engine.calls)
-    requests = [r for v, _, _, r in engine.calls if v == last]
-    sampler = Sampler(trainer.model_cfg, trainer.config.sampler, trainer.sampler_mesh,
-                      trainer.state.params, version=0, rules=rules_for("sample"))
-    return _median_time(lambda: sampler.generate(requests), repeats)
-
-
-def handoff_floor(params: Any, repeats: int) -> float:
-    """A raw device copy of every param leaf (one jitted call)."""
-    import jax
-    import jax.numpy as jnp
-
-    leaves = jax.tree.leaves(params)
-    copy = jax.jit(lambda xs: [jnp.array(x, copy=True) for x in xs])
-    return _median_time(lambda: jax.block_until_ready(copy(leaves)), repeats)
-
-
-def train_floor(trainer: Any, rollout: Any, repeats: int) -> float:
-    """A minimal jitted GRPO step (plain JAX + optax) on the last step's batch, packed as the
-    job packed it."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from meshrl.benchmarks import minimal_rl
-
-    config = trainer.config
-    host = rollout.to_train_batch(trainer.step.buckets if config.rl.pack_sequences else None)
-    batch = {k: jnp.asarray(np.asarray(getattr(host, k))) for k in minimal_rl.BATCH_FIELDS}
-    step, params, opt = minimal_rl.build(config, jax.random.key(0))
-    holder = {"p": params, "o": opt}
-
-    def one() -> None:
-        holder["p"], holder["o"], loss = step(holder["p"], holder["o"], batch)
-        loss.block_until_ready()
-    return _median_time(one, repeats)
-
-
-def all_floors(repeats: int) -> Callable[[Any, Any, ExactLengthEngine], dict[str, float]]:
-    def floors(trainer: Any, rollout: Any, engine: ExactLengthEngine) -> dict[str, float]:
-        return {"train_floor_s": train_floor(trainer, rollout, repeats),
-                "handoff_floor_s": handoff_floor(trainer.state.params, repeats),
-                "generate_floor_s": generate_floor(trainer, engine, repeats)}
-    return floors
+    step_s = col(rows, "step")
+    floor_s = [sum(floor_rows[s][k] for k in FLOORS) for s in measured]
+    out: dict[str, Any] = {**figures.spread("sync_step_s", step_s),
+                           **figures.spread("floor_s", floor_s),
+                           **figures.spread("overhead_ratio",
+                                            figures.paired_ratios(step_s, floor_s)),
+                           **figures.spread("train_ratio", figures.paired_ratios(
+                               col(rows, "train"), col(floor_rows, "train_floor")))}
+    for k in PHASES:
+        out.update(figures.spread(f"{k}_s", col(rows, k)))
+    for k in FLOORS:
+        out.update(figures.spread(f"{k}_s", col(floor_rows, k)))
+    floors = figures.Floors()
+    for real, floor in (("sync_step_s", "floor_s"), ("generate_s", "generate_floor_s"),
+                        ("train_s", "train_floor_s"), ("handoff_s", "handoff_floor_s")):
+        floors.check(real, out[real], out[floor])
+    return out, floors
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--floor_repeats", type=int, default=7)
     args = parser.parse_args()
-    if not 0 <= args.warmup < args.steps:
-        parser.error(f"--warmup {args.warmup}: must be in [0, --steps = {args.steps})")
+    if not 0 <= args.warmup <= args.steps - figures.MIN_ROUNDS:
+        parser.error(f"--warmup {args.warmup}: must be in [0, --steps - {figures.MIN_ROUNDS}]"
+                     f" (at least {figures.MIN_ROUNDS} measured steps)")
     flags = os.environ.get("XLA_FLAGS", "")
     if HOST_DEVICES_FLAG in flags:
         parser.error(f"XLA_FLAGS sets {HOST_DEVICES_FLAG}: unset it (one device, colocated)")
     from meshrl.utils import log
 
     log.setup("WARNING")
-    sync = run_mode(0, args.steps, args.warmup, all_floors(args.floor_repeats))
-    print("sync: " + ", ".join(f"{k} {v:.3f}" for k, v in sync.items()), flush=True)
-    asyn = run_mode(1, args.steps, args.warmup)
-    print(f"async (max_staleness 1): step {asyn['step_s']:.3f} s", flush=True)
-    floor = sync["generate_floor_s"] + sync["train_floor_s"] + sync["handoff_floor_s"]
-    r = functools.partial(round, ndigits=4)
-    print(json.dumps({
-        "benchmark": "rl_step", "sync_step_s": r(sync["step_s"]),
-        "async_step_s": r(asyn["step_s"]), "floor_s": r(floor),
-        "overhead_ratio": r(sync["step_s"] / floor), "train_s": r(sync["train_s"]),
-        "train_floor_s": r(sync["train_floor_s"]),
-        "train_ratio": r(sync["train_s"] / sync["train_floor_s"]),
-        "generate_s": r(sync["generate_s"]), "generate_floor_s": r(sync["generate_floor_s"]),
-        "handoff_s": r(sync["handoff_s"]), "handoff_floor_s": r(sync["handoff_floor_s"]),
-        "reward_s": r(sync["reward_s"]), "batch_build_s": r(sync["batch_build_s"]),
-        "other_s": r(sync["other_s"]), "steps": args.steps, "warmup_steps": args.warmup}))
+    measured = list(range(args.warmup + 1, args.steps + 1))
+    rows, floor_rows = run_mode(0, args.steps, with_floors=True)
+    result, floors = summarize(rows, floor_rows, measured)
+    print("sync: " + ", ".join(f"{k} {v}" for k, v in result.items()
+                               if not k.endswith("_spread")), flush=True)
+    async_rows, _ = run_mode(1, args.steps, with_floors=False)
+    async_step = figures.spread("async_step_s", [async_rows[s]["step"] for s in measured])
+    print(f"async (max_staleness 1): step {async_step['async_step_s']} s", flush=True)
+    met = all(result[k] <= v for k, v in TARGETS.items()) and not floors.problems
+    figures.emit({"benchmark": "rl_step", **result, **async_step, "targets": TARGETS,
+                  "targets_met": met, "steps": args.steps, "warmup_steps": args.warmup,
+                  "measured_steps": len(measured)}, floors)
 
 
 if __name__ == "__main__":

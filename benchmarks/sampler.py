@@ -1,37 +1,66 @@
-"""Sampler throughput vs transformers ``generate`` on a tiny Llama-shaped model (CPU, greedy).
+"""Sampler throughput vs transformers ``generate`` on a tiny Llama-shaped model (CPU).
 
-  python benchmarks/sampler.py            # full (~3 minutes on 2 CPU cores)
-  python benchmarks/sampler.py --quick    # smaller workloads, best-of-1
+  python benchmarks/sampler.py            # full: 256 long-tail requests, budget 512
+  python benchmarks/sampler.py --quick    # 64 requests, budget 128, median 24, 3 rounds
 
 The same random weights go into meshrl (save_hf_checkpoint -> load_hf_checkpoint) and into
-transformers (from_pretrained of that directory). Figures:
+transformers (from_pretrained of that directory), float32 on both sides, each with its default
+threads. Every side of a comparison gets one untimed warm-up pass, then ``--rounds`` (>= 3)
+rounds in which every side runs once, the order rotating (``benchmarks/figures.py``). A figure
+is the median over the rounds, ratios paired round by round, with ``<name>_spread`` [min, max].
 
-* ratio_fixed: tokens/s vs transformers, batch 32, prompt 64, exactly 128 new tokens.
-* ratio_longtail: 256 requests, prompt 64, max_new_tokens ~ seeded lognormal clipped to
-  [8, 512]; meshrl continuous batching over 32 slots vs transformers in arrival-order batches
-  of 32 (each runs to its longest request); useful (requested) tokens/s.
-* cb_speedup: the long-tail workload, meshrl continuous vs meshrl static batching
-  (``generate`` admits the longest budgets first); cb_speedup_fifo: the same with the requests
-  admitted first come, first served (``longest_first=False``, as the async engine admits).
-* cache_growth: the fixed workload's time with max_len 1024 over max_len 192.
+Long-tail workload, lengths unknown to every scheduler: prompt 64, sampled at temperature 1.0
+(no top-k / top-p, a seed per request), every request with the same max_new_tokens (512) and
+its own stop token. A reference run samples each request a little past a seeded length
+(lognormal, median 48, clipped to [8, 512]); the stop token is the token drawn at that
+position, or at the nearest position whose token does not occur earlier in the continuation.
+meshrl's draws depend on a request's seed and position only, not on its slot or batch, so a
+timed run stops there by itself, having read nothing in advance. (Greedy decoding would need no
+seeds, but this random model's greedy continuations cycle through a dozen tokens, so few
+positions hold a token not seen before.) Useful tokens are counted from the outputs;
+``length_match`` is the smallest fraction, over every timed run, of completions that stopped at
+their intended length (a float difference between batch shapes can flip a draw); below 0.9 the
+workload is not the one intended and the run is invalid.
+
+Figures (targets in brackets):
+* cb_speedup: meshrl static batches of 32 in arrival order (``generate`` per batch: a batch
+  ends when its last row stops, no refill) / meshrl continuous batching over 32 slots, first
+  come first served (``longest_first=False``, as the async engine admits), seconds. [>= 1.5]
+* cb_speedup_oracle: the same requests with their lengths known (max_new_tokens = the length,
+  no stop token): static batches sorted by length, the competent static schedule when lengths
+  are known / continuous batching longest budget first (``generate``'s default). The old
+  ``cb_speedup`` compared this continuous run with static batches in arrival order. [reported:
+  what knowing the lengths is worth]
+* ratio_longtail: transformers / meshrl continuous first come first served, seconds on the
+  long-tail workload. transformers runs arrival-order batches of 32 with the same sampling and
+  a per-row ``StoppingCriteria`` that ends each row at its intended length: it cannot draw
+  meshrl's random numbers, so a row cannot stop on meshrl's stop token, and a static batch gains
+  nothing from the criterion's knowledge (it runs until its last row stops either way). [> 1]
+* ratio_fixed: transformers / meshrl seconds, batch 32, prompt 64, exactly 128 new tokens,
+  greedy (no stop). [> 1]
+* cache_growth: the fixed workload's seconds with max_len 1024 over max_len 192 (decode attends
+  over a window of the cache, not all of it). [near 1]
+* *_tok_s: tokens (fixed) or useful tokens (long tail) per second of each side, medians.
 * first_call_s: seconds from building the max_len-1024 sampler to the fixed workload's
-  completions (compiling on first use; no warm-up call); compiled_programs: the programs
-  that sampler compiled over the whole benchmark (what the workloads needed).
-
-Last line: one JSON object.
+  completions (compiling on first use, no warm-up call), one cold measurement;
+  compiled_programs: the programs that sampler compiled over the whole benchmark;
+  compiles_while_timed: those compiled during timed rounds (0: warm-up covered every variant).
+There is no floor: nothing cheap bounds a scheduler's seconds from below.
+Last line: one JSON object (``figures.emit``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 
+from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
 from meshrl.inference.engine import Request, Sampler
 from meshrl.mesh import create_mesh
@@ -41,32 +70,27 @@ from meshrl.models.hf import load_hf_checkpoint, save_hf_checkpoint
 CFG = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=2048)
 PROMPT, SLOTS = 64, 32
+MIN_LEN, REF_SLACK = 8, 16  # shortest intended length; tokens sampled past the seeded one
+MIN_LENGTH_MATCH = 0.9
 
 
-def _best(fn: Callable[[], float], n: int, label: str) -> float:
-    times = [fn() for _ in range(n)]
-    print(f"  {label}: best {min(times):.3f}s  spread {max(times) - min(times):.3f}s  "
-          f"runs {[round(t, 3) for t in times]}", flush=True)
-    return min(times)
+@dataclasses.dataclass(frozen=True)
+class LongTail:
+    """The long-tail workload: arrival-order prompts and seeds, the intended lengths, and the
+    requests that reach them by their stop tokens (unknown lengths) or by their budgets."""
+
+    prompts_NxP: np.ndarray  # noqa: N815 -- shapes live in names
+    lengths: list[int]
+    by_stop: list[Request]
+    by_budget: list[Request]
 
 
-def _best_interleaved(fns: dict[str, Callable[[], float]], n: int) -> list[float]:
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(n):
-        for k, fn in fns.items():
-            times[k].append(fn())
-    for k, ts in times.items():
-        print(f"  {k}: best {min(ts):.3f}s  spread {max(ts) - min(ts):.3f}s  "
-              f"runs {[round(t, 3) for t in ts]}", flush=True)
-    return [min(ts) for ts in times.values()]
-
-
-def _sampler(params, max_len: int, chunk: int, first: list[Request]) -> tuple[Sampler, float]:
+def _sampler(params, max_len: int, first: list[Request]) -> tuple[Sampler, float]:
     """A fresh sampler (no ``warmup``: it compiles what a call needs when it first needs it)
     and the seconds from building it to ``first``'s completions: the start-up a user sees."""
     mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
     cfg = SamplerConfig(max_len=max_len, slots=SLOTS, max_new_tokens=128, temperature=0.0,
-                        decode_chunk=chunk, prompt_buckets=(PROMPT,))
+                        decode_chunk=16, prompt_buckets=(PROMPT,))
     t = time.perf_counter()
     s = Sampler(CFG, cfg, mesh, params)
     s.generate(first)
@@ -76,127 +100,222 @@ def _sampler(params, max_len: int, chunk: int, first: list[Request]) -> tuple[Sa
     return s, first_call_s
 
 
-def _warm(sampler: Sampler, fn: Callable[[], float], label: str) -> None:
-    """One untimed pass of a workload: it compiles the variants that workload needs, so the
-    timed repetitions measure generation only."""
-    before = sampler.compile_count()
-    dt = fn()
-    print(f"  warm pass {label}: {dt:.1f}s, {sampler.compile_count() - before} new programs",
-          flush=True)
+def _stop_position(tokens: Sequence[int], want: int, lo: int) -> int:
+    """The generated length nearest ``want`` (ties: shorter), at least ``lo``, whose last token
+    does not occur earlier in ``tokens``: a stop on that token ends the sequence exactly there."""
+    first_seen: dict[int, int] = {}
+    for i, tok in enumerate(tokens):
+        first_seen.setdefault(tok, i)
+    ends = [i + 1 for i, tok in enumerate(tokens) if first_seen[tok] == i and i + 1 >= lo]
+    if not ends:
+        raise RuntimeError(f"no token of a {len(tokens)}-token continuation first occurs at "
+                           f"a length >= {lo}; draw another seed")
+    return min(ends, key=lambda n: (abs(n - want), n))
 
 
-def _timed_generate(sampler: Sampler, requests: list[Request], longest_first: bool = True
-                    ) -> Callable[[], float]:
-    def run() -> float:
+def _long_tail(sampler: Sampler, n: int, max_new: int, median: float,
+               rng: np.random.Generator) -> LongTail:
+    """Seeds the lengths, samples each request once a little past its length, and places each
+    stop token (``_stop_position``)."""
+    seeded = np.clip(rng.lognormal(np.log(median), 1.0, n), MIN_LEN, max_new).astype(int)
+    prompts_NxP = rng.integers(3, CFG.vocab_size, size=(n, PROMPT))
+    base = [Request(p.tolist(), max_new_tokens=max_new, temperature=1.0, top_k=0, top_p=1.0,
+                    seed=i) for i, p in enumerate(prompts_NxP)]
+    ref = sampler.generate([dataclasses.replace(r, max_new_tokens=min(max_new, int(s) + REF_SLACK))
+                            for r, s in zip(base, seeded)])
+    lengths = [_stop_position(c.tokens, int(s), MIN_LEN) for c, s in zip(ref, seeded)]
+    by_stop = [dataclasses.replace(r, stop_ids=(c.tokens[n_ - 1],))
+               for r, c, n_ in zip(base, ref, lengths)]
+    by_budget = [dataclasses.replace(r, max_new_tokens=n_) for r, n_ in zip(base, lengths)]
+    moved = np.abs(np.array(lengths) - seeded)
+    print(f"long tail: {n} requests, {sum(lengths)} useful tokens, max {max(lengths)}, "
+          f"stop moved from the seeded length by median {np.median(moved):.0f}, "
+          f"max {moved.max()}", flush=True)
+    return LongTail(prompts_NxP, lengths, by_stop, by_budget)
+
+
+class MeshrlSide:
+    """A timed meshrl run over ``batches`` (``generate`` per batch, no refill between them)
+    that records, per run, its useful tokens and the fraction stopping at ``expected``."""
+
+    def __init__(self, sampler: Sampler, batches: list[list[Request]], expected: list[int],
+                 longest_first: bool):
+        self.sampler, self.batches, self.expected = sampler, batches, expected
+        self.longest_first = longest_first
+        self.tokens: list[int] = []
+        self.match: list[float] = []
+
+    def __call__(self) -> float:
         t = time.perf_counter()
-        outs = sampler.generate(requests, longest_first=longest_first)
+        outs = [c for b in self.batches
+                for c in self.sampler.generate(b, longest_first=self.longest_first)]
         dt = time.perf_counter() - t
-        assert [len(o.tokens) for o in outs] == [r.max_new_tokens for r in requests]
+        got = [len(c.tokens) for c in outs]
+        self.tokens.append(sum(got))
+        self.match.append(float(np.mean(np.array(got) == np.array(self.expected))))
         return dt
-    return run
 
 
-def _timed_static(sampler: Sampler, requests: list[Request]) -> Callable[[], float]:
-    def run() -> float:
-        t = time.perf_counter()
-        for lo in range(0, len(requests), SLOTS):
-            sampler.generate(requests[lo:lo + SLOTS])  # no refill until the batch is done
-        return time.perf_counter() - t
-    return run
+def _chunks(items: list, size: int) -> list[list]:
+    return [items[lo:lo + size] for lo in range(0, len(items), size)]
 
 
-def _hf_generate(model, prompts: np.ndarray, new_tokens: int) -> float:
+def _hf_stop_at(prompt_len: int, lengths_B: Sequence[int]):
+    """A per-row ``StoppingCriteria``: row b is done once it generated ``lengths_B[b]``
+    tokens (``generate`` keeps running a batch until every row is done)."""
     import torch
+    from transformers import StoppingCriteria
 
-    ids = torch.from_numpy(prompts.astype(np.int64))
+    class StopAtLength(StoppingCriteria):
+        def __init__(self) -> None:
+            self.lengths_B = torch.tensor(list(lengths_B))
+
+        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
+            return self.lengths_B <= input_ids.shape[1] - prompt_len
+
+    return StopAtLength()
+
+
+def _hf_generate(model, prompts_BxP: np.ndarray, new_tokens: int,
+                 lengths_B: Sequence[int] | None = None) -> float:
+    """Seconds of one transformers ``generate``: greedy for exactly ``new_tokens``, or with
+    ``lengths_B``, sampled at temperature 1.0 with each row stopping at its length."""
+    import torch
+    from transformers import StoppingCriteriaList
+
+    ids = torch.from_numpy(prompts_BxP.astype(np.int64))
+    if lengths_B is None:
+        kw = dict(do_sample=False, min_new_tokens=new_tokens)
+    else:
+        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stopping_criteria=
+                  StoppingCriteriaList([_hf_stop_at(ids.shape[1], lengths_B)]))
     t = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             pad_token_id=0, eos_token_id=None)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             pad_token_id=0, eos_token_id=None, **kw)
     dt = time.perf_counter() - t
-    assert out.shape[1] == prompts.shape[1] + new_tokens, out.shape
+    want = new_tokens if lengths_B is None else max(lengths_B)
+    assert out.shape[1] == ids.shape[1] + want, (out.shape, want)
     return dt
+
+
+def _hf_long_tail(model, tail: LongTail, max_new: int) -> Callable[[], float]:
+    def run() -> float:
+        return sum(_hf_generate(model, tail.prompts_NxP[lo:lo + SLOTS], max_new,
+                                tail.lengths[lo:lo + SLOTS])
+                   for lo in range(0, len(tail.lengths), SLOTS))
+    return run
+
+
+def _per_second(name: str, tokens: Sequence[float], seconds: Sequence[float]) -> dict:
+    return spread(name, [n / s for n, s in zip(tokens, seconds, strict=True)], 1)
+
+
+def _fixed(small: Sampler, big: Sampler, hf, prompts_BxP: np.ndarray, new: int, rounds: int
+           ) -> dict:
+    """ratio_fixed, cache_growth and the fixed workload's tokens/s."""
+    reqs = [Request(p.tolist(), max_new_tokens=new) for p in prompts_BxP]
+    expected = [new] * len(reqs)
+    mesh_sides = [MeshrlSide(s, [reqs], expected, True) for s in (small, big)]
+    t = interleave({"meshrl (max_len 192)": mesh_sides[0], "meshrl (max_len 1024)":
+                    mesh_sides[1], "transformers": lambda: _hf_generate(hf, prompts_BxP, new)},
+                   rounds)
+    assert all(m == 1.0 for side in mesh_sides for m in side.match), "a fixed row stopped early"
+    ours, ours_big, theirs = t.values()
+    n = [len(reqs) * new] * rounds
+    return {**spread("ratio_fixed", paired_ratios(theirs, ours), 3),
+            **spread("cache_growth", paired_ratios(ours_big, ours), 3),
+            **_per_second("meshrl_fixed_tok_s", n, ours),
+            **_per_second("meshrl_fixed_1024_tok_s", n, ours_big),
+            **_per_second("hf_fixed_tok_s", n, theirs)}
+
+
+def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: int,
+                       floors: Floors) -> dict:
+    """cb_speedup, cb_speedup_oracle, ratio_longtail and the useful tokens/s of each side."""
+    order = sorted(range(len(tail.lengths)), key=lambda i: -tail.lengths[i])
+    sides = {
+        "meshrl continuous, first come first served":
+            MeshrlSide(big, [tail.by_stop], tail.lengths, False),
+        "meshrl static, arrival order":
+            MeshrlSide(big, _chunks(tail.by_stop, SLOTS), tail.lengths, False),
+        "transformers static, arrival order": _hf_long_tail(hf, tail, max_new),
+        "meshrl continuous, known lengths, longest first":
+            MeshrlSide(big, [tail.by_budget], tail.lengths, True),
+        "meshrl static, known lengths, sorted":
+            MeshrlSide(big, _chunks([tail.by_budget[i] for i in order], SLOTS),
+                       [tail.lengths[i] for i in order], False),
+    }
+    mesh_sides = [s for s in sides.values() if isinstance(s, MeshrlSide)]
+    before = big.compile_count()
+    interleave(sides, rounds=1, warmup=0, verbose=False)  # the warm-up pass of every side
+    compiled_in_warmup = big.compile_count() - before
+    for side in mesh_sides:
+        side.tokens.clear()
+        side.match.clear()
+    before = big.compile_count()
+    fifo, static, hf_s, oracle, sorted_s = interleave(sides, rounds, warmup=0).values()
+    match = min(m for s in mesh_sides for m in s.match)
+    if match < MIN_LENGTH_MATCH:
+        floors.problems.append(f"long tail: only {match:.0%} of completions stopped at their "
+                               f"intended length (needs {MIN_LENGTH_MATCH:.0%})")
+    fifo_side, static_side = sides["meshrl continuous, first come first served"], \
+        sides["meshrl static, arrival order"]
+    return {**spread("cb_speedup", paired_ratios(static, fifo), 3),
+            **spread("cb_speedup_oracle", paired_ratios(sorted_s, oracle), 3),
+            **spread("ratio_longtail", paired_ratios(hf_s, fifo), 3),
+            **_per_second("meshrl_longtail_useful_tok_s", fifo_side.tokens, fifo),
+            **_per_second("meshrl_static_useful_tok_s", static_side.tokens, static),
+            **_per_second("hf_longtail_useful_tok_s", [sum(tail.lengths)] * rounds, hf_s),
+            **_per_second("meshrl_oracle_useful_tok_s", [sum(tail.lengths)] * rounds, oracle),
+            "longtail_requests": len(tail.lengths), "longtail_useful_tokens": sum(tail.lengths),
+            "longtail_max_new_tokens": max_new, "length_match": round(match, 4),
+            "compiles_in_warmup": compiled_in_warmup,
+            "compiles_while_timed": big.compile_count() - before}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true", help="smaller workloads, best-of-1")
+    ap.add_argument("--quick", action="store_true",
+                    help="64 long-tail requests with budget 128, 32 fixed new tokens")
+    ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f">= {MIN_ROUNDS}")
     ap.add_argument("--compile_cache", action="store_true",
                     help="keep JAX's persistent compilation cache on (as configured by "
                          "JAX_COMPILATION_CACHE_DIR): first_call_s of a warm cache")
     args = ap.parse_args()
+    if args.rounds < MIN_ROUNDS:
+        ap.error(f"--rounds must be >= {MIN_ROUNDS}, got {args.rounds}")
     import torch
     from transformers import AutoModelForCausalLM
 
-    reps = 1 if args.quick else 3
     n_fixed_new = 32 if args.quick else 128
-    n_requests = 64 if args.quick else 256
+    n_requests, max_new, median = (64, 128, 24.0) if args.quick else (256, 512, 48.0)
     rng = np.random.default_rng(0)
+    torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(create_model(CFG, seed=0), tmp)
         params = split_model(load_hf_checkpoint(tmp))[1]
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
-    fixed_prompts = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
-    fixed = [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts]
-    budgets = np.clip(rng.lognormal(np.log(48.0), 1.0, n_requests), 8, 512).astype(int)
-    tail_prompts = rng.integers(3, CFG.vocab_size, size=(n_requests, PROMPT))
-    tail = [Request(p.tolist(), max_new_tokens=int(b)) for p, b in zip(tail_prompts, budgets)]
-    useful = int(budgets.sum())
-
+    fixed_prompts_BxP = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
+    first = [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts_BxP]
     print(f"fixed: batch {SLOTS}, prompt {PROMPT}, {n_fixed_new} new tokens", flush=True)
     # JAX's persistent compilation cache would turn the first call into a load: off here, so
     # first_call_s is the cold start (BUILD_NOTES.md reports the warm one separately).
     jax.config.update("jax_enable_compilation_cache", args.compile_cache)
-    small, _ = _sampler(params, 192, 16, fixed)
-    big, first_call_s = _sampler(params, 1024, 16, fixed)
-    # Interleaved repetitions: a load spike from elsewhere hits all three alike.
-    t_ours, t_big, t_hf = _best_interleaved({
-        "meshrl (max_len 192)": _timed_generate(small, fixed),
-        "meshrl (max_len 1024)": _timed_generate(big, fixed),
-        "transformers": lambda: _hf_generate(hf, fixed_prompts, n_fixed_new)}, reps)
-    fixed_tokens = SLOTS * n_fixed_new
+    small, _ = _sampler(params, 192, first)
+    big, first_call_s = _sampler(params, 1024, first)
+    result: dict = {"benchmark": "sampler"}
+    result |= _fixed(small, big, hf, fixed_prompts_BxP, n_fixed_new, args.rounds)
 
-    print(f"long tail: {n_requests} requests, {useful} useful tokens, max "
-          f"{budgets.max()}", flush=True)
-    _warm(big, _timed_generate(big, tail), "long tail")
-    _warm(big, _timed_generate(big, tail, longest_first=False), "long tail, first come first served")
-    _warm(big, _timed_static(big, tail), "static")
-    # Interleaved, as the fixed workload: a slow stretch of the machine must not land on one
-    # side of cb_speedup only.
-    t_cb, t_fifo, t_static = _best_interleaved({
-        "meshrl continuous": _timed_generate(big, tail),
-        "meshrl continuous, first come first served": _timed_generate(big, tail, longest_first=False),
-        "meshrl static": _timed_static(big, tail)}, reps)
-
-    def hf_tail() -> float:
-        total = 0.0
-        for lo in range(0, n_requests, SLOTS):
-            total += _hf_generate(hf, tail_prompts[lo:lo + SLOTS], int(budgets[lo:lo + SLOTS].max()))
-        return total
-    t_hf_tail = _best(hf_tail, 1, "transformers batches")
-
-    result = {
-        "benchmark": "sampler",
-        "ratio_fixed": round(t_hf / t_ours, 3),
-        "ratio_longtail": round(t_hf_tail / t_cb, 3),
-        "cb_speedup": round(t_static / t_cb, 3),
-        "cb_speedup_fifo": round(t_static / t_fifo, 3),
-        "cache_growth": round(t_big / t_ours, 3),
-        "meshrl_fixed_tok_s": round(fixed_tokens / t_ours, 1),
-        "meshrl_fixed_1024_tok_s": round(fixed_tokens / t_big, 1),
-        "hf_fixed_tok_s": round(fixed_tokens / t_hf, 1),
-        "meshrl_longtail_useful_tok_s": round(useful / t_cb, 1),
-        "meshrl_static_useful_tok_s": round(useful / t_static, 1),
-        "hf_longtail_useful_tok_s": round(useful / t_hf_tail, 1),
-        "first_call_s": round(first_call_s, 2),
-        "compiled_programs": big.compile_count(),
-        "quick": args.quick,
-        "platform": jax.devices()[0].platform,
-    }
-    print(json.dumps(result))
+    tail = _long_tail(big, n_requests, max_new, median, rng)
+    floors = Floors()
+    result |= _long_tail_figures(big, hf, tail, max_new, args.rounds, floors)
+    result |= {"first_call_s": round(first_call_s, 2), "compiled_programs": big.compile_count(),
+               "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+               "quick": args.quick, "platform": jax.devices()[0].platform}
+    emit(result, floors)
 
 
 if __name__ == "__main__":

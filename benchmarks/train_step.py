@@ -2,20 +2,38 @@
 
 One decoder for all three: vocab 8192, hidden 512, SwiGLU MLP 1376, 6 layers, 8 heads (no GQA),
 RMSNorm, RoPE, untied embeddings, float32, AdamW with global-norm clipping, batch 8 x seq 512
-(27.4M params). Each system gets warm-up steps, then best-of-N timed steps; the spread is printed.
+(27.4M params). Baselines: transformers' ``LlamaForCausalLM`` (torch, SDPA attention, its own
+AdamW), the framework a user would otherwise train this model with; and a minimal hand-written
+JAX step of the same model (plain ``jnp`` + optax), which is meshrl's floor: meshrl's step
+faster than it by more than 5% is a broken measurement (``"valid": false``, exit 1).
 
-  python benchmarks/train_step.py            # ~3 minutes on 2 CPU cores
-  python benchmarks/train_step.py --quick    # fewer timed steps
+All three sides get the same warm-up passes and are timed in the same interleaved rounds (the
+order rotates each round); in a round each side times ``--steps`` steps and keeps their median.
+torch runs on as many threads as JAX's CPU client (every core this process may use; printed as
+``threads``). A figure is the median over the rounds with ``[min, max]`` beside it
+(``_spread``); a ratio is paired round by round before its median is taken.
 
-Last line: one JSON object (see ``main``). MFU = 6 * N * tokens/s / measured f32 matmul peak,
-N = all parameters (the convention the targets were set with).
+MFU = the model's training FLOPs per token (``models.flops_per_token``: 6 x the matmul
+parameters, the LM head included and the embedding lookup not, plus the attention
+score/value matmuls) x meshrl's tokens/s / one device's peak FLOP/s. The peak is the float32
+spec-sheet peak of the device kind (``trainer.metrics.table_peak``; ``"peak_source": "table"``)
+or, on CPU, a 2048^2 float32 matmul timed as another side of the same rounds
+(``"measured_cpu_matmul"``), MFU then paired round by round. ``mfu`` used to be 6 x all
+parameters (the embedding table counted as a matmul) over a best-of-5 measured peak.
+
+  python benchmarks/train_step.py                            # full
+  python benchmarks/train_step.py --quick --skip_baseline    # 3 rounds of one step, no torch
+
+Last line: {"benchmark": "train_step", "ours_tok_s", "minimal_jax_tok_s", "baseline_tok_s"
+(transformers), "ratio" (ours / transformers), "ratio_vs_minimal_jax" (target >= 0.9; > 1.05
+is invalid), "mfu" (target >= 0.25), each with its ``_spread``, "flops_per_token",
+"peak_gflops", "peak_source", "threads", "valid"}.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import time
@@ -27,29 +45,30 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from meshrl.benchmarks.figures import Floors, emit, interleave, paired_ratios, spread
+
 VOCAB, HIDDEN, MLP, LAYERS, HEADS, BATCH, SEQ = 8192, 512, 1376, 6, 8, 8, 512
 HEAD_DIM = HIDDEN // HEADS
 LR, EPS_NORM, THETA = 1e-4, 1e-6, 10000.0
+PEAK_N = 2048
 
 
-def _time(step: Callable[[], Any], warmup: int, repeats: int) -> list[float]:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
-    return times
+def _per_round(step: Callable[[], None], steps: int) -> Callable[[], float]:
+    """One round of a side: the median seconds of ``steps`` timed steps."""
+    def one_round() -> float:
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    return one_round
 
 
-def _report(name: str, times: list[float]) -> float:
-    tok = BATCH * SEQ
-    best = tok / min(times)
-    print(f"{name:<12} best {best:8.1f} tok/s  median {tok / statistics.median(times):8.1f}  "
-          f"worst {tok / max(times):8.1f}  (step s: {', '.join(f'{t:.3f}' for t in times)})",
-          flush=True)
-    return best
+def _threads() -> int:
+    """Cores this process may use: what XLA's CPU client sizes its thread pool by."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _batch_np(seed: int = 0) -> dict[str, np.ndarray]:
@@ -64,13 +83,14 @@ def _batch_np(seed: int = 0) -> dict[str, np.ndarray]:
 # ---- meshrl: the real trainer (config -> mesh -> model -> state -> jitted train_step) --------
 
 
-def build_meshrl() -> tuple[Callable[[], None], int]:
-    """One train step of the real trainer as a blocking callable, and the param count."""
+def build_meshrl() -> tuple[Callable[[], None], float]:
+    """One train step of the real trainer as a blocking callable, and the model's training
+    FLOPs per token."""
     from meshrl.algorithms.batch import TrainBatch
     from meshrl.algorithms.losses import get_loss
     from meshrl.configs.loader import base_config, from_config_dict
     from meshrl.mesh import create_mesh, rules_for
-    from meshrl.models import create_model, param_count, param_shardings, split_model
+    from meshrl.models import create_model, flops_per_token, param_shardings, split_model
     from meshrl.trainer import (
         batch_shardings,
         decoder_forward,
@@ -112,7 +132,7 @@ def build_meshrl() -> tuple[Callable[[], None], int]:
         holder["leaves"], metrics = step(holder["leaves"], batch)
         jax.block_until_ready(metrics["loss"])
 
-    return one, param_count(config.model)
+    return one, flops_per_token(config.model, SEQ)
 
 
 # ---- minimal hand-written JAX step of the same model ---------------------------------------
@@ -186,12 +206,12 @@ def build_minimal() -> Callable[[], None]:
 # ---- transformers (torch CPU) --------------------------------------------------------------
 
 
-def bench_transformers(warmup: int, repeats: int) -> float:
+def build_transformers(threads: int) -> Callable[[], None]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP,
                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
                       num_key_value_heads=HEADS, max_position_embeddings=SEQ,
@@ -210,40 +230,68 @@ def bench_transformers(warmup: int, repeats: int) -> float:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return _report("transformers", _time(one, warmup, repeats))
+    return one
+
+
+def _peak() -> tuple[float | None, str]:
+    """(the table's float32 peak FLOP/s of this device kind or None, its source)."""
+    from meshrl.trainer.metrics import table_peak
+
+    device = jax.local_devices()[0]
+    peak = table_peak(device.device_kind, "float32")
+    if peak is not None:
+        return peak, "table"
+    return None, "measured_cpu_matmul" if device.platform == "cpu" else "measured_matmul"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="2 warm-up + 3 timed steps each")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of one step per side")
     parser.add_argument("--skip_baseline", action="store_true", help="skip transformers")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (>= 3)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per side per round")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed passes of every side")
     args = parser.parse_args()
-    warmup, repeats = (2, 3) if args.quick else (2, 6)
+    rounds, steps, warmup = (3, 1, 1) if args.quick else (args.rounds, args.steps, args.warmup)
+    if rounds < 3:
+        parser.error(f"--rounds = {rounds}: a median needs >= 3 rounds")
+    threads = _threads()
+    ours_step, flops_tok = build_meshrl()
+    sides = {"meshrl": _per_round(ours_step, steps),
+             "minimal_jax": _per_round(build_minimal(), steps)}
+    if not args.skip_baseline:
+        sides["transformers"] = _per_round(build_transformers(threads), steps)
+    peak, source = _peak()
+    if peak is None:
+        from meshrl.trainer.metrics import measure_matmul_peak
+        # The peak as seconds per 2 n^3 FLOPs, so that it sees the same rounds as the steps.
+        sides["peak"] = lambda: 2 * PEAK_N**3 / measure_matmul_peak(n=PEAK_N, repeats=3)
+    print(f"{jax.devices()[0].device_kind}: {threads} threads for JAX and torch", flush=True)
+    times = interleave(sides, rounds, warmup)
+    report(times, flops_tok, peak, source, threads)
 
-    from meshrl.trainer.metrics import measure_matmul_peak
 
-    peak = measure_matmul_peak(n=2048, repeats=5)
-    print(f"f32 matmul peak: {peak / 1e9:.1f} GFLOP/s ({jax.devices()[0].device_kind})",
-          flush=True)
-    ours_step, n_params = build_meshrl()
-    minimal_step = build_minimal()
-    # Interleaved rounds: background load drifts, and both JAX steps should see the same drift.
-    for _ in range(warmup):
-        ours_step()
-        minimal_step()
-    ours_t, minimal_t = [], []
-    for _ in range(repeats):
-        ours_t += _time(ours_step, 0, 1)
-        minimal_t += _time(minimal_step, 0, 1)
-    ours, minimal = _report("meshrl", ours_t), _report("minimal_jax", minimal_t)
-    baseline = float("nan") if args.skip_baseline else bench_transformers(warmup, repeats)
-    mfu = 6 * n_params * ours / peak
-    print(f"params {n_params / 1e6:.2f}M  tokens/step {BATCH * SEQ}", flush=True)
-    print(json.dumps({
-        "benchmark": "train_step", "ours_tok_s": round(ours, 1),
-        "minimal_jax_tok_s": round(minimal, 1), "baseline_tok_s": round(baseline, 1),
-        "ratio": round(ours / baseline, 3), "ratio_vs_minimal_jax": round(ours / minimal, 3),
-        "mfu": round(mfu, 3), "peak_gflops": round(peak / 1e9, 1)}))
+def report(times: dict[str, list[float]], flops_tok: float, peak: float | None, source: str,
+           threads: int) -> None:
+    tok = BATCH * SEQ
+    peaks = ([2 * PEAK_N**3 / t for t in times["peak"]] if peak is None
+             else [peak] * len(times["meshrl"]))
+    mfu = [flops_tok * tok / t / p for t, p in zip(times["meshrl"], peaks, strict=True)]
+    out: dict[str, Any] = {"benchmark": "train_step"}
+    for name, key in (("meshrl", "ours"), ("minimal_jax", "minimal_jax"),
+                      ("transformers", "baseline")):
+        out |= (spread(f"{key}_tok_s", [tok / t for t in times[name]], 1) if name in times
+                else {f"{key}_tok_s": None})
+    out |= (spread("ratio", paired_ratios(times["transformers"], times["meshrl"]), 3)
+            if "transformers" in times else {"ratio": None})
+    out |= spread("ratio_vs_minimal_jax", paired_ratios(times["minimal_jax"], times["meshrl"]), 3)
+    out |= spread("mfu", mfu, 3)
+    out |= {"flops_per_token": flops_tok, "peak_gflops": round(statistics.median(peaks) / 1e9, 1),
+            "peak_source": source, "threads": threads}
+    floors = Floors()
+    floors.check("meshrl train step vs the minimal JAX step", statistics.median(times["meshrl"]),
+                 statistics.median(times["minimal_jax"]))
+    emit(out, floors)
 
 
 if __name__ == "__main__":

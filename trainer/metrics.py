@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import statistics
 import sys
 import time
 from typing import Any
@@ -17,27 +18,44 @@ from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.metrics")
 
-# Dense bf16 peak FLOP/s per chip, from the vendors' spec sheets (no sparsity).
-_PEAK_BF16: tuple[tuple[str, float], ...] = (
-    ("h200", 989e12), ("h100", 989e12), ("a100", 312e12),
-    ("tpu v6 lite", 918e12), ("tpu v6e", 918e12), ("tpu v5 lite", 197e12),
-    ("tpu v5e", 197e12), ("tpu v5p", 459e12), ("tpu v5", 459e12), ("tpu v4", 275e12),
+# Dense peak FLOP/s per chip from the vendors' spec sheets (no sparsity): (kind, bfloat16,
+# float32). float32 is the peak of a float32 matmul at JAX's default precision: TF32 tensor cores
+# on A100/H100/H200, one bfloat16 pass on TPU. More specific kinds come first (substring match).
+_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("h200", 989e12, 494.7e12), ("h100 pcie", 756e12, 378e12), ("h100", 989e12, 494.7e12),
+    ("a100", 312e12, 156e12),
+    ("tpu v6 lite", 918e12, 918e12), ("tpu v6e", 918e12, 918e12),
+    ("tpu v5 lite", 197e12, 197e12), ("tpu v5e", 197e12, 197e12),
+    ("tpu v5p", 459e12, 459e12), ("tpu v5", 459e12, 459e12), ("tpu v4", 275e12, 275e12),
 )
+
+
+def table_peak(device_kind: str, dtype: str = "bfloat16") -> float | None:
+    """The spec-sheet dense peak FLOP/s of one chip of ``device_kind`` for ``dtype``
+    (``"bfloat16"`` or ``"float32"``), or ``None`` when the kind is not in the table (CPU)."""
+    if dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"dtype = {dtype!r}: must be 'bfloat16' or 'float32'")
+    kind = device_kind.lower()
+    for name, bf16, f32 in _PEAKS:
+        if name in kind:
+            return bf16 if dtype == "bfloat16" else f32
+    return None
 
 
 def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float32,
                         device: jax.Device | None = None) -> float:
-    """Best-of-``repeats`` FLOP/s of one ``n x n`` matmul on ``device``: the practical peak."""
+    """Median-of-``repeats`` FLOP/s of one ``n x n`` matmul on ``device`` after a warm-up: the
+    practical peak (a median, so one lucky timing does not set it)."""
     device = device or jax.local_devices()[0]  # devices()[0] is remote on process > 0
     a = jax.device_put(jnp.ones((n, n), dtype), device)
     f = jax.jit(lambda x: x @ x)
     f(a).block_until_ready()
-    best = float("inf")
+    times = []
     for _ in range(repeats):
         t = time.perf_counter()
         f(a).block_until_ready()
-        best = min(best, time.perf_counter() - t)
-    return 2 * n**3 / best
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / statistics.median(times)
 
 
 def peak_flops_per_device(configured: float, device: jax.Device | None = None) -> float:
@@ -46,10 +64,9 @@ def peak_flops_per_device(configured: float, device: jax.Device | None = None) -
     if configured > 0:
         return configured
     device = device or jax.local_devices()[0]  # devices()[0] is remote on process > 0
-    kind = device.device_kind.lower()
-    for name, peak in _PEAK_BF16:
-        if name in kind:
-            return peak
+    peak = table_peak(device.device_kind)
+    if peak is not None:
+        return peak
     peak = measure_matmul_peak(device=device)
     _log.info("no peak FLOP/s known for device kind %r; measured f32 matmul peak %.1f GFLOP/s "
               "(set trainer.peak_flops to override)", device.device_kind, peak / 1e9)
