@@ -13,6 +13,7 @@ from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
 from meshrl.algorithms.logits import Hidden, chunk_positions, logits_f32, token_stats
 from meshrl.algorithms.losses import sft_cross_entropy
 from meshrl.configs.schema import RLConfig
+from meshrl.tests.trees import assert_trees_close
 
 # float32, the same math over row blocks: only the head-gradient summation order differs.
 RTOL, ATOL = 1e-5, 1e-6
@@ -44,7 +45,7 @@ def test_chunked_stats_equal_the_full_logits_stats(tied, temperature, chunk):
     unchunked = _all_stats(hidden_BxLxD, head, targets_BxL, tied, 0, temperature)
     chunked = _all_stats(hidden_BxLxD, head, targets_BxL, tied, chunk, temperature)
 
-    for a, b, c in zip(full, unchunked, chunked):
+    for a, b, c in zip(full, unchunked, chunked, strict=True):
         assert c.shape == (B, L) and c.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(c, a, rtol=RTOL, atol=ATOL)
@@ -131,8 +132,7 @@ def test_losses_on_chunked_hidden_equal_losses_on_full_logits(loss):
     assert set(got_aux) == set(ref_aux)
     for k in ref_aux:
         np.testing.assert_allclose(got_aux[k], ref_aux[k], rtol=RTOL, atol=ATOL, err_msg=k)
-    for a, b in zip(got_g, ref_g):
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert_trees_close(got_g, ref_g, rtol=RTOL, atol=ATOL)
 
 
 def _sft_grad_temp_bytes(chunk: int, rows: int, length: int, vocab: int) -> int:
@@ -195,8 +195,7 @@ def test_vocab_sharded_chunks_equal_replicated_head_and_never_gather_the_head(ti
     (ref_val, ref_grads), ref_temp = _fsdp_loss_and_temp(tied, ())
 
     np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=1e-4)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(g, r, rtol=RTOL, atol=ATOL)
+    assert_trees_close(grads, ref_grads, rtol=RTOL, atol=ATOL)
     # The gathered float32 head and its full gradient are 2 x 512 KiB; vocabulary shards
     # hold a quarter of each (measured on CPU: see docs/memory.md).
     head_bytes = 4096 * 32 * 4

@@ -83,7 +83,7 @@ def test_resume_from_json_state_gives_same_continuation_across_epochs(kind: str)
     resumed.set_state(state)
     got = [next(resumed) for _ in range(6)]
     if kind == "sft":
-        for e, g in zip(expected, got):
+        for e, g in zip(expected, got, strict=True):
             for k in e:
                 np.testing.assert_array_equal(e[k], g[k])
     else:

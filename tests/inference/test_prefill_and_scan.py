@@ -18,6 +18,7 @@ from meshrl.mesh import create_mesh
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY
 from meshrl.tests.models.layer_stacking import unrolled_and_scanned
+from meshrl.tests.trees import assert_trees_close, assert_trees_equal
 
 WIDE = ModelConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_layers=2,
                    num_heads=4, num_kv_heads=2, max_position_embeddings=256)
@@ -93,8 +94,7 @@ def test_last_position_prefill_samples_what_the_all_positions_reference_samples(
     np.testing.assert_array_equal(tok, ref_tok)
     np.testing.assert_allclose(lp, ref_lp, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(raw, ref_raw, rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves((cache, st)), jax.tree.leaves((ref_cache, ref_st))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal((cache, st), (ref_cache, ref_st))
 
 
 @pytest.mark.parametrize("n, length, max_tokens, rows", [
@@ -109,9 +109,7 @@ def test_prefill_in_passes_fills_the_cache_and_samples_as_one_pass():
 
     (cache, st, out), (ref_cache, ref_st, ref_out) = run["two"], run["one"]
     np.testing.assert_array_equal(out[0], ref_out[0])
-    for a, b in zip(jax.tree.leaves((cache, st, out)), jax.tree.leaves((ref_cache, ref_st,
-                                                                         ref_out))):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert_trees_close((cache, st, out), (ref_cache, ref_st, ref_out), rtol=1e-5, atol=1e-6)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
@@ -130,11 +128,12 @@ def test_scan_layers_sampler_generates_the_unrolled_samplers_tokens():
     unrolled, scanned = _sampler(TINY, params, **kw), _sampler(
         dataclasses.replace(TINY, scan_layers=True), s_params, **kw)
     budgets = [2, 14, 3, 12, 4, 5, 6, 9, 11]
-    requests = [Request(p, max_new_tokens=b) for p, b in zip(_prompts(9, seed=4), budgets)]
+    requests = [Request(p, max_new_tokens=b)
+                for p, b in zip(_prompts(9, seed=4), budgets, strict=True)]
 
     want, got = unrolled.generate(requests), scanned.generate(requests)
 
     assert scanned.cache.is_stacked and not unrolled.cache.is_stacked
-    for w, g, b in zip(want, got, budgets):
+    for w, g, b in zip(want, got, budgets, strict=True):
         assert g.tokens == w.tokens and len(g.tokens) == b
         np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=1e-4, atol=1e-5)

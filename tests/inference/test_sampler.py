@@ -23,7 +23,7 @@ def test_greedy_matches_full_forward_argmax_and_logprobs(tiny_params):
 
     outs = sampler.generate([Request(p) for p in prompts])
 
-    for p, out in zip(prompts, outs):
+    for p, out in zip(prompts, outs, strict=True):
         ref_tokens, ref_lps = reference_greedy(graphdef, params, p, 10)
         assert out.tokens == ref_tokens
         np.testing.assert_allclose(out.raw_logprobs, ref_lps, rtol=1e-4, atol=1e-5)
@@ -40,9 +40,10 @@ def test_continuous_batching_more_requests_than_slots_matches_solo_generation(ti
     budgets = [3, 11, 5, 17, 2, 9, 13, 1, 7]  # slots finish and refill at different chunks
     sampler = make_sampler(params, slots=4)
 
-    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)])
+    outs = sampler.generate([Request(p, max_new_tokens=b)
+                             for p, b in zip(prompts, budgets, strict=True)])
 
-    for p, b, out in zip(prompts, budgets, outs):
+    for p, b, out in zip(prompts, budgets, outs, strict=True):
         alone = sampler.generate([Request(p, max_new_tokens=b)])[0]
         assert out.tokens == alone.tokens
         assert len(out.tokens) == b
@@ -61,12 +62,13 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     sampler.warmup()
     compiled = sampler.compile_count()
 
-    outs = sampler.generate([Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)],
+    outs = sampler.generate([Request(p, max_new_tokens=b)
+                             for p, b in zip(prompts, budgets, strict=True)],
                             longest_first=False)
 
     assert {shape[0] for shape in sampler.window_trace_shapes} == {2, 8}
     assert sampler.compile_count() == compiled  # packed chunks reuse warm variants
-    for p, b, out in zip(prompts, budgets, outs):
+    for p, b, out in zip(prompts, budgets, outs, strict=True):
         alone = solo.generate([Request(p, max_new_tokens=b)])[0]
         assert out.tokens == alone.tokens
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
@@ -90,10 +92,11 @@ def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_
 
     # Arrival order: the longest requests sit in high slots and are packed low as rows end.
     outs = sampler.generate([Request(p, max_new_tokens=b)
-                             for p, b in zip(_prompts(9, seed=6), budgets)], longest_first=False)
+                             for p, b in zip(_prompts(9, seed=6), budgets, strict=True)],
+                            longest_first=False)
 
     assert [len(o.tokens) for o in outs] == budgets
-    for p, b, out in zip(_prompts(9, seed=6), budgets, outs):
+    for p, b, out in zip(_prompts(9, seed=6), budgets, outs, strict=True):
         assert out.tokens == solo.generate([Request(p, max_new_tokens=b)])[0].tokens
     assert {calls[0][1] for _, calls in plans} == {2, 4, 8, 16}
     for live, calls in plans:
@@ -108,7 +111,7 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     # Two long requests, admitted into high slots, outlive many short ones: their window
     # outgrows the rest's and they are swapped into slots [0, 2) to decode on their own.
     budgets = [13, 25, 14, 110, 26, 12, 100] + [10 + 7 * i % 19 for i in range(23)]
-    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets)]
+    requests = [Request(p, max_new_tokens=b) for p, b in zip(prompts, budgets, strict=True)]
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=128,
                            max_new_tokens=110, prompt_buckets=(16,))
     assert sampler.decode_shapes == ((0, 2), (0, 8), (2, 6))
@@ -127,7 +130,7 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     assert split, plans
     assert all(p[0][:2] == (0, 2) and p[0][2] > p[-1][2] for p in split)
     assert sampler.compile_count() == compiled
-    for out, ref in zip(outs, refs):
+    for out, ref in zip(outs, refs, strict=True):
         assert out.tokens == ref.tokens
         np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
 
@@ -139,7 +142,7 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
     # Two long requests first, two middle ones after 20 short ones, then short ones again.
     budgets = [55, 54] + [3 + i % 5 for i in range(20)] + [40, 40] + [3 + i % 5 for i in range(30)]
     requests = [Request(p, max_new_tokens=b)
-                for p, b in zip(_prompts(len(budgets), seed=6, hi=8), budgets)]
+                for p, b in zip(_prompts(len(budgets), seed=6, hi=8), budgets, strict=True)]
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=64,
                            max_new_tokens=55, prompt_buckets=(8,))
     assert sampler.split_cuts == (2,)
@@ -155,7 +158,7 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
 
     assert any(len(p) == 3 for p in plans), plans
     assert all([lo for lo, _, _ in p] == sorted(lo for lo, _, _ in p) for p in plans)
-    for out, ref, b in zip(outs, refs, budgets):
+    for out, ref, b in zip(outs, refs, budgets, strict=True):
         assert out.tokens == ref.tokens and len(out.tokens) == b
         np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
 
@@ -241,7 +244,8 @@ def test_no_recompilation_after_warmup_with_mixed_prompt_lengths(tiny_params):
     requests = [Request(p, max_new_tokens=m, temperature=t, top_k=k, seed=i)
                 for i, (p, m, t, k) in enumerate(zip(
                     prompts, [1, 5, 40, 9, 3, 48, 2, 7, 30, 4, 12],
-                    [0.0, 0.7, 1.0, 0.0, 1.3] * 3, [0, 5, 0, 3, 0] * 3))]
+                    ([0.0, 0.7, 1.0, 0.0, 1.3] * 3)[:11], ([0, 5, 0, 3, 0] * 3)[:11],
+                    strict=True))]
 
     backend_compiles = []
 
@@ -366,7 +370,8 @@ def test_generate_admits_longest_budget_first_and_returns_results_in_request_ord
     # long one decoding alone after the rest; longest first runs the short ones beside it.
     _, params = tiny_params
     budgets = [5, 5, 5, 5, 17]
-    requests = [Request(p, max_new_tokens=b) for p, b in zip(_prompts(5, seed=11), budgets)]
+    requests = [Request(p, max_new_tokens=b)
+                for p, b in zip(_prompts(5, seed=11), budgets, strict=True)]
     fifo, sampler = make_sampler(params, slots=2), make_sampler(params, slots=2)
     fifo_rounds, rounds = _count_rounds(fifo), _count_rounds(sampler)
     admitted, prefill = [], sampler._run_prefill

@@ -1,13 +1,14 @@
 """A stand-in for a real release, built in-process (nothing downloaded): a tiny Qwen2 saved by
 transformers, a byte-level BPE tokenizer.json trained with the tokenizers library plus a
-ChatML chat template in tokenizer_config.json (as Qwen2.5-Instruct ships), and GSM8K-format
-and chat-format JSONL files."""
+ChatML chat template in tokenizer_config.json (as Qwen2.5-Instruct ships), GSM8K-format and
+chat-format JSONL files, and a reward such a random model can learn to earn."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 import random
+from typing import Any
 
 QWEN2_TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
@@ -100,3 +101,10 @@ def hf_chat_ids(tokenizer, messages: list[dict], **kwargs) -> list[int]:
     """transformers' chat-template token ids (a list whatever the version's return type)."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, **kwargs)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def letter_share(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Reward (``reward.names = ("meshrl.tests.jobs.real_model:letter_share",)``): the share of
+    letters among a completion's characters. The random checkpoint earns about half of it and
+    RL can raise it, where it earns nothing on GSM8K (every advantage 0, no update at all)."""
+    return [sum(ch.isalpha() for ch in c) / max(len(c), 1) for c in completions]

@@ -3,8 +3,12 @@ by transformers (with a BPE tokenizer and a ChatML template) goes through
 ``configs/rl_gsm8k.py:tiny`` on GSM8K-format JSONL, is exported and loaded by transformers, then
 through ``configs/sft_chat.py:tiny`` on chat-format JSONL from that export, exported and loaded
 again. Every run is ``main.py`` in a subprocess; the command-line overrides are what fits a
-2-core CPU, plus ``rollout.filter_equal_groups=False`` (a random-init model earns no reward, so
-every group would be filtered and the run would wait for ever; a real checkpoint does not)."""
+2-core CPU, plus what lets a random-init model learn: it earns no GSM8K reward (every advantage
+would be 0 and, at weight decay 0, every update exactly 0, so "it trains" would prove nothing),
+so the RL run pays for the share of letters in a completion (``real_model.letter_share``), at a
+rate and for a number of steps at which that share clearly rises; and
+``rollout.filter_equal_groups=False``, because once every completion earns the full reward the
+equal groups would be filtered and the run would wait for ever."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np
 import pytest
 
 from meshrl.tests.jobs import real_model
+from meshrl.tests.trees import unchanged_leaves
 
 pytestmark = pytest.mark.distributed  # 8 fake CPU devices: the recipes' FSDP meshes
 
@@ -27,10 +32,17 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU_FIT = ["--config.trainer.seq_len=128", "--config.data.max_prompt_len=64",
            "--config.data.eval_examples=4", "--config.trainer.microbatches=1"]
 RL_CPU_FIT = [*CPU_FIT, "--config.sampler.max_len=128", "--config.sampler.max_new_tokens=16",
-              "--config.sampler.prompt_buckets=(64,)", "--config.sampler.slots=16",
-              "--config.sampler.decode_chunk=8", "--config.rollout.group_size=4",
+              "--config.sampler.prompt_buckets=(64,)", "--config.sampler.slots=32",
+              "--config.sampler.decode_chunk=8", "--config.rollout.group_size=8",
               "--config.rollout.prompts_per_step=2", "--config.reward.num_workers=1",
               "--config.rollout.filter_equal_groups=False"]
+# A reward the random model can earn and learn; 16 samples a step (groups of 8) and a rate far
+# above the recipe's 1e-6 (no warm-up) take its mean from about 0.5 to about 0.9 in 12 steps.
+RL_STEPS = 12
+RL_LEARNS = ["--config.reward.names=('meshrl.tests.jobs.real_model:letter_share',)",
+             "--config.trainer.learning_rate=3e-2", "--config.optimizer.warmup_steps=0",
+             f"--config.trainer.steps={RL_STEPS}", f"--config.trainer.eval_every={RL_STEPS // 2}",
+             f"--config.checkpoint.every_steps={RL_STEPS // 2}"]
 SFT_CPU_FIT = [*CPU_FIT, "--config.trainer.batch_size=8"]
 
 
@@ -79,21 +91,37 @@ def rl_run(files) -> tuple[pathlib.Path, pathlib.Path]:
     """rl_gsm8k.py:tiny from the Qwen2 checkpoint, then its export."""
     workdir, out = files["root"] / "rl", files["root"] / "rl_hf"
     _train_and_export("rl_gsm8k.py:tiny", workdir, out, files["hf"], files["train"],
-                      files["test"], RL_CPU_FIT)
+                      files["test"], [*RL_CPU_FIT, *RL_LEARNS])
     return workdir, out
 
 
-def test_rl_gsm8k_recipe_from_a_transformers_qwen2_trains_publishes_and_exports(rl_run, files):
+def _rewards(workdir: pathlib.Path) -> list[float]:
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
+
+
+def test_rl_gsm8k_recipe_from_a_transformers_qwen2_raises_its_reward_and_exports(rl_run, files):
     workdir, out = rl_run
     summary = json.loads((workdir / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["warm_start_steps"] == 0  # no warm start from HF
+    rewards = _rewards(workdir)
+    exported, source = _tensors(out), _tensors(files["hf"])
+
+    assert summary["steps"] == RL_STEPS and summary["warm_start_steps"] == 0  # none from HF
     assert 0.0 <= summary["accuracy_before"] <= 1.0 and 0.0 <= summary["accuracy_after"] <= 1.0
     assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()
-                  if p.name.isdigit()) == [2, 4]
-    assert (workdir / "weights" / "4").is_dir()
-    exported, source = _tensors(out), _tensors(files["hf"])
+                  if p.name.isdigit()) == [RL_STEPS // 2, RL_STEPS]
+    assert (workdir / "weights" / str(RL_STEPS)).is_dir()
+    # Steps 1-3 train on samples of versions 0-2, steps 10-12 on versions 8-11 (staleness 1):
+    # the later policy earns more. 0.2 is under half the rise these settings give (about 0.45
+    # to 0.9), which one step's 16 samples measure to about +-0.05.
+    assert len(rewards) == RL_STEPS, rewards
+    assert np.mean(rewards[-3:]) > np.mean(rewards[:3]) + 0.2, rewards
     assert sorted(exported) == sorted(source)  # tied embeddings stay tied: no lm_head.weight
     assert all(np.isfinite(t).all() for t in exported.values())
+    # Every tensor the loss depends on moved. A key bias adds the same amount to all of a
+    # query's attention logits, which the softmax removes: its gradient is 0 up to rounding.
+    still = [n for n in unchanged_leaves(exported, source) if "k_proj.bias" not in n]
+    assert still == [], still
     # The run's tokenizer and chat template travel with the weights.
     assert (out / "tokenizer.json").read_bytes() == (files["hf"] / "tokenizer.json").read_bytes()
 
@@ -117,7 +145,7 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
     built = build_model(config.model, mesh=mesh, rules=rules_for("train", False))
     sampler = Sampler(built.cfg, SamplerConfig(max_len=64, slots=2, prompt_buckets=(32,)), mesh,
                       workdir=str(workdir))
-    sampler.load_weights(4)  # the version the run published last
+    sampler.load_weights(RL_STEPS)  # the version the run published last
     ours = tokenizer_for(config.model, real_model.QWEN2_TINY["vocab_size"])
     messages = [{"role": "user", "content": real_model.gsm8k_rows(1, 5)[0]["question"]}]
     ids = ours.encode(ours.apply_chat_template(messages, add_generation_prompt=True))

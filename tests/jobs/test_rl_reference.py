@@ -23,6 +23,7 @@ from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import Config
 from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trees import assert_trees_equal, unchanged_leaves
 
 T = 0.7  # a temperature != 1: the reference must be scored at the sampler's temperature
 TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32 logprobs, tensor-parallel vs one-device sums
@@ -139,7 +140,7 @@ def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run)
 
     assert (run.summary["steps"], run.summary["start_step"]) == (2, 0)
     assert len(run.batches) == 2
-    for step, (batch, rb) in enumerate(zip(run.batches, run.rollouts), start=1):
+    for step, (batch, rb) in enumerate(zip(run.batches, run.rollouts, strict=True), start=1):
         assert batch.ref_logprobs is None  # the loss adds no KL of its own
         ref_BxL = _logprobs(run.trainer, run.params0, batch)
         mask_BxL = batch.loss_mask
@@ -168,14 +169,11 @@ def test_reference_params_survive_donated_train_steps_unchanged_while_the_policy
     ref_after = jax.device_get(run.trainer.reference.params)
     policy_after = jax.device_get(run.trainer.state.params)
 
-    assert jax.tree.structure(ref_after) == jax.tree.structure(run.ref_before)
-    for before, after in zip(jax.tree.leaves(run.ref_before), jax.tree.leaves(ref_after)):
-        np.testing.assert_array_equal(after, before)
-    for ref, p0 in zip(jax.tree.leaves(run.ref_before), jax.tree.leaves(run.params0)):
-        np.testing.assert_array_equal(ref, p0)  # the reference is the version-0 policy
-    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(policy_after),
-                                                      jax.tree.leaves(run.params0))]
-    assert any(moved), "the trainer's params did not move: the test would prove nothing"
+    assert_trees_equal(ref_after, run.ref_before)
+    assert_trees_equal(run.ref_before, run.params0)  # the reference is the version-0 policy
+    still = unchanged_leaves(policy_after, run.params0)
+    assert len(still) < len(jax.tree.leaves(run.params0)), \
+        "the trainer's params did not move: the test would prove nothing"
     ref_sh = [x.sharding for x in jax.tree.leaves(run.trainer.reference.params)]
     state_sh = [x.sharding for x in jax.tree.leaves(run.trainer.state.params)]
     assert ref_sh == state_sh
@@ -209,8 +207,7 @@ def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retra
     assert sft_steps == ["2"]
     assert sorted(p.name for p in sft.iterdir() if p.name.isdigit()) == sft_steps
     assert (sft / "2").stat().st_mtime_ns == sft_mtime  # restored, not retrained and resaved
-    for a, b in zip(jax.tree.leaves(ref_first), jax.tree.leaves(ref_resumed)):
-        np.testing.assert_array_equal(b, a)
+    assert_trees_equal(ref_resumed, ref_first)
 
 
 @pytest.mark.parametrize("kl_where", ["loss", "reward"])

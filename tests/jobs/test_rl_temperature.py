@@ -13,6 +13,7 @@ from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
 from meshrl.inference.sampling import sample
+from meshrl.tests.trees import assert_trees_equal
 
 B, L, V = 3, 5, 11
 
@@ -64,10 +65,8 @@ def test_rl_loss_at_temperature_one_is_the_default_program_bitwise(policy_loss):
     # Same traced program (no division by 1 sneaks in), hence the same bits.
     assert str(jax.make_jaxpr(t1)(logits_BxLxV, batch)) == str(
         jax.make_jaxpr(default)(logits_BxLxV, batch))
-    for got, want in zip(jax.tree.leaves((t1(logits_BxLxV, batch), value_and_grad(t1))),
-                         jax.tree.leaves((default(logits_BxLxV, batch),
-                                          value_and_grad(default)))):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert_trees_equal((t1(logits_BxLxV, batch), value_and_grad(t1)),
+                       (default(logits_BxLxV, batch), value_and_grad(default)))
 
 
 @pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo", "gspo"])

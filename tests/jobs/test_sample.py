@@ -301,7 +301,7 @@ def test_sample_versions_gives_each_published_versions_greedy_held_out_completio
     assert [r["version"] for r in records] == [2, 2, 7, 7]
     requests = [Request(ex["prompt_ids"], temperature=0.0, stop_ids=(tokenizer.eos_id,))
                 for ex in examples]
-    for version, key in zip(RUN_VERSIONS, ("checkpoint", "version")):
+    for version, key in zip(RUN_VERSIONS, ("checkpoint", "version"), strict=True):
         rows = [r for r in records if r["version"] == version]
         direct_sampler.update_weights(params[key], version)
         assert [r["tokens"] for r in rows] == [c.tokens for c in

@@ -24,7 +24,7 @@ def test_xmanager_jobs_are_one_local_job_per_trial_with_the_local_command_line(t
     packageable = sweep_run.python_packageable()
 
     assert [j.name for j in jobs] == [t.name for t in spec.trials]
-    for job, trial in zip(jobs, spec.trials):
+    for job, trial in zip(jobs, spec.trials, strict=True):
         assert isinstance(job, xm.Job) and isinstance(job.executor, xm_local.Local)
         assert job.executable.command == sys.executable
         assert job.args.to_list(escaper=str) == sweep.trial_command(spec, trial, tmp_path)[1:]

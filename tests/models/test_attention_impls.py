@@ -28,6 +28,7 @@ from meshrl.models.attention_kernels import (
 )
 from meshrl.models.sharding import ShardingContext
 from meshrl.tests.models.conftest import random_ids
+from meshrl.tests.trees import assert_trees_close
 
 RTOL, ATOL = 1e-5, 1e-5  # float32 both sides; blocks only reorder the sums
 
@@ -80,8 +81,7 @@ def _value_and_grads(attend, q, k, v, cot, *args, collectives: bool = False):
 
 
 def _assert_same(got, want, rtol=RTOL, atol=ATOL):
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol)
+    assert_trees_close(got, want, rtol=rtol, atol=atol)
 
 
 def _reference(q, k, v, seg):

@@ -22,6 +22,7 @@ from meshrl.models.context_attention import (
     sequence_order,
 )
 from meshrl.models.sharding import ShardingContext
+from meshrl.tests.trees import assert_trees_close
 
 pytestmark = pytest.mark.distributed
 
@@ -84,8 +85,7 @@ def test_context_attention_equals_unsharded_attention_in_values_and_gradients(
     want, want_grads = _value_and_grads(reference, q, k, v, seg, probe)
 
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+    assert_trees_close(got_grads, want_grads, rtol=1e-5, atol=1e-5)
 
 
 def test_balanced_layout_gives_every_rank_the_same_causal_work():

@@ -12,6 +12,7 @@ import numpy as np
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import KVCache, forward
 from meshrl.tests.models.layer_stacking import unrolled_and_scanned
+from meshrl.tests.trees import assert_trees_close
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=3,
                   num_heads=4, num_kv_heads=2, max_position_embeddings=64)
@@ -76,8 +77,7 @@ def test_scan_layers_prefill_and_decode_on_the_stacked_cache_equal_unrolled_laye
                                         ids_BxL, 4)
 
     assert s_cache.is_stacked
-    for a, b in zip(want, got):
-        np.testing.assert_allclose(b, a, rtol=RTOL, atol=ATOL)
+    assert_trees_close(got, want, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(s_cache.k, np.stack(cache.k), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(s_cache.v, np.stack(cache.v), rtol=RTOL, atol=ATOL)
 

@@ -25,6 +25,7 @@ from meshrl.models.moe_math import (
     route,
     router_stats,
 )
+from meshrl.tests.trees import assert_trees_close
 
 T, D, E, F, K = 24, 16, 4, 8, 2
 RTOL, ATOL = 1e-5, 1e-6  # float32; the paths only reorder sums
@@ -88,8 +89,7 @@ def test_grouped_and_dense_paths_agree_in_values_and_gradients(impl):
         x, r, wg, wu, wd)
 
     np.testing.assert_allclose(grouped[0], dense[0], rtol=RTOL, atol=ATOL)
-    for g, d in zip(grouped[1], dense[1], strict=True):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(d), rtol=1e-4, atol=1e-5)
+    assert_trees_close(grouped[1], dense[1], rtol=1e-4, atol=1e-5)
 
 
 def test_topk_then_softmax_equals_renormalised_softmax_then_topk():

@@ -15,6 +15,7 @@ from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import forward, load_hf_checkpoint, save_hf_checkpoint, split_model
 from meshrl.models.hf import CheckpointError
 from meshrl.tests.models.conftest import hf_logits, random_hf_model, random_ids
+from meshrl.tests.trees import assert_trees_equal
 
 RTOL, ATOL = 1e-4, 1e-4  # float32 both sides: summation order only (scaled: logits ~ O(1))
 
@@ -99,8 +100,7 @@ def test_fused_expert_layout_on_disk_loads_the_same_params(checkpoints, tmp_path
     fused = split_model(load_hf_checkpoint(tmp_path))[1]
     per_expert = split_model(load_hf_checkpoint(path))[1]
 
-    for a, b in zip(jax.tree.leaves(fused), jax.tree.leaves(per_expert), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(fused, per_expert)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -119,9 +119,7 @@ def test_moe_export_loads_in_transformers_and_round_trips_bitwise(checkpoints, t
     assert type(reloaded).__name__ == KINDS[kind][1]
     np.testing.assert_allclose(hf_logits(reloaded, ids_BxL), hf_logits(torch_model, ids_BxL),
                                rtol=RTOL, atol=ATOL)
-    for a, b in zip(jax.tree.leaves(split_model(again)[1]), jax.tree.leaves(split_model(model)[1]),
-                    strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(split_model(again)[1], split_model(model)[1])
 
 
 def _rewrite(src: pathlib.Path, dst: pathlib.Path, edit) -> None:

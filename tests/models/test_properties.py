@@ -16,6 +16,7 @@ from meshrl.configs.schema import ModelConfig
 from meshrl.models import Decoder, KVCache, create_model, forward, split_model
 from meshrl.tests.models.conftest import random_ids
 from meshrl.tests.models.layer_stacking import stacked_like
+from meshrl.tests.trees import assert_trees_close
 
 RTOL, ATOL = 1e-5, 1e-5  # float32, same math in a different order/shape only
 
@@ -156,8 +157,7 @@ def test_remat_and_scan_keep_logits_and_gradients(remat, scan):
         r_grads = _unstacked_like(grads, r_grads)
 
     np.testing.assert_allclose(r_value, value, rtol=RTOL, atol=ATOL)
-    for g, rg in zip(jax.tree.leaves(grads), jax.tree.leaves(r_grads)):
-        np.testing.assert_allclose(rg, g, rtol=1e-4, atol=1e-5)
+    assert_trees_close(r_grads, grads, rtol=1e-4, atol=1e-5)
 
 
 def test_bfloat16_compute_runs_and_stays_close_to_float32():

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from meshrl.tests.trainer.test_step import (
-    _assert_same_params,
     _sgd,
     _single_device_reference,
     _train,
     _two_batches,
 )
+from meshrl.tests.trees import assert_trees_close
 from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_context4_data2_step_matches_one_device(strategy):
     for r, s in zip(ref_hist, hist, strict=True):
         np.testing.assert_allclose(s["loss"], r["loss"], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(s["grad_norm"], r["grad_norm"], rtol=1e-5, atol=1e-7)
-    _assert_same_params(state, ref_state, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.slow  # ~1 minute: 4,096-token sequences through main.py on 8 fake devices

@@ -16,11 +16,9 @@ import subprocess
 import sys
 import time
 
-import jax
-import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
+from meshrl.tests.trees import assert_trees_equal, final_params
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import MANIFEST, TMP_SUFFIX
 
@@ -85,11 +83,6 @@ def _kill_at_a_moment(proc: subprocess.Popen, ckpt: pathlib.Path, mode: str,
     return None
 
 
-def _final_params(workdir: pathlib.Path, step: int) -> list[np.ndarray]:
-    tree = ocp.PyTreeCheckpointer().restore(workdir / "checkpoints" / str(step) / "state")
-    return [np.asarray(x) for x in jax.tree.leaves(tree["params"])]
-
-
 def _run_with_kills(tmp_path: pathlib.Path, steps: int, kills: int, seed: int) -> None:
     env = _env(tmp_path / "jax_cache")
     straight = tmp_path / "straight"
@@ -133,8 +126,7 @@ def _run_with_kills(tmp_path: pathlib.Path, steps: int, kills: int, seed: int) -
 
     assert done >= kills, f"only {done} of {kills} kills landed before the run finished"
     assert during >= 1, "no kill landed while a save was in flight"
-    for a, b in zip(_final_params(straight, steps), _final_params(workdir, steps)):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(final_params(workdir, steps), final_params(straight, steps))
 
 
 @pytest.mark.distributed

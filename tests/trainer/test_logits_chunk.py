@@ -12,6 +12,7 @@ from meshrl.algorithms.losses import get_loss
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
+from meshrl.tests.trees import assert_trees_close
 from meshrl.trainer.engine import expand_prefix, put_batch
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import init_state, state_shardings
@@ -59,11 +60,10 @@ def test_chunked_logits_train_like_the_full_logits(microbatches):
     ref_hist, ref_params = _train(_sgd(**overrides, **{"trainer.logits_chunk": 0}))
     got_hist, got_params = _train(_sgd(**overrides, **{"trainer.logits_chunk": 24}))
 
-    for r, g in zip(ref_hist, got_hist):
+    for r, g in zip(ref_hist, got_hist, strict=True):
         for k in ("loss", "grad_norm", "token_accuracy"):
             np.testing.assert_allclose(g[k], r[k], rtol=1e-5, atol=1e-6, err_msg=k)
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_params, ref_params, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.distributed
@@ -72,11 +72,10 @@ def test_chunked_logits_over_fsdp_data_shards_train_like_one_device():
     got_hist, got_params = _train(_sgd(**{"trainer.logits_chunk": 24, "mesh.data": 2,
                                           "mesh.tensor": 2, "mesh.fsdp": True}))
 
-    for r, g in zip(ref_hist, got_hist):
+    for r, g in zip(ref_hist, got_hist, strict=True):
         np.testing.assert_allclose(g["loss"], r["loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g["grad_norm"], r["grad_norm"], rtol=1e-5, atol=1e-6)
-    for a, b in zip(jax.tree.leaves(got_params), jax.tree.leaves(ref_params)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert_trees_close(got_params, ref_params, rtol=1e-5, atol=1e-6)
 
 
 def _temp_bytes(chunk: int) -> int:

@@ -9,11 +9,11 @@ import subprocess
 import sys
 
 import jax
-import numpy as np
 import pytest
 
 from meshrl.algorithms.batch import TrainBatch
 from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
+from meshrl.tests.trees import unchanged_leaves
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.engine import NonFiniteLossError, put_batch
 
@@ -70,10 +70,9 @@ def test_engine_state_and_params_after_a_step_are_the_trained_ones(tmp_path):
     assert int(state.step) == 2 and int(state.weight_version) == 2
     assert loop.state is state  # one view until the next step
     assert jax.tree.structure(params) == jax.tree.structure(state.params)
-    assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params)))
-    moved = [not np.array_equal(np.asarray(a), np.asarray(b))
-             for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params))]
-    assert all(moved)
+    assert all(a is b for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(state.params),
+                                      strict=True))
+    assert unchanged_leaves(jax.device_get(params), before) == []
     loop.close()
 
 

@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from meshrl.tests.trainer.test_step import _assert_same_params, _sgd, _train, _two_batches
+from meshrl.tests.trainer.test_step import _sgd, _train, _two_batches
+from meshrl.tests.trees import assert_trees_close
 
 MOE = {"model.arch": "qwen3_moe", "model.qk_norm": True, "model.num_experts": 4,
        "model.moe_intermediate_size": 16, "model.num_kv_heads": 2,
@@ -47,4 +48,4 @@ def test_moe_step_on_data_expert_expert_tensor_matches_one_device():
         for key in ("loss", "moe/aux_loss", "moe/z_loss"):
             np.testing.assert_allclose(s[key], r[key], rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(s["grad_norm"], r["grad_norm"], rtol=1e-5, atol=1e-7)
-    _assert_same_params(state, ref_state, rtol=1e-5, atol=1e-6)
+    assert_trees_close(state.params, ref_state.params, rtol=1e-5, atol=1e-6)

@@ -16,6 +16,7 @@ import pytest
 from meshrl.algorithms import policy_loss as pl
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.schema import OptimizerConfig, RLConfig
+from meshrl.tests.trees import assert_trees_equal
 from meshrl.tests.workflows.test_trainer_contract import V, forward, groups
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.rl_step import make_rl_train_step
@@ -49,8 +50,7 @@ def test_one_minibatch_and_one_epoch_is_bitwise_the_plain_train_step(policy_loss
     s_old, m_old = _run(make_train_step(forward, loss_fn, tx, schedule, microbatches=2),
                         params, tx, batch)
 
-    for a, b in zip(jax.tree.leaves(s_new), jax.tree.leaves(s_old)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(s_new, s_old)
     assert set(m_new) - set(m_old) == {"logprob_mismatch", "logprob_mismatch_max",
                                        "logprob_mismatch_tokens"}
     for k in m_old:

@@ -14,6 +14,7 @@ from meshrl.algorithms.losses import get_loss
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
+from meshrl.tests.trees import assert_trees_close, assert_trees_equal
 from meshrl.trainer.engine import expand_prefix, put_batch
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.state import TrainState, init_state, state_shardings
@@ -66,21 +67,16 @@ def _sgd(**overrides: object) -> Config:
                           **overrides})
 
 
-def _assert_same_params(a: TrainState, b: TrainState, rtol: float, atol: float) -> None:
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
-
-
 def test_accumulating_four_microbatches_equals_one_big_batch():
     ref_state, ref_hist = _single_device_reference()
     acc_state, acc_hist = _train(_sgd(**{"trainer.microbatches": 4}), _two_batches(),
                                  [jax.devices()[0]])
     # Same math, only the summation order differs (4 partial sums + 1): f32 rounding level.
-    for r, a in zip(ref_hist, acc_hist):
+    for r, a in zip(ref_hist, acc_hist, strict=True):
         np.testing.assert_allclose(a["loss"], r["loss"], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(a["grad_norm"], r["grad_norm"], rtol=1e-5, atol=1e-7)
         assert a["tokens"] == r["tokens"]
-    _assert_same_params(acc_state, ref_state, rtol=1e-5, atol=1e-6)
+    assert_trees_close(acc_state.params, ref_state.params, rtol=1e-5, atol=1e-6)
 
 
 def _two_batches() -> list[dict[str, np.ndarray]]:
@@ -107,10 +103,10 @@ def test_sharded_step_matches_single_device(mesh_overrides):
     state, hist = _train(_sgd(**mesh_overrides), batches)
     # Sharded matmuls and cross-device reductions add partial sums in another order; the results
     # agree to f32 rounding (~1e-7 relative per op), amplified a little by two SGD steps.
-    for r, s in zip(ref_hist, hist):
+    for r, s in zip(ref_hist, hist, strict=True):
         np.testing.assert_allclose(s["loss"], r["loss"], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(s["grad_norm"], r["grad_norm"], rtol=1e-4, atol=1e-6)
-    _assert_same_params(state, ref_state, rtol=1e-4, atol=1e-5)
+    assert_trees_close(state.params, ref_state.params, rtol=1e-4, atol=1e-5)
 
 
 def test_nonfinite_loss_skips_update_and_counts_it():
@@ -122,9 +118,8 @@ def test_nonfinite_loss_skips_update_and_counts_it():
     assert int(after_nan.skipped) == 1 and int(after_nan.weight_version) == 1
     assert int(after_nan.step) == 2
     # The skipped update leaves params and optimizer moments bitwise untouched.
-    for x, y in zip(jax.tree.leaves((after_nan.params, after_nan.opt_state)),
-                    jax.tree.leaves((after_first.params, after_first.opt_state))):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_equal((after_nan.params, after_nan.opt_state),
+                       (after_first.params, after_first.opt_state))
     assert hist[2]["finite"] and np.isfinite(hist[2]["loss"])
     assert int(final.weight_version) == 2 and int(final.skipped) == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final.params))
@@ -135,8 +130,6 @@ def test_step_over_state_leaves_equals_the_pytree_step_bitwise():
     config = tiny_config()  # AdamW, as the jobs train
     ref_state, ref_hist = _train(config, _two_batches(), [jax.devices()[0]])
     leaf_state, leaf_hist = _train(config, _two_batches(), [jax.devices()[0]], leaves=True)
-    for r, a in zip(ref_hist, leaf_hist):
+    for r, a in zip(ref_hist, leaf_hist, strict=True):
         assert a["loss"] == r["loss"] and a["grad_norm"] == r["grad_norm"]
-    assert jax.tree.structure(leaf_state) == jax.tree.structure(ref_state)
-    for x, y in zip(jax.tree.leaves(leaf_state), jax.tree.leaves(ref_state)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_equal(leaf_state, ref_state)

@@ -86,13 +86,13 @@ def test_episodes_at_temperature_t_record_the_logprobs_the_trainer_recomputes_at
             engine, item, group_size=2, group_id=g, filter_equal=False,
             reward_pool=FakeRewards(), decode=decode,
             settings=EpisodeSettings(max_new_tokens=6, temperature=t, seed=3))
-            for g, (item, t) in enumerate(zip(items, temperatures))))
+            for g, (item, t) in enumerate(zip(items, temperatures, strict=True))))
     try:
         groups = asyncio.run(main())
     finally:
         engine.engine.shutdown()
 
-    for group, t in zip(groups, temperatures):
+    for group, t in zip(groups, temperatures, strict=True):
         tb = build_rollout_batch([group], length_buckets=(16,)).to_train_batch()
         logits_BxLxV = forward(graphdef, params, tb.input_ids)
         mask = tb.loss_mask > 0

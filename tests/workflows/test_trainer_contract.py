@@ -29,7 +29,7 @@ def groups(table: jax.Array) -> list[list[Trajectory]]:
 
     def traj(prompt, completion, reward, gid):
         ctx = [prompt[-1], *completion[:-1]]
-        lps = [float(logp_VxV[a, b]) for a, b in zip(ctx, completion)]
+        lps = [float(logp_VxV[a, b]) for a, b in zip(ctx, completion, strict=True)]
         return Trajectory([prompt[-1]], list(completion), lps, [0] * len(completion),
                           [1] * len(completion), reward=reward, group_id=gid)
     return [[traj([1], [2, 3], 1.0, 0), traj([1], [4, 5, 6], 0.0, 0)],
