@@ -17,7 +17,10 @@ from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file defining get_config(arg).")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/meshrl", "Checkpoints, weights, logs, summary.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Checkpoints, weights, logs, summary; default "
+    "$XDG_CACHE_HOME/meshrl/workdir (~/.cache/meshrl/workdir). Refused when it is a symlink, "
+    "another user's, or writable by group or others, or when another run holds it.")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate config, build the mesh, print, exit 0.")
 flags.mark_flag_as_required("config")
 
@@ -46,7 +49,9 @@ def main(argv: list[str]) -> None:
         if _DRY_RUN.value:
             print(jobs.dry_run(config))
             return
-        jobs.run(config, _WORKDIR.value)
+        from meshrl.utils.workdir import default_workdir
+
+        jobs.run(config, _WORKDIR.value or default_workdir())
     except UserError as e:
         exit_on_user_error(e, verbose=_debug(config))
 

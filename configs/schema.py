@@ -197,6 +197,11 @@ class RolloutConfig(Section):
     filter_equal_groups: bool = field(True, "Drop groups whose rewards are all equal (counted).")
     max_turns: int = field(1, "Model turns per episode; > 1 runs a multi-turn environment.",
                            at_least(1))
+    max_failed_groups: int = field(64, "Groups in a row (as they finish) that raise, none "
+                                       "succeeding in between, before the run stops with the last "
+                                       "error; fast failures outpace slow successes, so keep it "
+                                       "well above (max_staleness + 1) x prompts_per_step. A "
+                                       "broken reward pool stops the run at once.", at_least(1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +214,15 @@ class RewardConfig(Section):
     num_workers: int = field(2, "Reward process-pool size.", at_least(1))
     format_template: str = field("<think>...</think><answer>...</answer>",
                                  "Template of the 'format' reward; '...' is any non-blank text.")
+    deadline_s: float = field(60.0, "A scoring call's pairs still queued this long after it was "
+                                    "submitted score 0, counted in reward/deadline_zeros (bounds "
+                                    "what bad completions add to a step); 0: no deadline.",
+                              at_least(0.0))
+    worker_memory_mb: int = field(4096, "Address-space limit (RLIMIT_AS) of each reward worker, "
+                                        "MiB; a reward needing more scores a counted 0. 0: no "
+                                        "limit.",
+                                  ("must be 0 (no limit) or >= 256 (a worker needs ~100 MiB to "
+                                   "start)", lambda v: v == 0 or v >= 256))
 
     def validate(self) -> None:
         if len(self.names) != len(self.weights):
@@ -258,6 +272,15 @@ class CheckpointConfig(Section):
     async_save: bool = field(True, "Write checkpoints in the background.")
     publish_every: int = field(10, "Steps between Orbax weight versions for the sampler.",
                                at_least(1))
+    keep_versions: int = field(
+        3, "Published weight versions kept under <workdir>/weights: the newest ones up to the "
+           "version just published; older ones are renamed aside and deleted once the new one "
+           "is complete. 0 keeps all (an evaluate job that may fall behind needs 0 or enough).",
+        at_least(0))
+    on_unverified: Literal["stop", "restart"] = field(
+        "stop", "When checkpoints exist but none matches its manifest: stop (nothing moved or "
+                "deleted) or restart (move them all aside as corrupt.<step>.<ns> and train from "
+                "scratch in this workdir).")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +306,8 @@ class DistributedConfig(Section):
         at_least(0.0))
     first_step_timeout_s: float = field(
         3600.0, "The watchdog's limit from the start of the training loop to the first "
-                "completed step (its compilation included); 0: no limit before the first step.",
+                "completed step (its compilation included), and on the checkpoint restore at "
+                "start-up; 0: no limit before the first step.",
         at_least(0.0))
 
     def validate(self) -> None:

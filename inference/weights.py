@@ -3,10 +3,18 @@
 Both paths end in the same jitted copy-and-cast onto the sampler's shardings, so a version handed
 over in process and the same version restored from ``<workdir>/weights/<version>`` are bitwise
 identical on the sampler.
+
+Published versions: ``<workdir>/weights/<version>`` appears whole (Orbax renames a finished
+write into place). ``publish_version`` keeps the newest ``keep`` versions up to the one it
+publishes: a version leaves by a rename to ``retired.<version>.<ns>`` (so a reader sees it whole
+or not at all), done only after the new version is complete, and the renamed directory is then
+deleted (a kill mid-deletion leaves it for the next publication to delete). A reader that loses
+a version to this mid-read gets ``WeightVersionGoneError`` (a ``FileNotFoundError``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,14 +23,20 @@ import jax.numpy as jnp
 from etils import epath
 from flax import nnx
 
-from meshrl.utils import paths
+from meshrl.utils import multihost, paths
+from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
+RETIRED = "retired"  # weights/retired.<version>.<ns>: a version on its way out
 
 
 class WeightMismatchError(ValueError):
     """Incoming params do not match the sampler's model (tree, shape or dtype kind)."""
+
+
+class WeightVersionGoneError(UserError, FileNotFoundError):
+    """A published version was removed (retention or a re-publication) while being read."""
 
 
 def _key_name(k: Any) -> str | None:
@@ -174,17 +188,73 @@ def publish_weights(params: Any, workdir: paths.PathLike, version: int) -> epath
     return path
 
 
+def _set_aside(path: epath.Path) -> epath.Path | None:
+    """Rename ``path`` to ``retired.<name>.<ns>`` beside it; None when it is already gone."""
+    aside = path.parent / f"{RETIRED}.{path.name}.{time.time_ns()}"
+    try:
+        path.rename(aside)
+    except FileNotFoundError:
+        return None
+    return aside
+
+
+def _remove_retired(root: epath.Path) -> None:
+    for p in root.glob(f"{RETIRED}.*") if root.is_dir() else ():
+        paths.remove_tree(p)
+
+
+def publish_version(params: Any, workdir: paths.PathLike, version: int, keep: int) -> epath.Path:
+    """Publish ``params`` as ``version``, then keep only the newest ``keep`` versions up to it
+    (0: all). Every process calls it (the save is collective); process 0 alone renames and
+    deletes. A leftover ``version`` of a killed run is renamed aside first, under a barrier so
+    no process starts the save while it is still there, and deleted once the new one is
+    complete. Versions newer than ``version`` (a killed run's, about to be re-published) are
+    left alone."""
+    path, root = weights_dir(workdir, version), paths.as_path(workdir) / "weights"
+    primary = jax.process_index() == 0
+    replaced = None
+    if primary:
+        _remove_retired(root)
+        replaced = _set_aside(path) if path.exists() else None
+    multihost.sync(f"meshrl-publish-{version}-aside")
+    publish_weights(params, workdir, version)
+    if not primary:
+        return path
+    older = [v for v in published_versions(workdir) if v < version]
+    gone = older[:len(older) - (keep - 1)] if keep and len(older) >= keep else []
+    retired = [replaced] + [_set_aside(weights_dir(workdir, v)) for v in gone]
+    for aside in retired:
+        if aside is not None:
+            paths.remove_tree(aside)
+    if gone:
+        log.info("weight versions %s deleted (checkpoint.keep_versions = %d)", gone, keep)
+    return path
+
+
 def restore_weights(workdir: paths.PathLike, version: int, expected: dict[str, Any],
                     shardings: dict[str, Any]) -> dict[str, jax.Array]:
-    """Restore a published version straight into the sampler shardings (stored dtype kept)."""
+    """Restore a published version straight into the sampler shardings (stored dtype kept).
+    A version absent, or removed while being read, is a ``WeightVersionGoneError``."""
     import orbax.checkpoint as ocp
 
     path = weights_dir(workdir, version)
+    gone = (f"weight version {version} at {path} {{}}: the run keeps only its newest "
+            f"checkpoint.keep_versions versions (published now: {{}}); pick a listed version, "
+            f"or publish with checkpoint.keep_versions = 0 to keep every one")
     if not path.exists():
-        raise FileNotFoundError(f"no published weights version {version} at {path}")
+        raise WeightVersionGoneError(gone.format("does not exist", published_versions(workdir)))
     ckptr = ocp.StandardCheckpointer()
-    meta = flat_params(ckptr.metadata(path).item_metadata)
-    check_compatible(meta, expected)
-    target = nested({k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=shardings[k])
-                     for k, m in meta.items()})
-    return flat_params(ckptr.restore(path, target))
+    try:
+        meta = flat_params(ckptr.metadata(path).item_metadata)
+        check_compatible(meta, expected)
+        target = nested({k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=shardings[k])
+                         for k, m in meta.items()})
+        return flat_params(ckptr.restore(path, target))
+    except WeightMismatchError:
+        raise
+    except Exception as e:
+        if path.exists():
+            raise
+        # Whatever Orbax or tensorstore raised for the vanished files, the cause is this.
+        raise WeightVersionGoneError(gone.format("was deleted while being read",
+                                                 published_versions(workdir))) from e

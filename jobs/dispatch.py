@@ -5,7 +5,9 @@ the module is imported only when that job runs. ``dry_run(config)`` runs every c
 before it compiles or writes anything (the config is already valid: ``Config`` runs the
 cross-section rules; here: input paths, distributed start-up, the meshes with their device
 count, the split placement included) and returns the text a user checks. ``run`` makes the same
-checks, then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
+checks, then checks the workdir and takes its lock (``utils/workdir.py``; one run per workdir
+and writing job: SFT and RL share a lock, sample and evaluate have their own, export takes none),
+then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from meshrl.mesh import (
     rules_for,
 )
 from meshrl.models.build import resolve_model_config
-from meshrl.utils import compile_cache, log, paths
+from meshrl.utils import compile_cache, log, multihost, paths
+from meshrl.utils.workdir import WorkdirError, WorkdirLock, prepare
 
 # Job -> "module:function"; each function takes (config, workdir).
 _JOBS: dict[Job, str] = {}
@@ -91,5 +94,42 @@ def run(config: Config, workdir: str) -> None:
     log.set_process_index(jax.process_index())
     if cache is not None:  # logged once the record can carry this process's index
         log.get_logger("main").info("JAX compilation cache: %s", cache)
-    paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
-    getattr(importlib.import_module(module), fn)(config, workdir)
+    lock = _claim_workdir(config, workdir)
+    log.get_logger("main").info("workdir %s", workdir)
+    try:
+        getattr(importlib.import_module(module), fn)(config, workdir)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+# The lock file of each job that writes into the workdir. SFT and RL write the same checkpoints
+# (RL's warm start included), so they share one; the evaluator and the sampler write files of
+# their own and may run beside training. Export only reads the workdir.
+_LOCKS: dict[Job, str] = {Job.SFT: ".meshrl.lock", Job.RL: ".meshrl.lock",
+                          Job.SAMPLE: ".meshrl.sample.lock",
+                          Job.EVALUATE: ".meshrl.evaluate.lock"}
+
+
+def _claim_workdir(config: Config, workdir: str) -> WorkdirLock | None:
+    """Check the workdir on every process and lock it on process 0 (the processes of one run
+    share the workdir, and a second run has a process 0 too); every process raises the first
+    process's problem, so that none of them goes on alone into a collective."""
+    name = _LOCKS.get(config.job)
+    if name is None:
+        paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
+        return None
+    problem, lock = None, None
+    try:
+        prepare(workdir)
+        if jax.process_index() == 0:
+            lock = WorkdirLock(workdir, name, config.job.value)
+            lock.acquire()
+    except WorkdirError as e:
+        problem = str(e)
+    problems = [p for p in multihost.allgather_json(problem) if p]
+    if problems:
+        if lock is not None:
+            lock.release()
+        raise WorkdirError(problems[0])
+    return lock

@@ -13,7 +13,9 @@ Contract:
   a finished write into place) is restored onto a sampler of ``model.*`` / ``sampler.*`` on
   ``mesh.*`` through the sampler's Orbax path (``Sampler.load_weights``), in ascending order;
   weights that do not fit ``model.*`` are a ``ConfigError``. Every token must come from the
-  version evaluated (``EvalVersionError`` otherwise).
+  version evaluated (``EvalVersionError`` otherwise). A version the run's
+  ``checkpoint.keep_versions`` deletes first is skipped (the summary's ``not_evaluated``):
+  give the RL job ``checkpoint.keep_versions = 0`` (or enough) to evaluate every one.
 * Output: ``<workdir>/eval/metrics.jsonl`` and tensorboard events under ``<workdir>/eval/tb``,
   step = weight version; ``<workdir>/eval/summary.json`` at the end. A rerun skips the versions
   already in ``metrics.jsonl``.
@@ -119,7 +121,8 @@ class _Evaluator:
 
     def load(self, version: int) -> bool:
         """Put ``version`` on the sampler; False if it vanished (a resumed RL run replaces the
-        versions after its checkpoint: it comes back under the same number)."""
+        versions after its checkpoint: it comes back under the same number; or the run's
+        ``checkpoint.keep_versions`` retired it: it is then no longer listed)."""
         # TODO(meshrl): a version a resumed RL run replaces after it was evaluated keeps the
         # old weights' metrics; the trainer publishes no marker that would tell them apart.
         try:
@@ -128,8 +131,9 @@ class _Evaluator:
             raise ConfigError(f"{weights_dir(self.workdir, version)}: weight version {version} "
                               f"does not fit model.* of this config ({e}): pass the config the "
                               f"RL run was trained with") from None
-        except FileNotFoundError:
-            log.warning("weight version %d vanished while loading; retrying", version)
+        except FileNotFoundError as e:
+            log.warning("weight version %d vanished while loading (%s); listing the versions "
+                        "again", version, e)
             return False
         return True
 
@@ -230,10 +234,11 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         writer.close()
         ev.close()
     summary = _summary(config, done, reason, time.perf_counter() - t0)
-    (eval_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    paths.write_text_atomic(eval_dir / "summary.json", json.dumps(summary, indent=2))
     if summary["not_evaluated"]:
-        log.warning("versions %s of the run's schedule were never published: not evaluated",
-                    summary["not_evaluated"])
+        log.warning("versions %s of the run's schedule were never published, or were deleted "
+                    "before they were evaluated (the run's checkpoint.keep_versions): not "
+                    "evaluated", summary["not_evaluated"])
     log.info("evaluated versions %s; greedy accuracy %s -> %s; %s", summary["versions"],
              summary["accuracy_first"], summary["accuracy_final"], eval_dir / "summary.json")
     return summary

@@ -345,7 +345,7 @@ class RLTrainer:
         if jax.process_index() == 0:
             metrics = read_metrics(self.workdir / "metrics.jsonl")
             plot_curves(metrics, self.workdir / "rl_curves.png")
-            (self.workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+            paths.write_text_atomic(self.workdir / "summary.json", json.dumps(summary, indent=2))
         return summary
 
     def close(self) -> None:
@@ -367,6 +367,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     # Every process logs it: equal values show the processes ended with the same params.
     log.info("params_checksum %.17g", summary["params_checksum"])
     if jax.process_index() == 0:
-        (paths.as_path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
+                                json.dumps(summary, indent=2))
         log.info("%s", rl_summary_table(summary, workdir))
     return summary

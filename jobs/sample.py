@@ -272,7 +272,7 @@ def run(config: Config, workdir: str) -> None:
     dt = max(part["seconds"] for part in parts)  # the processes sample side by side
     path = paths.as_path(workdir) / "samples.jsonl"
     if jax.process_index() == 0:
-        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        paths.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
     n_tokens = sum(len(r["tokens"]) for r in records)
     log.info("wrote %d samples (%d tokens, %.1f tok/s, %d prompts dropped) to %s", len(records),
              n_tokens, n_tokens / max(dt, 1e-9), dropped, path)

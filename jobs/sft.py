@@ -170,6 +170,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     }
     _log.info("params_checksum %.17g", checksum)  # on every process: they must agree
     if jax.process_index() == 0:
-        (paths.as_path(workdir) / "summary.json").write_text(json.dumps(summary, indent=2))
+        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
+                                json.dumps(summary, indent=2))
         _log.info("%s", sft_summary_table(summary, workdir))
     return summary

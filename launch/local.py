@@ -8,7 +8,10 @@ set for an explicit start (coordinator on a free localhost port, process ids 0..
 there is no accelerator (``--platform cpu``, the default) each process gets
 ``--devices_per_process`` fake CPU devices. Every output line is prefixed with ``[pK]``. When a
 process exits non-zero, the others are stopped (their whole process groups, so no orphans) and
-the launcher exits with that code; Ctrl-C stops them all too.
+the launcher exits with that code. Ctrl-C, SIGTERM and SIGHUP (a CI cancel, ``timeout``, a closed
+ssh session) stop them all the same way, and the launcher exits with 130, 143 or 129. On Linux
+each process also dies with the launcher (``PR_SET_PDEATHSIG``), so a launcher killed with
+SIGKILL leaves no process holding devices; elsewhere only that last case leaves them running.
 """
 
 from __future__ import annotations
@@ -30,13 +33,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# Runs first in each process, then execs the job: the kernel kills the process when the thread
+# that started it (the launcher's main thread) ends, SIGKILL of the launcher included, which no
+# handler sees. The parent-pid check covers a launcher that died before prctl ran.
+_DIE_WITH_LAUNCHER = (
+    "import ctypes, os, signal, sys\n"
+    "PR_SET_PDEATHSIG = 1\n"
+    "libc = ctypes.CDLL(None, use_errno=True)\n"
+    "if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:\n"
+    "    sys.exit(f'launch/local.py: prctl(PR_SET_PDEATHSIG) failed, errno {ctypes.get_errno()}')\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit('launch/local.py: the launcher is gone')\n"
+    "os.execv(sys.argv[2], sys.argv[2:])\n"
+)
+
+
 def process_command(args: Sequence[str], process_id: int, num_processes: int,
                     coordinator: str) -> list[str]:
-    """The command line of process ``process_id``: ``args`` with the distributed overrides."""
-    return [sys.executable, *args, "--config.distributed.initialize=explicit",
-            f"--config.distributed.coordinator_address={coordinator}",
-            f"--config.distributed.num_processes={num_processes}",
-            f"--config.distributed.process_id={process_id}"]
+    """The command line of process ``process_id``: ``args`` with the distributed overrides,
+    started (on Linux) through a step that ties the process's life to the launcher's."""
+    command = [sys.executable, *args, "--config.distributed.initialize=explicit",
+               f"--config.distributed.coordinator_address={coordinator}",
+               f"--config.distributed.num_processes={num_processes}",
+               f"--config.distributed.process_id={process_id}"]
+    if not sys.platform.startswith("linux"):
+        return command
+    return [sys.executable, "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
 
 
 def process_env(devices_per_process: int, platform: str) -> dict[str, str]:
@@ -58,17 +80,50 @@ def _pump(proc: subprocess.Popen, tag: str, lock: threading.Lock) -> None:
             sys.stdout.flush()
 
 
+def _killpg(p: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:  # the whole group exited since the poll
+        pass
+
+
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
     for p in procs:
         if p.poll() is None:
-            os.killpg(p.pid, signal.SIGTERM)
+            _killpg(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
             p.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
+            _killpg(p, signal.SIGKILL)
             p.wait()
+
+
+class _SignalledError(BaseException):
+    """SIGTERM or SIGHUP reached the launcher; the processes are stopped like on Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _catch_signals() -> dict[int, object]:
+    """Turn the first SIGTERM/SIGHUP into ``_SignalledError`` in the main thread (a second one,
+    while the processes are being stopped, is ignored); returns the handlers to put back."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not seen:
+            seen.append(signum)
+            raise _SignalledError(signum)
+
+    return {s: signal.signal(s, handler) for s in _FORWARDED}
 
 
 def launch(args: Sequence[str], num_processes: int, devices_per_process: int,
@@ -79,6 +134,7 @@ def launch(args: Sequence[str], num_processes: int, devices_per_process: int,
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []
     pumps: list[threading.Thread] = []
+    previous = _catch_signals()
     try:
         for i in range(num_processes):
             p = subprocess.Popen(process_command(args, i, num_processes, coordinator), env=env,
@@ -99,8 +155,13 @@ def launch(args: Sequence[str], num_processes: int, devices_per_process: int,
     except KeyboardInterrupt:
         _stop(procs)
         return 130
+    except _SignalledError as e:
+        _stop(procs)
+        return 128 + e.signum
     finally:
         _stop(procs)
+        for s, h in previous.items():
+            signal.signal(s, h)
         for t in pumps:
             t.join(timeout=5)
 

@@ -17,7 +17,8 @@ Contract:
   where two short names clash) and is unique, deterministic and filesystem-safe.
 * The local launcher runs at most ``--parallel`` trials at once as subprocesses, each one's
   stdout and stderr to ``W/<t>/sweep.log``. A trial is finished when ``W/<t>/summary.json``
-  exists: a rerun skips finished trials and reruns the others in their workdirs, where
+  holds a whole JSON object (jobs write it to a temporary file and rename it into place, so a
+  kill mid-write leaves none; one cut short by an older build does not count): a rerun skips finished trials and reruns the others in their workdirs, where
   ``main.py`` resumes from the newest checkpoint.
 * ``--launcher xmanager`` adds the same command lines as one ``xm.Job`` each (local executor) to
   an XManager experiment; it needs ``pip install xmanager`` (not a meshrl dependency).
@@ -34,6 +35,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import itertools
+import json
 import os
 import pathlib
 import re
@@ -164,8 +166,17 @@ def trial_command(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> list[str]
     return [sys.executable, str(MAIN), *trial_args(spec, trial, workdir)]
 
 
+def read_summary(workdir: pathlib.Path, trial: Trial) -> dict[str, Any] | None:
+    """The trial's summary.json; None when it is absent or not a whole JSON object."""
+    try:
+        summary = json.loads((workdir / trial.name / SUMMARY).read_text())
+    except (OSError, ValueError):  # absent, or cut short
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
 def is_finished(workdir: pathlib.Path, trial: Trial) -> bool:
-    return (workdir / trial.name / SUMMARY).is_file()
+    return read_summary(workdir, trial) is not None
 
 
 # --- loading and checking a sweep file -----------------------------------------------------

@@ -1,7 +1,7 @@
 """A sweep's results: ``W/results.csv``, the table on stdout, ``W/sweep_curves.png``.
 
 Contract: one row per trial, in sweep order: ``trial``, ``status`` (``done`` when its
-summary.json exists, else ``failed``), its overrides (one column per dotted key), every scalar
+summary.json holds a whole JSON object, else ``failed``), its overrides (one column per dotted key), every scalar
 of its summary.json (nested dicts flattened to ``outer.inner``; lists left out) and, for a
 failed trial, ``error``: the last line of its ``sweep.log``. The table shows the overrides and
 the headline numbers; the CSV has every column. The plot has one line per trial for each of
@@ -11,14 +11,16 @@ the headline numbers; the CSV has every column. The plot has one line per trial 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshrl.launch.sweep import SUMMARY, Trial, format_value, is_finished
+from meshrl.launch.sweep import Trial, format_value, read_summary
 from meshrl.launch.sweep_run import LOG, log_tail
+from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
 log = get_logger("launch.sweep")
@@ -42,13 +44,11 @@ def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def trial_row(trial: Trial, workdir: pathlib.Path) -> dict[str, Any]:
     row: dict[str, Any] = {"trial": trial.name}
-    row["status"] = "done" if is_finished(workdir, trial) else "failed"
+    summary = read_summary(workdir, trial)
+    row["status"] = "done" if summary is not None else "failed"
     row.update(trial.overrides)
-    if row["status"] == "done":
-        try:
-            row.update(flatten(json.loads((workdir / trial.name / SUMMARY).read_text())))
-        except ValueError as e:  # a summary cut short: the numbers are lost, not the row
-            row["error"] = f"{SUMMARY} unreadable: {e}"
+    if summary is not None:
+        row.update(flatten(summary))
     else:
         tail = log_tail(workdir / trial.name / LOG, 1)
         row["error"] = tail[0] if tail else f"no {LOG} (launched by XManager: see its output)"
@@ -59,10 +59,11 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: pathlib.Path) -> None:
     columns = list(dict.fromkeys(k for r in rows for k in r if k != "error"))
     if any("error" in r for r in rows):
         columns.append("error")
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns, restval="")
-        writer.writeheader()
-        writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    text = io.StringIO(newline="")
+    writer = csv.DictWriter(text, fieldnames=columns, restval="")
+    writer.writeheader()
+    writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    paths.write_text_atomic(paths.as_path(path), text.getvalue())
 
 
 def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:

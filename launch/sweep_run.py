@@ -57,7 +57,9 @@ def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,
 
 def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> int:
     tdir = workdir / trial.name
-    tdir.mkdir(parents=True, exist_ok=True)
+    # Private, as main.py creates a workdir: it refuses one that group or others may write,
+    # which a umask of 002 would give.
+    tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
     cmd = trial_command(spec, trial, workdir)
     t0 = time.perf_counter()
     log.info("trial %s: started", trial.name)

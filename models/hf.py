@@ -224,11 +224,43 @@ def _flat_params(state: nnx.State) -> dict[tuple[Any, ...], nnx.Variable]:
 # ---- import ---------------------------------------------------------------------------------
 
 
+def _shard_roots(path: pathlib.Path) -> list[pathlib.Path]:
+    """Where an index's files may resolve to: the directory and, in a Hugging Face hub cache
+    (``models--org--name/snapshots/<rev>``), the repo's ``blobs``, which its files link into."""
+    roots = [path.resolve()]
+    blobs = path.parent.parent / "blobs"
+    if path.parent.name == "snapshots" and blobs.is_dir():
+        roots.append(blobs.resolve())
+    return roots
+
+
+def _index_files(path: pathlib.Path, index: pathlib.Path) -> dict[str, pathlib.Path]:
+    """The index's ``weight_map`` as paths, each confined to the checkpoint directory: the
+    index is model data, and must not make the loader read files elsewhere."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        items = list(weight_map.items())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{index}: unreadable ({e!r}): it must be JSON with a "
+                              f"'weight_map' object of tensor name -> file name") from None
+    roots, checked = _shard_roots(path), dict[str, pathlib.Path]()
+    for name, file in items:
+        if isinstance(file, str) and file in checked:
+            continue
+        pure = pathlib.PurePosixPath(file) if isinstance(file, str) else None
+        if (pure is None or pure.is_absolute() or not pure.parts or ".." in pure.parts
+                or not any((path / pure).resolve().is_relative_to(r) for r in roots)):
+            raise CheckpointError(f"{index}: weight_map[{name!r}] = {file!r}: must name a file "
+                                  f"inside {path} (a relative path without '..' that does not "
+                                  f"link out of the directory)")
+        checked[file] = path / pure
+    return {name: checked[file] for name, file in items}
+
+
 def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: path / file for name, file in weight_map.items()}
+        return _index_files(path, index)
     single = path / "model.safetensors"
     if not single.exists():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json: "

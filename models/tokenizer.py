@@ -82,16 +82,11 @@ def _token_content(value: Any) -> str | None:
     return str(value)
 
 
-def _raise_exception(message: str) -> None:
-    from jinja2.exceptions import TemplateError
-
-    raise TemplateError(message)
-
-
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` plus its ``tokenizer_config.json`` (chat template and
     special tokens), read from a local directory. Never runs remote code: the chat template is
-    rendered in jinja2's immutable sandbox."""
+    rendered in jinja2's immutable sandbox with bounded arithmetic and output
+    (``models/chat_template.py``)."""
 
     def __init__(self, directory: str) -> None:
         from tokenizers import Tokenizer as _RustTokenizer
@@ -150,20 +145,19 @@ class HFTokenizer:
             raise TokenizerError(f"{self._directory!r}: no chat_template in "
                                  f"tokenizer_config.json or chat_template.jinja: add the model's "
                                  f"chat template, or give prompts instead of 'messages'")
-        if self._compiled is None:
-            from jinja2.ext import loopcontrols
-            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        from jinja2.sandbox import SecurityError
 
-            # Same environment options as transformers, so templates render identically.
-            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=[loopcontrols])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise_exception
-            self._compiled = env.from_string(self._template_source)
+        from meshrl.models import chat_template
+
+        if self._compiled is None:
+            self._compiled = chat_template.compile_template(self._template_source)
         specials = {k: v for k, v in self._special.items() if v is not None}
-        return self._compiled.render(messages=messages,
-                                     add_generation_prompt=add_generation_prompt, **specials)
+        try:
+            return chat_template.render(self._compiled, messages=messages,
+                                        add_generation_prompt=add_generation_prompt, **specials)
+        except SecurityError as e:
+            raise TokenizerError(f"{self._directory!r}: its chat template was stopped: {e}: "
+                                 f"use the model's original template") from e
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -5,7 +5,7 @@
 """
 
 from meshrl.rewards import countdown, format, gsm8k, math_answer  # noqa: F401  (registration)
-from meshrl.rewards.pool import RewardPool
+from meshrl.rewards.pool import RewardPool, RewardPoolError
 from meshrl.rewards.registry import get, names, register
 
-__all__ = ["RewardPool", "get", "names", "register"]
+__all__ = ["RewardPool", "RewardPoolError", "get", "names", "register"]

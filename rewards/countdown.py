@@ -1,8 +1,9 @@
 """Countdown reward: the last ``<answer>...</answer>`` holds an equation reaching ``target``.
 
-Range {0.0, 1.0}: 1.0 when the equation (an optional ``= target`` suffix is allowed) evaluates
-exactly to ``target`` using only ``+ - * /``, parentheses and integers from ``numbers``, each at
-most as often as given; 0.0 otherwise. The equation is parsed by ``safe_arith``; model text is
+Range {0.0, 1.0} (only the last ``extract.MAX_ANSWER_CHARS`` characters are read): 1.0 when the
+equation (an optional ``= target`` suffix is allowed) evaluates exactly to ``target`` using only
+``+ - * /``, parentheses and integers from ``numbers``, each at most as often as given; 0.0
+otherwise. The equation is parsed by ``safe_arith``; model text is
 never executed.
 """
 
@@ -12,12 +13,12 @@ from collections import Counter
 from typing import Any
 
 from meshrl.rewards import safe_arith
-from meshrl.rewards.extract import last_answer_tag
+from meshrl.rewards.extract import answer_tail, last_answer_tag
 from meshrl.rewards.registry import register
 
 
 def score_one(completion: str, numbers: list[int], target: int) -> float:
-    equation = last_answer_tag(completion)
+    equation = last_answer_tag(answer_tail(completion))
     if not equation:
         return 0.0
     lhs, eq, rhs = equation.partition("=")

@@ -1,8 +1,9 @@
 """GSM8K reward: the completion's final number equals the number after ``####`` in ``answer``.
 
-Range {0.0, 1.0}. The completion's final answer is its last ``#### N``, else its last
-``\\boxed{}``, else its last number; equivalence is ``math_answer.is_equiv`` (so ``1,000``,
-``$1000`` and ``1000.00`` all match ``1000``).
+Range {0.0, 1.0}. The completion's final answer (in its last ``extract.MAX_ANSWER_CHARS``
+characters) is its last ``#### N``, else its last ``\\boxed{}``, else its last number;
+equivalence is ``math_answer.is_equiv`` (so ``1,000``, ``$1000`` and ``1000.00`` all match
+``1000``).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from meshrl.rewards.extract import last_boxed, last_number, score_final_answers
+from meshrl.rewards.extract import answer_tail, last_boxed, last_number, score_final_answers
 from meshrl.rewards.math_answer import is_equiv
 from meshrl.rewards.registry import register
 
@@ -22,6 +23,7 @@ def gold_number(answer: str) -> str:
 
 
 def final_answer(completion: str) -> str | None:
+    completion = answer_tail(completion)
     marked = _HASHES.findall(completion)
     if marked and marked[-1].strip():
         number = last_number(marked[-1])

@@ -1,34 +1,47 @@
 """Math reward: the completion's final answer equals the ground truth.
 
 Range {0.0, 1.0}. The final answer is the last ``\\boxed{...}`` (nested braces allowed; an empty
-box scores 0), else the last number in the completion. The ground truth (``answer`` field) may be
-a bare answer, a MATH solution (its last ``\\boxed{}`` is used) or a GSM8K solution (text after
-``####``). Equivalence, in order: normalised strings; exact numbers (integers, decimals,
-fractions, ``\\frac``/``\\dfrac``, percentages, thousands separators, ``\\text{}``, ``$``, units,
-negatives); tuples element-wise; then symbolic equality of small expressions with sympy, built
-by a whitelisting ``ast`` walk (model text is never evaluated), bounded in length and nodes.
+box scores 0), else the last number, in the completion's last ``extract.MAX_ANSWER_CHARS``
+characters. The ground truth (``answer`` field) may be a bare answer, a MATH solution (its last
+``\\boxed{}`` is used) or a GSM8K solution (text after ``####``). Equivalence, in order:
+normalised strings; exact numbers (integers, decimals, fractions, ``\\frac``/``\\dfrac``,
+percentages, thousands separators, ``\\text{}``, ``$``, units, negatives); tuples element-wise;
+then symbolic equality of small expressions with sympy, built by a whitelisting ``ast`` walk
+(model text is never evaluated), bounded in length and nodes.
+
+Work is bounded whatever the model writes: only the completion's tail is parsed, every regex
+here is linear, and the sympy build keeps a budget over the whole expression tree: the total
+degree (``((x+y)^{12})^{12}`` is degree 144 though each exponent is small), the monomials its
+expansion can have, and the bits of exact numbers, each checked before a power is taken.
 """
 
 from __future__ import annotations
 
 import ast
 import itertools
+import math
 import re
 from fractions import Fraction
 from typing import Any
 
-from meshrl.rewards.extract import last_boxed, last_number, score_final_answers
+from meshrl.rewards.extract import answer_tail, last_boxed, last_number, score_final_answers
 from meshrl.rewards.registry import register
 
 MAX_CHARS = 300
 MAX_NODES = 200
-MAX_EXPONENT = 100
-MAX_SYMBOLIC_EXPONENT = 12
+MAX_EXPONENT = 100  # per power, symbol-free base
+MAX_SYMBOLIC_EXPONENT = 12  # per power, symbolic base
+# Budgets over the whole tree (sympy.expand of the largest allowed case takes well under 1 s):
+MAX_DEGREE = 24  # total degree; pi and irrational roots count as variables
+MAX_MONOMIALS = 1000  # C(degree + variables, variables): the terms an expansion can have
+MAX_BITS = 65536  # numerator/denominator bits of an exact number, checked before a power
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*"
                        r"\{([^{}]*)\}")
 # A unit is a word of 2+ letters ("5 cm", "12 apples"); one letter may be a variable ("2x").
-_UNITS = re.compile(r"^([-+]?[\d.,/]*\d)\s*[a-zA-Z]{2,}[a-zA-Z.\s]*(?:\^\{?[23]\}?)?$")
+# Two letters, then any letters: "{2,}" followed by a class that also takes letters would
+# backtrack quadratically on a long letter run that ends in a non-match.
+_UNITS = re.compile(r"^([-+]?[\d.,/]*\d)\s*[a-zA-Z]{2}[a-zA-Z.\s]*(?:\^\{?[23]\}?)?$")
 _NUM = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?$")
 
 
@@ -137,10 +150,79 @@ def latex_to_python(s: str) -> str:
     return " ".join(joined)
 
 
-def to_sympy(s: str) -> Any:
-    """A sympy expression for ``s`` built by walking a whitelisted syntax tree, or None."""
+class _OverBudgetError(ValueError):
+    """The expression is outside the work budget (see the module docstring)."""
+
+
+def _check_budget(degree: float, variables: int) -> float:
+    if degree > MAX_DEGREE or math.comb(math.ceil(degree) + variables, variables) > MAX_MONOMIALS:
+        raise _OverBudgetError(f"degree {degree} in {variables} variables")
+    return degree
+
+
+def _bits(value: Any) -> int:
+    """Bits of an exact rational's numerator or denominator (0 for anything else)."""
+    if not value.is_Rational:
+        return 0
+    return max(int(value.p).bit_length(), int(value.q).bit_length())
+
+
+def _variables(tree: ast.AST) -> int:
+    """Distinct variables an expansion can see: names, plus one for pi and irrational roots."""
+    names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    return len(names - {"pi", "sqrt"}) + bool(names & {"pi", "sqrt"})
+
+
+def _build(node: ast.AST, variables: int) -> tuple[Any, float]:
+    """(sympy value, total degree) of a whitelisted node; raises ValueError otherwise."""
     import sympy
 
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return sympy.Rational(str(node.value)), 0.0
+    if isinstance(node, ast.Name):
+        if node.id == "pi":
+            return sympy.pi, 1.0
+        if len(node.id) == 1:
+            return sympy.Symbol(node.id), 1.0
+        raise ValueError(f"name {node.id!r}")
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        value, degree = _build(node.operand, variables)
+        return (-value if isinstance(node.op, ast.USub) else value), degree
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "sqrt" and len(node.args) == 1 and not node.keywords):
+        arg, degree = _build(node.args[0], variables)
+        value = sympy.sqrt(arg)
+        return value, 0.0 if value.is_Rational else max(degree / 2, 1.0)
+    if isinstance(node, ast.BinOp):
+        (left, dl), (right, dr) = _build(node.left, variables), _build(node.right, variables)
+        if isinstance(node.op, ast.Add):
+            return left + right, max(dl, dr)
+        if isinstance(node.op, ast.Sub):
+            return left - right, max(dl, dr)
+        if isinstance(node.op, ast.Mult):
+            return left * right, _check_budget(dl + dr, variables)
+        if isinstance(node.op, ast.Div):
+            return left / right, _check_budget(dl + dr, variables)
+        if isinstance(node.op, ast.Pow):
+            return _power(left, dl, right, variables)
+    raise ValueError(type(node).__name__)
+
+
+def _power(base: Any, degree: float, exponent: Any, variables: int) -> tuple[Any, float]:
+    """``base ** exponent`` for a small numeric exponent, within the tree's budgets."""
+    # x**(10**9) would stall expansion, and even (a+b+c)**100 expands to thousands of terms,
+    # so symbolic bases get a smaller per-power cap; the budgets bound nested powers.
+    limit = MAX_SYMBOLIC_EXPONENT if base.free_symbols else MAX_EXPONENT
+    if not exponent.is_number or abs(exponent) > limit:
+        raise ValueError("exponent")
+    size = float(abs(exponent))
+    if _bits(base) * size > MAX_BITS:
+        raise _OverBudgetError("number too large")
+    return base ** exponent, _check_budget(degree * size, variables)
+
+
+def to_sympy(s: str) -> Any:
+    """A sympy expression for ``s`` built by walking a whitelisted syntax tree, or None."""
     if len(s) > MAX_CHARS:
         return None
     try:
@@ -149,43 +231,8 @@ def to_sympy(s: str) -> Any:
         return None
     if sum(1 for _ in ast.walk(tree)) > MAX_NODES:
         return None
-
-    def build(node: ast.AST) -> Any:
-        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-            return sympy.Rational(str(node.value))
-        if isinstance(node, ast.Name):
-            if node.id == "pi":
-                return sympy.pi
-            if len(node.id) == 1:
-                return sympy.Symbol(node.id)
-            raise ValueError(f"name {node.id!r}")
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-            value = build(node.operand)
-            return -value if isinstance(node.op, ast.USub) else value
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-                and node.func.id == "sqrt" and len(node.args) == 1 and not node.keywords):
-            return sympy.sqrt(build(node.args[0]))
-        if isinstance(node, ast.BinOp):
-            left, right = build(node.left), build(node.right)
-            if isinstance(node.op, ast.Add):
-                return left + right
-            if isinstance(node.op, ast.Sub):
-                return left - right
-            if isinstance(node.op, ast.Mult):
-                return left * right
-            if isinstance(node.op, ast.Div):
-                return left / right
-            if isinstance(node.op, ast.Pow):
-                # Only small numeric exponents: x**(10**9) would stall expansion, and even
-                # (a+b+c)**100 expands to thousands of terms, so symbolic bases get less.
-                limit = MAX_SYMBOLIC_EXPONENT if left.free_symbols else MAX_EXPONENT
-                if not right.is_number or abs(right) > limit:
-                    raise ValueError("exponent")
-                return left ** right
-        raise ValueError(type(node).__name__)
-
     try:
-        return build(tree.body)
+        return _build(tree.body, _variables(tree))[0]
     except (ValueError, TypeError, ZeroDivisionError, RecursionError):
         return None
 
@@ -252,9 +299,11 @@ def is_equiv(pred: str, gold: str) -> bool:
             # Tuples and intervals are ordered and their brackets matter: (1,2) is not [1,2].
             return (p[0], p[-1]) == (g[0], g[-1]) and all(
                 is_equiv(a, b) for a, b in zip(p_parts, g_parts))
-        # A bare list of solutions ("2, -3") is unordered.
-        return any(all(is_equiv(a, b) for a, b in zip(perm, g_parts))
-                   for perm in itertools.permutations(p_parts))
+        # A bare list of solutions ("2, -3") is unordered. Each pair is compared once (36
+        # comparisons at most), not once per permutation (up to 720 x 6 sympy calls).
+        same = [[is_equiv(a, b) for b in g_parts] for a in p_parts]
+        return any(all(same[i][j] for j, i in enumerate(perm))
+                   for perm in itertools.permutations(range(len(p_parts))))
     return _symbolic_equal(p, g)
 
 
@@ -269,8 +318,9 @@ def gold_answer(answer: str) -> str:
 
 
 def final_answer(completion: str) -> str | None:
-    boxed = last_boxed(completion)
-    return boxed if boxed is not None else last_number(completion)
+    tail = answer_tail(completion)
+    boxed = last_boxed(tail)
+    return boxed if boxed is not None else last_number(tail)
 
 
 @register("math")

@@ -9,6 +9,14 @@ process, whose threads and device handles must not be duplicated.
 Concurrent callers share the workers: every call's (reward, completion) pairs join one queue that
 a dispatcher thread feeds to whichever worker is free, so the groups of an async RL run are scored
 side by side instead of one group after another. The dispatcher runs only while there is work.
+
+Bounds on hostile work: workers run under the limits of ``rewards/worker.py`` (address space,
+CPU time per pair). A call's pairs still queued ``deadline_s`` after it was submitted (counted
+from the first worker's start) score 0.0 and increment ``deadline_zeros``, so k bad completions
+delay a step by at most ``deadline_s + timeout_s``, not ``k x timeout_s / num_workers``.
+Per-pool ``constants`` (the format template) win over a data column of the same name (ignored,
+one warning per name). A pool that cannot score at all (a worker dead, or not ready within
+``startup_timeout_s``, at start-up; or closed) raises ``RewardPoolError`` from every call.
 """
 
 from __future__ import annotations
@@ -21,11 +29,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 from meshrl.configs.schema import RewardConfig
 from meshrl.rewards.registry import get
+from meshrl.rewards.worker import worker_main
+from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 
 log = get_logger("rewards")
@@ -33,23 +43,8 @@ log = get_logger("rewards")
 STARTUP_TIMEOUT_S = 120.0  # importing sympy and meshrl in a fresh worker; not a reward's time
 
 
-def _worker_main(conn: Connection) -> None:
-    import meshrl.rewards  # noqa: F401  (registers the built-in rewards)
-
-    conn.send(("ready", None))
-    while True:
-        try:
-            task = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        if task is None:
-            return
-        name, prompt, completion, fields = task
-        try:
-            value = get(name)([prompt], [completion], **{k: [v] for k, v in fields.items()})[0]
-            conn.send(("ok", float(value)))
-        except BaseException as e:  # noqa: BLE001  (any failure of a reward is a counted 0)
-            conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+class RewardPoolError(UserError, RuntimeError):
+    """The pool cannot score at all (a worker died or hung at start-up, or it was closed)."""
 
 
 class _Call:
@@ -61,6 +56,7 @@ class _Call:
 
     def __init__(self, num_rewards: int, n: int,
                  notify: Callable[[], None] | None = None) -> None:
+        self.submitted = time.monotonic()
         self.results = [[0.0] * n for _ in range(num_rewards)]
         self.left = num_rewards * n
         self.done = threading.Event()
@@ -88,9 +84,9 @@ _Task = tuple[_Call, int, int, tuple[str, str, str, dict[str, Any]]]
 
 
 class _Worker:
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=worker_main, args=(child, *args), daemon=True)
         self.process.start()
         child.close()
         self.ready = False
@@ -141,7 +137,8 @@ class RewardPool:
 
     def __init__(self, names: Sequence[str], weights: Sequence[float] | None = None, *,
                  timeout_s: float = 5.0, num_workers: int = 2,
-                 constants: dict[str, Any] | None = None) -> None:
+                 constants: dict[str, Any] | None = None, deadline_s: float = 0.0,
+                 memory_mb: int = 0, startup_timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         self.names = list(names)
         self.weights = [1.0] * len(self.names) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.names) or not self.names:
@@ -149,9 +146,14 @@ class RewardPool:
         for name in self.names:
             get(name)  # fail at construction on a typo, not inside a worker
         self.timeout_s, self.num_workers = float(timeout_s), int(num_workers)
+        self.deadline_s, self.startup_timeout_s = float(deadline_s), float(startup_timeout_s)
+        self._worker_args = (tuple(self.names), int(memory_mb), self.timeout_s)
         # Per-pool settings handed to every reward call, e.g. the format template.
         self.constants = dict(constants or {})
-        self.counters = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0}
+        self._warned_columns: set[str] = set()
+        self._first_ready: float | None = None  # when a worker first reported ready
+        self.counters = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0,
+                         "deadline_zeros": 0}
         methods = mp.get_all_start_methods()
         self._ctx = mp.get_context("forkserver" if "forkserver" in methods else "spawn")
         if self._ctx.get_start_method() == "forkserver":
@@ -171,7 +173,8 @@ class RewardPool:
     def from_config(cls, config: RewardConfig, **kwargs: Any) -> RewardPool:
         constants = {"format_template": config.format_template, **kwargs.pop("constants", {})}
         return cls(config.names, config.weights, timeout_s=config.timeout_s,
-                   num_workers=config.num_workers, constants=constants, **kwargs)
+                   num_workers=config.num_workers, constants=constants,
+                   deadline_s=config.deadline_s, memory_mb=config.worker_memory_mb, **kwargs)
 
     def metrics(self) -> dict[str, float]:
         return {f"reward/{k}": float(v) for k, v in self.counters.items()}
@@ -180,7 +183,7 @@ class RewardPool:
         """Fail calls still waiting, stop the dispatcher and the workers."""
         with self._lock:
             if self._broken is None:
-                self._broken = RuntimeError("the reward pool is closed")
+                self._broken = RewardPoolError(f"reward pool {self.names}: closed")
             dispatcher = self._dispatcher
         if dispatcher is not None:
             self._wake_w.send_bytes(b"")
@@ -227,12 +230,14 @@ class RewardPool:
         if n == 0:
             call.finish()
             return call
+        fields = self._without_constants(fields)
         tasks = [(call, r, i, (name, prompts[i], completions[i],
-                               {**self.constants, **{k: v[i] for k, v in fields.items()}}))
+                               {**{k: v[i] for k, v in fields.items()}, **self.constants}))
                  for r, name in enumerate(self.names) for i in range(n)]
         with self._lock:
             if self._broken is not None:
-                raise RuntimeError("the reward pool is broken") from self._broken
+                raise RewardPoolError(f"reward pool {self.names}: broken, it scores nothing: "
+                                      f"{one_line(self._broken)}") from self._broken
             self._pending.extend(tasks)
             if self._dispatcher is None:
                 self._dispatcher = threading.Thread(target=self._dispatch, daemon=True,
@@ -240,6 +245,16 @@ class RewardPool:
                 self._dispatcher.start()
         self._wake_w.send_bytes(b"")
         return call
+
+    def _without_constants(self, fields: dict[str, Sequence[Any]]) -> dict[str, Sequence[Any]]:
+        """``fields`` less the columns that name a pool constant (the constant wins)."""
+        clash = sorted(fields.keys() & self.constants.keys())
+        for name in clash:
+            if name not in self._warned_columns:
+                self._warned_columns.add(name)
+                log.warning("reward field %r comes from the data and is also a reward-pool "
+                            "constant; the pool's value is used and the column ignored", name)
+        return {k: v for k, v in fields.items() if k not in self.constants} if clash else fields
 
     def _components(self, call: _Call) -> dict[str, list[float]]:
         if call.error is not None:
@@ -276,13 +291,15 @@ class RewardPool:
                 self._dispatcher = None
                 return False
             while len(self._workers) < self.num_workers:
-                self._workers.append(_Worker(self._ctx))
+                self._workers.append(_Worker(self._ctx, self._worker_args))
             for w in self._workers:
                 if w.ready and w.task is None and self._pending:
                     self._send(w, self._pending.popleft())
         now = time.monotonic()
-        deadlines = [w.sent_at + self.timeout_s if w.task else w.started + STARTUP_TIMEOUT_S
+        deadlines = [w.sent_at + self.timeout_s if w.task else w.started + self.startup_timeout_s
                      for w in self._workers if w.task or not w.ready]
+        if (due := self._queue_deadline()) is not None:
+            deadlines.append(due)
         wait_s = max(0.0, min(deadlines) - now) if deadlines else None
         for conn in wait([w.conn for w in self._workers] + [self._wake_r], timeout=wait_s):
             if conn is self._wake_r:
@@ -309,13 +326,21 @@ class RewardPool:
             kind, payload = "error", "worker exited"
         if kind == "ready":
             w.ready = True
+            if self._first_ready is None:
+                self._first_ready = time.monotonic()
             return
+        if kind == "failed":
+            raise RewardPoolError(f"reward pool {self.names}: a worker could not load the "
+                                  f"rewards ({payload}): check that they import in a fresh "
+                                  f"process")
         if w.task is None:  # a dead idle worker
             if not w.ready:
                 # Dying before "ready" is an import/config bug; restarting would loop.
-                raise RuntimeError(f"reward worker exited during start-up "
-                                   f"(exit code {w.process.exitcode}); check that "
-                                   f"{self.names} import in a fresh process")
+                w.process.join(timeout=5)
+                raise RewardPoolError(f"reward pool {self.names}: a worker exited during "
+                                      f"start-up (exit code {w.process.exitcode}): check that "
+                                      f"the rewards import in a fresh process and that "
+                                      f"reward.worker_memory_mb leaves room for them")
             self._replace(w)
             return
         call, r, i, _ = w.task
@@ -331,7 +356,29 @@ class RewardPool:
         if payload == "worker exited":
             self._replace(w)
 
+    def _queue_deadline(self) -> float | None:
+        """When the oldest queued pair's call runs out of time (None: no deadline applies).
+        The queue is in submission order (a re-queued pair goes back to its head), so its head
+        is the oldest call."""
+        if self.deadline_s <= 0 or self._first_ready is None or not self._pending:
+            return None
+        return max(self._pending[0][0].submitted, self._first_ready) + self.deadline_s
+
+    def _expire_queued(self, now: float) -> None:
+        """Score 0.0 (counted in ``deadline_zeros``) for queued pairs past their deadline."""
+        with self._lock:
+            expired = []
+            while (due := self._queue_deadline()) is not None and now >= due:
+                expired.append(self._pending.popleft())
+        for call, r, i, _ in expired:
+            call.put(r, i, 0.0)
+        if expired:
+            self.counters["deadline_zeros"] += len(expired)
+            log.warning("%d reward pairs still queued after reward.deadline_s = %.1fs scored 0 "
+                        "(counted in reward/deadline_zeros)", len(expired), self.deadline_s)
+
     def _expire(self, now: float) -> None:
+        self._expire_queued(now)
         for w in list(self._workers):
             if w.task is not None and now - w.sent_at > self.timeout_s:
                 call, r, i, _ = w.task
@@ -342,10 +389,12 @@ class RewardPool:
                             "worker", self.names[r], self.timeout_s, i)
                 self._replace(w)
                 call.put(r, i, 0.0)
-            elif not w.ready and now - w.started > STARTUP_TIMEOUT_S:
-                raise RuntimeError(f"reward worker did not start within {STARTUP_TIMEOUT_S}s")
+            elif not w.ready and now - w.started > self.startup_timeout_s:
+                raise RewardPoolError(f"reward pool {self.names}: a worker was not ready "
+                                      f"{self.startup_timeout_s:g}s after it started: check "
+                                      f"that the rewards import quickly in a fresh process")
 
     def _replace(self, worker: _Worker) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx)
+        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self._worker_args)
         self.counters["worker_restarts"] += 1

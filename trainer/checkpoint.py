@@ -10,12 +10,15 @@ Contract: a step directory ``<N>`` is complete and restorable, or absent. Proces
 a step becomes visible under its final name only with its integrity record. A kill at any moment
 leaves either the finished step or a temporary directory, which the next run deletes (never
 reported as corrupt). Steps past ``keep`` are renamed into ``deleted/`` before removal, so a kill
-mid-deletion never leaves a half-deleted step. Resume walks steps newest first; a step whose
-manifest is missing or does not match is moved aside to ``corrupt.<step>.<time>`` (the newest
-``keep`` of those are kept) and the previous step is tried. A verified step that still fails to
-restore does not fit this run: ``CheckpointMismatchError``, nothing discarded. With several
-processes, each checks every file's size but hashes only its share of the files, the processes
-agree on the verdict, and process 0 moves a bad step aside between two barriers.
+mid-deletion never leaves a half-deleted step. Resume walks steps newest first until one matches
+its manifest; the newer steps that did not are then moved aside to ``corrupt.<step>.<time>``
+and kept until a step at least as new is saved and verifies (verification never deletes).
+When steps exist and none verifies, nothing is moved: ``UnverifiedCheckpointsError``, unless
+``checkpoint.on_unverified = "restart"``, which moves them all aside and starts from scratch. A
+verified step that still fails to restore does not fit this run: ``CheckpointMismatchError``,
+nothing discarded. With several processes, each checks every file's size but hashes only its
+share of the files, the processes agree on the verdict, and process 0 moves a bad step aside
+between two barriers.
 Design notes: docs/checkpoints.md.
 """
 
@@ -39,11 +42,16 @@ from meshrl.utils.log import get_logger
 MANIFEST = "meshrl_manifest.json"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # Orbax's name for a step being written
 DELETED = "deleted"  # Orbax renames steps past ``keep`` here before removing them
+QUARANTINE = "corrupt"  # ``corrupt.<step>.<ns>``: a step moved aside for failing verification
 _log = get_logger("trainer.checkpoint")
 
 
 class CheckpointMismatchError(UserError, RuntimeError):
     """An intact checkpoint whose tree/shapes do not match the state being restored."""
+
+
+class UnverifiedCheckpointsError(UserError, RuntimeError):
+    """Checkpoints exist and none matches its manifest (``checkpoint.on_unverified = "stop"``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +159,7 @@ class Checkpointer:
         """Start saving ``step`` (returns before the write finishes when async)."""
         self._mngr.wait_until_finished()  # one save in flight: the callback knows its step
         self._empty_deleted()
+        self._prune_quarantined()
         self._saving = step
         self._mngr.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
@@ -163,6 +172,7 @@ class Checkpointer:
         """Block until every started save is durable (and manifested)."""
         self._mngr.wait_until_finished()
         self._empty_deleted()
+        self._prune_quarantined()
 
     def all_steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
@@ -174,26 +184,65 @@ class Checkpointer:
                                (jax.process_index(), jax.process_count()))
         return next((p for p in multihost.allgather_json(mine) if p is not None), None)
 
-    def _quarantine(self, step: int, why: str) -> None:
-        _log.warning("checkpoint step %d is unusable (%s); falling back to the previous one",
-                     step, why)
+    def _quarantine(self, step: int) -> None:
+        """Move ``step`` aside to ``corrupt.<step>.<ns>``; it stays until ``_prune_quarantined``
+        sees a step at least as new verify."""
         # No process may still be reading the step while process 0 moves it, nor list steps
         # before the move is done.
         multihost.sync(f"meshrl-quarantine-{step}-start")
         if self._primary:
             src = self.directory / str(step)
             if src.exists():
-                src.rename(self.directory / f"corrupt.{step}.{time.time_ns()}")
-            self._prune_corrupt()
+                src.rename(self.directory / f"{QUARANTINE}.{step}.{time.time_ns()}")
         multihost.sync(f"meshrl-quarantine-{step}-done")
         self._mngr.reload()
 
-    def _prune_corrupt(self) -> None:
-        """Keep the newest ``checkpoint.keep`` moved-aside steps (by when they were moved)."""
-        moved = sorted(self.directory.glob("corrupt.*"),
-                       key=lambda p: int(p.name.rsplit(".", 1)[-1]))
-        for old in moved[:-self._cfg.keep]:
-            paths.remove_tree(old)
+    def quarantined(self) -> list[tuple[int, epath.Path]]:
+        """``(step, directory)`` of every step moved aside, oldest step first."""
+        out = []
+        for p in self.directory.glob(f"{QUARANTINE}.*"):
+            parts = p.name.split(".")
+            if len(parts) == 3 and parts[1].isdigit():
+                out.append((int(parts[1]), p))
+        return sorted(out, key=lambda item: item[0])
+
+    def _prune_quarantined(self) -> None:
+        """Delete the moved-aside steps that a finished, verified step at least as new
+        supersedes (process 0; only when there is one to delete, so a save pays for hashing
+        the newest step once after a quarantine, never otherwise)."""
+        if not self._primary:
+            return
+        newest = max(self._mngr.all_steps(), default=None)
+        stale = [(s, p) for s, p in self.quarantined() if newest is not None and s <= newest]
+        if not stale:
+            return
+        problem = verify_step_dir(self.directory / str(newest))
+        if problem is not None:
+            _log.warning("checkpoint step %d does not verify (%s): keeping the moved-aside "
+                         "steps %s", newest, problem, [s for s, _ in stale])
+            return
+        for step, p in stale:
+            _log.info("deleting moved-aside checkpoint step %d (%s): step %d verifies", step,
+                      p, newest)
+            paths.remove_tree(p)
+
+    def _none_verified(self, failed: list[tuple[int, str]]) -> None:
+        """Every step failed verification: refuse (nothing moved), or with
+        ``on_unverified = "restart"`` move them all aside and let the run start over."""
+        steps = [s for s, _ in failed]
+        if self._cfg.on_unverified == "stop":
+            why = "; ".join(f"step {s}: {p}" for s, p in failed[:3])
+            more = f"; and {len(failed) - 3} more" if len(failed) > 3 else ""
+            raise UnverifiedCheckpointsError(
+                f"checkpoints under {self.directory}: steps {steps}: none matches its manifest "
+                f"({why}{more}); nothing was moved or deleted: restore a complete copy, use "
+                f"another --workdir, or pass --config.checkpoint.on_unverified=restart to move "
+                f"them aside (as {QUARANTINE}.<step>.<ns>) and train from scratch here")
+        _log.warning("checkpoints under %s: steps %s: none matches its manifest (%s); "
+                     "checkpoint.on_unverified = restart: moving them aside and training from "
+                     "scratch", self.directory, steps, failed[0][1])
+        for step in steps:
+            self._quarantine(step)
 
     def _misfit(self, step: int, abstract_state: Any) -> str | None:
         """How step's saved train state differs from ``abstract_state`` in tree or shapes,
@@ -228,11 +277,18 @@ class Checkpointer:
         """Newest verified checkpoint, restored onto ``abstract_state``'s shardings; ``None`` if
         there is none. Target shardings come from the caller, so the mesh may differ from the
         one that saved."""
+        failed: list[tuple[int, str]] = []
         for step in sorted(self._mngr.all_steps(), reverse=True):
             problem = self._verify(step)
             if problem is not None:
-                self._quarantine(step, problem)
+                failed.append((step, problem))
                 continue
+            # Only now that an older step verified are the newer ones known to be damaged
+            # rather than, say, written by a build without manifests: move them aside.
+            for bad, why in failed:
+                _log.warning("checkpoint step %d is unusable (%s); falling back to step %d",
+                             bad, why, step)
+                self._quarantine(bad)
             misfit = self._misfit(step, abstract_state)
             if misfit:
                 raise CheckpointMismatchError(self._mismatch_message(step, misfit))
@@ -249,6 +305,8 @@ class Checkpointer:
             _log.info("restored checkpoint step %d from %s", step, self.directory)
             return Restored(step=step, state=out["state"], data=out["data"],
                             config=out["config"], counters=out["counters"])
+        if failed:
+            self._none_verified(failed)
         return None
 
     def close(self) -> None:

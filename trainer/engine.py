@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
 from meshrl.algorithms.losses import LossFn
 from meshrl.configs.schema import Config
-from meshrl.inference.weights import publish_weights, weights_dir
+from meshrl.inference.weights import publish_version
 from meshrl.mesh import rules_for
 from meshrl.trainer.checkpoint import Checkpointer, Restored
 from meshrl.trainer.metrics import MetricsWriter, peak_flops_per_device
@@ -48,6 +48,7 @@ from meshrl.utils.log import get_logger
 from meshrl.utils.watchdog import Watchdog
 
 _log = get_logger("trainer")
+HISTORY_MAX = 10_000  # records in ``history``: bounded host memory; benchmarks read far fewer
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -172,14 +173,22 @@ class TrainEngine:
         self.state_sh = state_shardings(params_sh, self.tx, mesh, trainee.params)
         self.batch_sh = batch_sh if batch_sh is not None else batch_shardings(
             mesh, rules_for("train", config.mesh.fsdp), t.batch_size, t.seq_len)
-        self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
-                                         process_index=jax.process_index())
-        target = abstract_state(self.state_sh, trainee.params, self.tx, t.seed)
+        # Armed during the restore (a hung read or collective), then from the loop to finish().
+        d = config.distributed
+        self.watchdog = Watchdog(d.step_timeout_s, d.first_step_timeout_s)
+        self.watchdog.start()
+        self.watchdog.launched("checkpoint restore")
         try:
-            self.restored: Restored | None = self.checkpointer.restore_latest(target)
-        except BaseException:
-            self.checkpointer.close()  # no orphaned Orbax threads when resume is refused
-            raise
+            self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
+                                             process_index=jax.process_index())
+            target = abstract_state(self.state_sh, trainee.params, self.tx, t.seed)
+            try:
+                self.restored: Restored | None = self.checkpointer.restore_latest(target)
+            except BaseException:
+                self.checkpointer.close()  # no orphaned Orbax threads when resume is refused
+                raise
+        finally:
+            self.watchdog.stop()
         self.start_step = 0 if self.restored is None else int(self.restored.counters["step"])
         if make_step is None:
             make_step = functools.partial(make_train_step, microbatches=t.microbatches)
@@ -197,13 +206,10 @@ class TrainEngine:
                                      process_index=jax.process_index(),
                                      resume_step=None if self.restored is None
                                      else self.start_step)
-        # Armed from the first step of the loop (open_progress) to finish(); see utils.watchdog.
-        d = config.distributed
-        self.watchdog = Watchdog(d.step_timeout_s, d.first_step_timeout_s)
         self.data: DataIterator | None = None
         self.progress: Progress | None = None
         self.on_log: Callable[[int, dict[str, float]], None] | None = None
-        self.history: list[dict[str, float]] = []
+        self.history: list[dict[str, float]] = []  # the first and newest HISTORY_MAX - 1
         self._pending: _Pending | None = None
         self._last_done: float | None = None
         self._excluded = 0.0
@@ -307,6 +313,8 @@ class TrainEngine:
             record.update(self._timing(p.dispatched))
         record.update(p.host)
         self.history.append({"step": p.step, **record})
+        if len(self.history) > HISTORY_MAX:
+            del self.history[1]
         # The first step of a run is written too: the console shows the run is training (and
         # how long its start took) without waiting log_every steps.
         if (p.step % self.config.trainer.log_every == 0 or p.step == self.config.trainer.steps
@@ -348,13 +356,10 @@ class TrainEngine:
         self._excluded += time.perf_counter() - t0
 
     def publish(self, version: int) -> None:
-        """Orbax weight version ``<workdir>/weights/<version>`` (replaces a leftover of a killed
-        run, which may hold different weights of the same version)."""
+        """Orbax weight version ``<workdir>/weights/<version>`` (replacing a killed run's
+        leftover of that version), keeping the newest ``checkpoint.keep_versions``."""
         self.watchdog.launched(f"publish of weight version {version}")
-        path = weights_dir(self.workdir, version)
-        if jax.process_index() == 0:
-            paths.remove_tree(path)
-        publish_weights(self.params, self.workdir, version)
+        publish_version(self.params, self.workdir, version, self.config.checkpoint.keep_versions)
 
     def finish(self) -> None:
         """Wait for pending checkpoint writes; close the progress line; disarm the watchdog."""

@@ -19,6 +19,7 @@ from meshrl.workflows.episode import (
 )
 from meshrl.workflows.runner import (
     PromptsExhaustedError,
+    RolloutFailedError,
     RolloutRunner,
     group_episode_fn,
 )
@@ -27,7 +28,7 @@ from meshrl.workflows.staleness import StalenessController
 
 __all__ = [
     "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
-    "RewardScorer", "RolloutBatch", "RolloutRunner", "StalenessController", "Trajectory",
-    "arun_episode", "arun_group", "bucket_length", "build_rollout_batch", "episode_settings",
-    "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",
+    "RewardScorer", "RolloutBatch", "RolloutFailedError", "RolloutRunner", "StalenessController",
+    "Trajectory", "arun_episode", "arun_group", "bucket_length", "build_rollout_batch",
+    "episode_settings", "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",
 ]

@@ -3,6 +3,11 @@ prompt iterator and hands finished groups to the trainer side via ``await get_ba
 
 It runs on the caller's event loop and never blocks it: episodes await the engine and the reward
 pool, and the (possibly file-backed) prompt iterator is advanced in a worker thread.
+
+A group that raises is logged, counted (``errored_groups``) and skipped, but the run does not spin
+on a cause that fails every group: a ``UserError`` from a group (a broken reward pool) or
+``max_failed_groups`` failures in a row with no group finishing in between ends the stream, and
+``get_batch`` raises a ``UserError`` naming the cause.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import math
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
-from meshrl.utils.errors import UserError
+from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 from meshrl.workflows.episode import Engine, arun_group
@@ -28,6 +33,10 @@ GroupFn = Callable[[dict, int], Awaitable[Group | None]]  # (item, group_id) -> 
 
 class PromptsExhaustedError(RuntimeError):
     """The prompt iterator ran out and every accepted group has been handed over."""
+
+
+class RolloutFailedError(UserError, RuntimeError):
+    """Every recent group failed: the run cannot make progress until the cause is fixed."""
 
 
 def group_episode_fn(engine: Engine, *, group_size: int, filter_equal: bool = True,
@@ -55,8 +64,11 @@ class RolloutRunner:
 
     def __init__(self, group_fn: GroupFn, prompts: Iterator[Any],
                  controller: StalenessController, *, first_group_id: int = 0,
-                 counters: collections.Counter[str] | None = None) -> None:
+                 counters: collections.Counter[str] | None = None,
+                 max_failed_groups: int = 64) -> None:
         self.group_fn, self.prompts, self.controller = group_fn, prompts, controller
+        self.max_failed_groups = max_failed_groups
+        self._failed_in_row = 0
         # Share one Counter with group_episode_fn so filtering counts reach metrics/state_dict.
         self.counters = counters if counters is not None else collections.Counter()
         self._next_group_id = first_group_id
@@ -133,16 +145,42 @@ class RolloutRunner:
         except asyncio.CancelledError:
             self.controller.on_reject()
             raise
-        except Exception:  # noqa: BLE001  (one bad episode must not stop the pipeline)
-            log.exception("rollout group %d failed; counted in errored_groups", group_id)
+        except Exception as e:  # noqa: BLE001  (one bad episode must not stop the pipeline)
+            if isinstance(e, UserError):  # stops the run: its one line says all
+                log.error("rollout group %d failed: %s", group_id, one_line(e))
+            else:
+                log.exception("rollout group %d failed; counted in errored_groups", group_id)
             self.counters["errored_groups"] += 1
+            self._failed_in_row += 1
+            self._stop_if_failing(e)
             group = None
+        else:
+            self._failed_in_row = 0
         if group is None:
             self.controller.on_reject()
         else:
             self.controller.on_accept()
             self._put(group)
         self._wake.set()
+
+    def _stop_if_failing(self, error: Exception) -> None:
+        """End the stream (``get_batch`` raises) when ``error`` will fail every group."""
+        if self._error is not None:
+            return
+        if isinstance(error, UserError):
+            self._error = error
+        elif self._failed_in_row >= self.max_failed_groups:
+            self._error = RolloutFailedError(
+                f"rollout: {self._failed_in_row} groups in a row failed "
+                f"(rollout.max_failed_groups = {self.max_failed_groups}), the last with "
+                f"{type(error).__name__}: {one_line(error)}: fix its cause (the log holds each "
+                f"traceback)")
+            self._error.__cause__ = error
+        else:
+            return
+        if self._filler is not None:
+            self._filler.cancel()  # admit no more groups
+        self._put(None)
 
     def _put(self, group: Group | None) -> None:
         oldest = math.inf if group is None else min(t.oldest_version for t in group)

@@ -39,7 +39,8 @@ def make_runner(config: Config, engine: Engine, reward_pool: RewardScorer,
                                 settings=episode_settings(config, tokenizer), env=env)
     controller = StalenessController(batch_size=r.prompts_per_step, max_staleness=r.max_staleness,
                                      version=version)
-    return RolloutRunner(group_fn, prompts, controller, counters=counters)
+    return RolloutRunner(group_fn, prompts, controller, counters=counters,
+                         max_failed_groups=r.max_failed_groups)
 
 
 def make_rollout_batch(config: Config, groups: Sequence[Sequence[Trajectory]],

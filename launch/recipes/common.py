@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shlex
+import unicodedata
 from collections.abc import Mapping, Sequence
 
 from meshrl.configs.overrides import check_override_keys
@@ -25,6 +26,17 @@ def require_size(name: str, value: object, minimum: int = 1) -> None:
 def require_text(name: str, value: object) -> None:
     if not isinstance(value, str) or not value.strip():
         raise RecipeError(f"{name} = {value!r}: must be a non-empty string")
+    refuse_control_characters(name, value)
+
+
+def refuse_control_characters(name: str, value: str) -> None:
+    """Recipes put names, zones and comments into shell lines unquoted (comments, ``#SBATCH``):
+    a newline there would start a line of its own that the script runs."""
+    bad = sorted({c for c in value if unicodedata.category(c) == "Cc"})
+    if bad:
+        raise RecipeError(f"{name} = {value!r}: must not contain control characters (found "
+                          f"{', '.join(repr(c) for c in bad)}): a recipe value is one line of "
+                          f"text")
 
 
 def require_port(value: object) -> None:
@@ -82,6 +94,7 @@ def check_overrides(overrides: Sequence[str], recipe_args: Sequence[str]) -> Non
         if not isinstance(arg, str) or not arg.startswith("--config.") or "=" not in arg:
             raise RecipeError(f"overrides[{i}] = {arg!r}: must look like "
                               f"--config.section.field=value")
+        refuse_control_characters(f"overrides[{i}]", arg)
     error = check_override_keys(overrides)
     if error:
         raise RecipeError(error)

@@ -213,7 +213,8 @@ def test_evaluate_job_beside_a_running_rl_job_evaluates_every_version_it_publish
                         "--config.evaluate.poll_s=0.5", "--config.evaluate.timeout_s=240"],
                        tmp_path / "evaluate.log")
     time.sleep(1.0)  # the evaluator is watching before the RL job starts
-    trainer = _start([*SMOKE, f"--workdir={workdir}", "--config.trainer.steps=8"],
+    trainer = _start([*SMOKE, f"--workdir={workdir}", "--config.trainer.steps=8",
+                      "--config.checkpoint.keep_versions=0"],  # every version stays to compare
                      tmp_path / "rl.log")
 
     rc_rl = _wait(trainer, 300)

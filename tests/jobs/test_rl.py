@@ -172,7 +172,7 @@ class _ExactPool:
     names = ["exact"]
 
     def score_components(self, prompts, completions, answer, **_):
-        return {"exact": [float(c == a) for c, a in zip(completions, answer)]}
+        return {"exact": [float(c == a) for c, a in zip(completions, answer, strict=True)]}
 
 
 def _examples() -> list[dict]:

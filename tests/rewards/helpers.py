@@ -50,3 +50,44 @@ def meets_the_others(prompts: list[str], completions: list[str], barrier_dir: li
             return [1.0] * len(completions)
         time.sleep(0.01)
     return [0.0] * len(completions)
+
+
+def allocates(prompts: list[str], completions: list[str], mib: list[int],
+              **_: Any) -> list[float]:
+    """Allocates (and touches) ``mib`` MiB, then scores 1.0."""
+    block = bytearray(mib[0] << 20)
+    return [float(len(block) > 0)] * len(completions)
+
+
+def address_space_limit_mib(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """The worker's RLIMIT_AS soft limit in MiB (-1.0 when unlimited)."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    return [-1.0 if soft == resource.RLIM_INFINITY else soft / (1 << 20)] * len(completions)
+
+
+def cpu_seconds_left(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """CPU seconds the worker may still use before RLIMIT_CPU (-1.0 when unlimited)."""
+    import resource
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if soft == resource.RLIM_INFINITY:
+        return [-1.0] * len(completions)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return [soft - usage.ru_utime - usage.ru_stime] * len(completions)
+
+
+def normalizes(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Runs the math reward's answer normaliser on the whole completion; scores 1.0."""
+    from meshrl.rewards.math_answer import normalize
+
+    normalize(completions[0])
+    return [1.0] * len(completions)
+
+
+def extracts_boxed(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    """Runs ``last_boxed`` on the whole completion; 1.0 when it finds a box."""
+    from meshrl.rewards.extract import last_boxed
+
+    return [float(last_boxed(c) is not None) for c in completions]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from meshrl.tests.trainer.tiny import make_loop, make_trainee, mesh_for, tiny_config
+from meshrl.tests.trees import assert_trees_equal
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import (
     DELETED,
@@ -77,8 +78,7 @@ def test_resume_after_kill_gives_bitwise_identical_params_and_losses(tmp_path):
     resumed, start = _run(config, resumed_dir)
 
     assert start == 3
-    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(resumed, straight)
     assert _losses(resumed_dir) == _losses(tmp_path / "straight")
     # The dead run's row of step 4 did not happen in the resumed history: moved aside, kept.
     assert _steps_logged(resumed_dir / "metrics.jsonl") == [1, 2, 3, 4, 5, 6]
@@ -112,9 +112,9 @@ def test_restore_onto_other_mesh_keeps_values(tmp_path):
 
     assert restored is not None and restored.step == 5 and restored.data == {"index": 5}
     assert restored.config["mesh"]["fsdp"] is True
-    for a, b, want in zip(jax.tree.leaves(state), jax.tree.leaves(restored.state),
-                          jax.tree.leaves(dst_sh)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(restored.state, state)
+    assert jax.tree.structure(restored.state) == jax.tree.structure(dst_sh)
+    for b, want in zip(jax.tree.leaves(restored.state), jax.tree.leaves(dst_sh), strict=True):
         assert b.sharding == want
     # The layout really changed: FSDP split params over data on the source mesh, not here.
     specs = {tuple(s.spec) for s in jax.tree.leaves(dst_sh.params)}
@@ -207,14 +207,18 @@ def test_unfinished_save_and_half_deleted_step_are_cleaned_up_not_called_corrupt
     assert not list(tmp_path.glob("corrupt.*")) and "unusable" not in caplog.text
 
 
-def test_moved_aside_steps_are_kept_at_most_keep_deep(tmp_path):
+def test_moved_aside_steps_are_kept_until_a_step_at_least_as_new_verifies(tmp_path):
     target = _tiny_saves(tmp_path, [1, 2, 3, 4], keep=4)
-    for step in (4, 3, 2):  # corrupt the three newest: each restore moves one more aside
+    for step in (4, 3, 2):  # the three newest fail verification; step 1 is restored
         (tmp_path / str(step) / MANIFEST).unlink()
-    ckpt = Checkpointer(tmp_path, tiny_config(**{"checkpoint.keep": 2}).checkpoint)
+    ckpt = Checkpointer(tmp_path, tiny_config(**{"checkpoint.keep": 1}).checkpoint)
     restored = ckpt.restore_latest(target)
-    ckpt.close()
 
     assert restored is not None and restored.step == 1
-    kept = sorted(int(p.name.split(".")[1]) for p in tmp_path.glob("corrupt.*"))
-    assert kept == [2, 3]  # the two moved aside last; step 4's copy was dropped
+    assert [s for s, _ in ckpt.quarantined()] == [2, 3, 4]  # all kept, whatever keep says
+    ckpt.save(3, {"w": np.full((4,), 3, np.float32)}, {"index": 3}, {}, {"step": 3})
+    ckpt.wait()
+    assert [s for s, _ in ckpt.quarantined()] == [4]  # 2 and 3 superseded by a verified 3
+    ckpt.save(4, {"w": np.full((4,), 4, np.float32)}, {"index": 4}, {}, {"step": 4})
+    ckpt.close()
+    assert not list(tmp_path.glob("corrupt.*"))

@@ -62,7 +62,8 @@ class FakeRewards:
                      **fields: Sequence[Any]) -> list[float]:
         await asyncio.sleep(0)
         self.calls.append({"prompts": list(prompts), "completions": list(completions), **fields})
-        return [1.0 if c[:1] == a else 0.0 for c, a in zip(completions, fields["answer"])]
+        return [1.0 if c[:1] == a else 0.0
+                for c, a in zip(completions, fields["answer"], strict=True)]
 
 
 class ScriptedEnv:

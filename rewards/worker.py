@@ -1,0 +1,80 @@
+"""The reward worker process: its resource limits and its task loop.
+
+A worker resolves every configured reward before it reports ready, so a reward that cannot be
+imported in a fresh process fails the pool at start-up (one clear error) instead of scoring a
+counted 0 on every pair. Limits, set once in the worker and never in the JAX process:
+
+* ``RLIMIT_AS`` (``memory_mb``): a reward that allocates more gets ``MemoryError``, which is a
+  counted 0 like any other failure; the worker lives on. 0 leaves the address space unlimited.
+* ``RLIMIT_CPU`` per pair: ``CPU_SECONDS_PER_TIMEOUT_SECOND x timeout_s + 1`` CPU seconds on top
+  of what the worker has used so far. The pool's wall-clock timeout normally fires first; the CPU
+  limit stops a worker whose pool is gone (its parent killed) from spinning on for good. The
+  kernel terminates it with SIGXCPU, even inside a C call.
+* ``RLIMIT_CORE`` 0: a worker killed by a limit writes no core file.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+from collections.abc import Sequence
+from multiprocessing.connection import Connection
+
+from meshrl.rewards.registry import RewardFn, get
+
+# CPU seconds a pair may use per second of its wall-clock timeout: a reward may run a few threads
+# (numpy), and the wall-clock timeout, not this backstop, is the limit a scoring call meets.
+CPU_SECONDS_PER_TIMEOUT_SECOND = 2.0
+MIB = 1 << 20
+
+
+def apply_limits(memory_mb: int) -> None:
+    """The worker's lifetime limits: no core files, and ``memory_mb`` MiB of address space."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if memory_mb > 0:
+        limit = memory_mb * MIB
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        # The hard limit comes down too: a reward is trusted code, but nothing it calls should be
+        # able to lift the cap again.
+        hard = limit if hard == resource.RLIM_INFINITY else min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+
+
+def _cpu_budget(timeout_s: float) -> None:
+    """Allow the next pair ``CPU_SECONDS_PER_TIMEOUT_SECOND x timeout_s + 1`` CPU seconds."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + CPU_SECONDS_PER_TIMEOUT_SECOND * timeout_s)
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft += 1
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def worker_main(conn: Connection, names: Sequence[str], memory_mb: int,
+                timeout_s: float) -> None:
+    """Report ``("ready", None)`` (or ``("failed", why)``), then answer each task
+    ``(name, prompt, completion, fields)`` with ``("ok", value)`` or ``("error", why)``."""
+    import meshrl.rewards  # noqa: F401  (registers the built-in rewards)
+
+    apply_limits(memory_mb)
+    try:
+        rewards: dict[str, RewardFn] = {name: get(name) for name in names}
+    except BaseException as e:  # noqa: BLE001  (reported to the pool, which stops)
+        conn.send(("failed", f"{type(e).__name__}: {e}"[:500]))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if task is None:
+            return
+        name, prompt, completion, fields = task
+        _cpu_budget(timeout_s)
+        try:
+            value = rewards[name]([prompt], [completion], **{k: [v] for k, v in fields.items()})
+            conn.send(("ok", float(value[0])))
+        except BaseException as e:  # noqa: BLE001  (any failure of a reward is a counted 0)
+            conn.send(("error", f"{type(e).__name__}: {e}"[:500]))

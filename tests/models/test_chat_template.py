@@ -1,0 +1,63 @@
+"""Chat templates render in a bounded sandbox: huge numbers, strings and outputs are refused in
+milliseconds with one clear error, and ordinary templates render as before."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import pytest
+from jinja2.sandbox import SecurityError
+
+from meshrl.models import chat_template
+from meshrl.models.tokenizer import HFTokenizer, TokenizerError
+
+MESSAGES = [{"role": "user", "content": "what is 2+2?"}]
+NS = "{% set ns = namespace(s='ab') %}{% for i in range(40) %}"
+
+HOSTILE = {
+    "huge power": "{{ 7**(10**6) }}",
+    "huge repetition": "{{ 'a'*10**7 }}",
+    "huge list": "{{ [1]*10**8 }}",
+    "doubling with ~": NS + "{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "doubling with +": NS + "{% set ns.s = ns.s + ns.s %}{% endfor %}{{ ns.s|length }}",
+    "squaring": "{% set ns = namespace(x=3) %}{% for i in range(40) %}"
+                "{% set ns.x = ns.x * ns.x %}{% endfor %}{{ ns.x }}",
+    "huge filter width": "{{ ''|center(10**9) }}",
+    "huge method width": "{{ ''.ljust(10**9) }}",
+    "huge format width": "{{ '%999999999d'|format(1) }}",
+    "huge %-width": "{{ '%999999999d' % 1 }}",
+    "huge str.format width": "{{ '{:>999999999}'.format(1) }}",
+    "huge output": "{% for i in range(100000) %}{{ 'abcdefghij' * 10 }}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("source", HOSTILE.values(), ids=HOSTILE.keys())
+def test_template_building_huge_values_is_refused_quickly(source: str):
+    start = time.monotonic()
+    with pytest.raises(SecurityError, match="MAX_"):
+        chat_template.render(chat_template.compile_template(source), messages=MESSAGES)
+    assert time.monotonic() - start < 2.0
+
+
+def test_ordinary_template_features_render_unchanged():
+    source = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] ~ '!' }}{% endfor %}"
+              "{{ 2**10 }} {{ '-' * 3 }} {{ '%3d'|format(7) }} {{ '{:>3}'.format(1) }} "
+              "{{ 'x'|center(5) }} {{ messages|tojson }}")
+    out = chat_template.render(chat_template.compile_template(source), messages=MESSAGES)
+    assert out == ("<|user|>what is 2+2?!1024 ---   7   1   x   "
+                   + json.dumps(MESSAGES, ensure_ascii=False))
+
+
+def test_hf_tokenizer_reports_a_runaway_chat_template_as_one_tokenizer_error(
+        tmp_path: pathlib.Path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+
+    RustTokenizer(models.WordLevel({"</s>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": "{{ 'a' * 10**7 }}"}))
+    with pytest.raises(TokenizerError, match="chat template was stopped.*MAX_TEMPLATE_CHARS"):
+        HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES)
