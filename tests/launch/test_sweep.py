@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import importlib.util
-import logging
 import os
 import pathlib
 import sys
@@ -52,15 +51,6 @@ def sweep():
     return hyper.product(hyper.sweep("trainer.learning_rate", [1e-3, 3e-4]),
                          hyper.sweep("trainer.seed", [0, 1]))
 """
-
-
-@pytest.fixture
-def meshrl_logger():
-    """main() attaches the project's handler to the (captured) stderr; put the logger back."""
-    logger = logging.getLogger("meshrl")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
 @pytest.fixture

@@ -7,7 +7,6 @@ preemption or an OOM kill would at that moment."""
 from __future__ import annotations
 
 import json
-import logging
 import signal
 
 import pytest
@@ -42,15 +41,6 @@ def sweep():
     return hyper.sweep("trainer.seed", [0])
 """
 TRIAL = "seed=0"
-
-
-@pytest.fixture
-def meshrl_logger():
-    """main() attaches the project's handler to the (captured) stderr; put the logger back."""
-    logger = logging.getLogger("meshrl")
-    saved = logger.handlers[:], logger.level, logger.propagate
-    yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
 
 
 @pytest.mark.parametrize("writer", ["atomic", "in_place"])

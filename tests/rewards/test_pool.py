@@ -14,19 +14,6 @@ from meshrl.rewards import RewardPool
 H = "meshrl.tests.rewards.helpers:"
 
 
-@pytest.fixture
-def make_pool():
-    pools: list[RewardPool] = []
-
-    def make(*args, **kwargs) -> RewardPool:
-        pools.append(RewardPool(*args, **kwargs))
-        return pools[-1]
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 def test_reward_that_sleeps_forever_scores_zero_within_the_timeout(make_pool):
     pool = make_pool([H + "sleep_forever"], timeout_s=0.5, num_workers=2)
     start = time.monotonic()

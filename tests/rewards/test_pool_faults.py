@@ -14,19 +14,6 @@ from meshrl.rewards.worker import CPU_SECONDS_PER_TIMEOUT_SECOND
 H = "meshrl.tests.rewards.helpers:"
 
 
-@pytest.fixture
-def make_pool():
-    pools: list[RewardPool] = []
-
-    def make(*args, **kwargs) -> RewardPool:
-        pools.append(RewardPool(*args, **kwargs))
-        return pools[-1]
-
-    yield make
-    for pool in pools:
-        pool.close()
-
-
 def test_reward_allocating_past_the_worker_memory_limit_scores_a_counted_zero_and_pool_lives(
         make_pool):
     pool = make_pool([H + "allocates"], timeout_s=30.0, num_workers=1, memory_mb=512)
