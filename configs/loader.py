@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import pathlib
+from collections.abc import Mapping
 from typing import Any
 
 import ml_collections
@@ -52,13 +53,21 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     return Config(job=job, **sections)
 
 
-def render(config: Config) -> str:
-    """One ``section.field = value`` line per field, as a user would type an override."""
+def render(config: Config, *, replace: Mapping[str, Any] | None = None,
+           notes: Mapping[str, str] | None = None) -> str:
+    """One ``section.field = value`` line per field, as a user would type an override.
+
+    ``replace`` swaps whole sections for the values a run uses instead (the dry run's effective
+    model); ``notes`` appends ``  # note`` to the line of a ``section.field``."""
     lines = [f"job = {config.job.value}"]
-    for name, values in config.to_dict().items():
+    values_of = {**config.to_dict(), **{k: dataclasses.asdict(v) for k, v in
+                                        (replace or {}).items()}}
+    for name, values in values_of.items():
         if name == "job":
             continue
-        lines += [f"{name}.{key} = {value!r}" for key, value in values.items()]
+        for key, value in values.items():
+            note = (notes or {}).get(f"{name}.{key}")
+            lines.append(f"{name}.{key} = {value!r}" + (f"  # {note}" if note else ""))
     return "\n".join(lines)
 
 

@@ -25,7 +25,12 @@ class ModelConfig(Section):
     num_heads: int = field(4, "Query heads.", at_least(1))
     num_kv_heads: int = field(2, "Key/value heads (GQA); must divide num_heads.", at_least(1))
     hf_path: str = field("", "Local Hugging Face checkpoint directory; empty: random init.")
-    tokenizer: str = field("char", "'char' (built-in) or a local directory with tokenizer.json.")
+    tokenizer: str = field(
+        "auto", "auto: the checkpoint's own <model.hf_path>/tokenizer.json (an error when it has "
+                "none, never a fallback), or the built-in byte tokenizer without model.hf_path; "
+                "char: the built-in byte tokenizer on purpose (with model.hf_path only for a "
+                "checkpoint that ships no tokenizer.json); else a local directory holding "
+                "tokenizer.json.")
     head_dim: int = field(0, "Per-head width; 0 means hidden_size // num_heads.", at_least(0))
     rope_theta: float = field(10000.0, "RoPE base frequency.", at_least(1.0))
     rope_scaling: Literal["none", "llama3", "linear"] = field("none", "RoPE scaling rule.")

@@ -7,10 +7,11 @@ write under the workdir.
 
 from __future__ import annotations
 
+import json
 import os
 
 from meshrl.configs.fields import ConfigError
-from meshrl.configs.schema import Config
+from meshrl.configs.schema import Config, Job
 
 _FILE_SOURCES = ("jsonl", "parquet")
 _HF_DIR = "a local Hugging Face checkpoint directory (config.json + *.safetensors)"
@@ -34,12 +35,13 @@ def _model_problems(hf_path: str) -> list[str]:
 
 
 def _tokenizer_problems(spec: str) -> list[str]:
-    if spec == "char":
-        return []
+    if spec in ("auto", "char"):
+        return []  # the model's own tokenizer is checked with the model (models/build.py)
     where = f"model.tokenizer = {spec!r}"
-    fix = "use 'char' or a local directory holding tokenizer.json (downloads are not supported)"
+    fix = ("use 'auto', 'char' or a local directory holding tokenizer.json (downloads are not "
+           "supported)")
     if not os.path.isdir(spec):
-        return [f"{where}: not 'char' and no such directory: {fix}"]
+        return [f"{where}: not 'auto' or 'char' and no such directory: {fix}"]
     if not os.path.isfile(os.path.join(spec, "tokenizer.json")):
         return [f"{where}: no tokenizer.json there: {fix}"]
     return []
@@ -70,3 +72,53 @@ def check_input_paths(config: Config) -> None:
                 *_data_problems(data.source, files)]
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def input_paths(config: Config) -> list[tuple[str, str]]:
+    """(field, path) of every local input ``check_input_paths`` checks, in that order; the
+    model's tokenizer directory is the model's to report (``models/build.py``)."""
+    data = config.data
+    out = [("model.hf_path", config.model.hf_path)]
+    if config.model.tokenizer not in ("auto", "char"):
+        out.append(("model.tokenizer", config.model.tokenizer))
+    if data.source in _FILE_SOURCES:
+        out += [("data.path", data.path), ("data.eval_path", data.eval_path
+                                           if data.eval_examples else "")]
+    return [(name, path) for name, path in out if path]
+
+
+def _has_messages(path: str, source: str) -> bool:
+    """Whether the file's rows are chat rows (a ``messages`` field), from its first row only:
+    the data pipeline checks every row when it reads them."""
+    if source == "parquet":
+        import pyarrow.parquet as pq
+
+        return "messages" in pq.read_schema(path).names
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return False  # the pipeline names the bad line when it reads it
+                return isinstance(row, dict) and "messages" in row
+    return False
+
+
+def check_chat_model(config: Config) -> str | None:
+    """Chat rows (``messages``) in data.path train a chat model: SFT or RL of them without
+    ``model.hf_path`` would train the built-in random model with the char tokenizer's makeshift
+    chat format. Refused (``ConfigError``) unless the config names its tokenizer on purpose
+    (``model.tokenizer`` not 'auto'); then the returned warning line names the model."""
+    data, model = config.data, config.model
+    if (config.job not in (Job.SFT, Job.RL) or model.hf_path or data.source not in _FILE_SOURCES
+            or not os.path.isfile(data.path) or not _has_messages(data.path, data.source)):
+        return None
+    what = f"data.path = {data.path!r} holds chat rows ('messages') but model.hf_path is empty"
+    if model.tokenizer == "auto":
+        raise ConfigError(f"{what}: set model.hf_path to a local chat checkpoint (with its "
+                          f"tokenizer and chat template), or set model.tokenizer = 'char' to "
+                          f"train the built-in random model on purpose")
+    return (f"{what}: training the built-in random {model.arch} model of model.* "
+            f"({model.num_layers} layers, hidden {model.hidden_size}, vocab {model.vocab_size}) "
+            f"with tokenizer {model.tokenizer!r}, as model.tokenizer asks")

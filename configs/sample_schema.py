@@ -14,7 +14,8 @@ from meshrl.configs.fields import ConfigError, Section, at_least, field
 @dataclasses.dataclass(frozen=True)
 class SampleConfig(Section):
     """The sample job (``job = sample``): where its weights come from. The run sources read the
-    run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl``."""
+    run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl`` (never over an earlier
+    one unless ``sample.overwrite``)."""
 
     _section = "sample"
     source: Literal["hf_path", "random", "checkpoint", "version"] = field(
@@ -26,6 +27,9 @@ class SampleConfig(Section):
                    "newest checkpoint config, or of this config when the run has none).")
     version: int = field(-1, "Weight version for sample.source = 'version'; -1: the newest "
                              "published one. Must stay -1 with the other sources.", at_least(-1))
+    overwrite: bool = field(False, "Replace an existing <workdir>/samples.jsonl; False: keep "
+                                   "it and write the first free samples-<n>.jsonl (n = 1, 2, "
+                                   "...), named in the job's last log line.")
 
     def validate(self) -> None:
         if self.version != -1 and self.source != "version":

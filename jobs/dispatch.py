@@ -3,9 +3,10 @@
 Contract: ``register(job, "module:function")`` maps a ``Job`` to ``function(config, workdir)``;
 the module is imported only when that job runs. ``dry_run(config)`` runs every check a run makes
 before it compiles or writes anything (the config is already valid: ``Config`` runs the
-cross-section rules; here: input paths, distributed start-up, the meshes with their device
-count, the split placement included) and returns the text a user checks. ``run`` makes the same
-checks, then checks the workdir and takes its lock (``utils/workdir.py``; one run per workdir
+cross-section rules; here: ``preflight`` -- input paths, the effective model and tokenizer, chat
+data without a chat model -- then distributed start-up, the meshes with their device count, the
+split placement included) and returns the text a user checks, the model section as the run
+will build it. ``run`` makes the same checks (``preflight``), then checks the workdir and takes its lock (``utils/workdir.py``; one run per workdir
 and writing job: SFT and RL share a lock, sample and evaluate have their own, export takes none),
 then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
 """
@@ -13,11 +14,13 @@ then calls the job. Design: docs/architecture.md, "Device placement and dispatch
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import logging
 
 import jax
 
 from meshrl.configs.loader import render
-from meshrl.configs.paths import check_input_paths
+from meshrl.configs.paths import check_chat_model, check_input_paths, input_paths
 from meshrl.configs.schema import Config, Job
 from meshrl.mesh import (
     create_mesh,
@@ -26,7 +29,7 @@ from meshrl.mesh import (
     initialize_distributed,
     rules_for,
 )
-from meshrl.models.build import resolve_model_config
+from meshrl.models.build import EffectiveModel, effective_model
 from meshrl.utils import compile_cache, log, multihost, paths
 from meshrl.utils.workdir import WorkdirError, WorkdirLock, prepare
 
@@ -45,12 +48,53 @@ register(Job.EXPORT, "meshrl.jobs.export:run")
 register(Job.EVALUATE, "meshrl.jobs.evaluate:run")
 
 
-def dry_run(config: Config) -> str:
-    """Check what a run checks before its first compile (input paths, distributed start-up, the
-    trainer and sampler meshes on the devices); return the resolved config, meshes and rules.
-    Raises the run's ``UserError`` (``ConfigError``, ``MeshShapeError``) on the first problem."""
+class _KnownNoise(logging.Filter):
+    """Drops two log records that tell a user nothing they can act on: JAX probing for a TPU
+    on a host without libtpu (an accelerator host has it installed, so its own failure still
+    shows), and Orbax noting that the checkpoint reader opened its directory read-only, as
+    the reader always does."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        if record.name == "jax._src.xla_bridge":
+            return not (msg.startswith("Unable to initialize backend 'tpu'")
+                        and importlib.util.find_spec("libtpu") is None)
+        return not msg.startswith("Given directory is read only")
+
+
+_NOISE = _KnownNoise()
+_NOISY_LOGGERS = ("jax._src.xla_bridge", "absl")  # absl: Orbax logs through absl.logging
+
+
+def quiet_known_noise() -> None:
+    """Install the ``_KnownNoise`` filter on the loggers that emit those records (idempotent);
+    called before the first device query of a run or dry run."""
+    for name in _NOISY_LOGGERS:
+        logger = logging.getLogger(name)
+        if _NOISE not in logger.filters:
+            logger.addFilter(_NOISE)
+
+
+def preflight(config: Config) -> EffectiveModel:
+    """The checks a run and its dry run share, before any device, compile or write: the input
+    paths, the effective model and tokenizer (``models.build.effective_model``, the functions
+    every job builds with), chat data without a chat model (``configs.paths.check_chat_model``).
+    Returns the effective model the dry run prints."""
+    quiet_known_noise()
     check_input_paths(config)
-    resolve_model_config(config.model)  # an unsupported model.hf_path architecture fails here
+    effective = effective_model(config.model)
+    warning = check_chat_model(config)
+    if warning:
+        log.get_logger("main").warning("%s", warning)
+    return effective
+
+
+def dry_run(config: Config) -> str:
+    """Check what a run checks before its first compile (``preflight``, distributed start-up, the
+    trainer and sampler meshes on the devices); return the config with the effective model, the
+    inputs read, the meshes and rules. Raises the run's ``UserError`` (``ConfigError``,
+    ``MeshShapeError``) on the first problem."""
+    effective = preflight(config)
     initialize_distributed(config.distributed)
     if config.job == Job.RL and config.rl.placement == "split":
         # mesh.* covers only the trainer's share of the devices in split mode.
@@ -61,8 +105,10 @@ def dry_run(config: Config) -> str:
         mesh, sampler_mesh = create_mesh(config.mesh), None
     log.set_process_index(jax.process_index())
     lines = [
-        "# resolved config",
-        render(config),
+        "# resolved config (model.*: the effective model the run builds)",
+        render(config, replace={"model": effective.config}, notes=model_notes(effective)),
+        "# inputs (checked)",
+        *(f"  {name}: {path}" for name, path in _inputs(config, effective)),
         f"# mesh ({len(mesh.devices.flat)} devices, {jax.devices()[0].platform})",
         "  " + describe_mesh(mesh),
     ]
@@ -79,11 +125,37 @@ def dry_run(config: Config) -> str:
     return "\n".join(lines)
 
 
+def model_notes(effective: EffectiveModel) -> dict[str, str]:
+    """``model.<field>`` -> where its effective value comes from, for the dry run's listing."""
+    cfg, tok = effective.config, effective.tokenizer
+    source = f"from {cfg.hf_path}/config.json" if cfg.hf_path else ""
+    notes = dict.fromkeys((f"model.{n}" for n in effective.from_checkpoint), source)
+    what = ("built-in byte tokenizer" if effective.tokenizer_spec == "char"
+            else f"{effective.tokenizer_spec}/tokenizer.json")
+    notes["model.tokenizer"] = (f"{what}: {tok.vocab_size} ids, eos {tok.eos_id}, bos "
+                                f"{tok.bos_id}, pad {tok.pad_id}, chat template "
+                                f"{'yes' if tok.has_chat_template else 'no (built-in format)'}")
+    if not cfg.hf_path:
+        notes["model.hf_path"] = "empty: a random init of model.*"
+    else:
+        stored = effective.checkpoint_dtype or "unknown"
+        for name in ("param_dtype", "compute_dtype"):
+            notes[f"model.{name}"] = f"from model.* (the checkpoint stores {stored})"
+    return notes
+
+
+def _inputs(config: Config, effective: EffectiveModel) -> list[tuple[str, str]]:
+    found = input_paths(config)
+    if effective.tokenizer_spec not in ("char", config.model.tokenizer):
+        found.insert(1, ("tokenizer (model.tokenizer = 'auto')",
+                         f"{effective.tokenizer_spec}/tokenizer.json"))
+    return found or [("none", "model.* random init, synthetic data")]
+
+
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
     cache = compile_cache.enable(config.runtime)
-    check_input_paths(config)  # the same checks as dry_run, before anything is written
-    resolve_model_config(config.model)
+    preflight(config)  # the same checks as dry_run, before anything is written
     if config.job not in _JOBS:
         known = sorted(j.value for j in _JOBS)
         raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "

@@ -10,9 +10,11 @@ Contract:
   checkpoint, or this config's when the run has none), resolved as every job builds it
   (``model.hf_path``'s config.json when set).
 * Output: ``OUT/model.safetensors`` + ``OUT/config.json`` (params in the dtype they are stored
-  in), plus the tokenizer files of the run's tokenizer when it is a directory (``model.tokenizer``
-  or the ``model.hf_path`` checkpoint's own). Written into a temporary sibling directory and
-  renamed to ``OUT`` whole: a failed export leaves nothing at ``OUT``.
+  in; the tokenizer's eos/bos/pad ids in it and in ``OUT/generation_config.json``), plus the
+  tokenizer files of the run's tokenizer when it is a directory (``model.tokenizer`` or the
+  ``model.hf_path`` checkpoint's own). Written into a temporary sibling directory and
+  renamed to ``OUT`` whole: a failed export leaves nothing at ``OUT``. ``OUT`` gets the
+  user's umask like any directory they create.
 * Processes: on several (``distributed.*``), every process restores its shards and takes part
   in gathering each tensor; process 0 alone writes ``OUT`` (a path all processes share).
 * Errors: no checkpoint, a missing step or version, an unusable ``export.path``: one
@@ -22,10 +24,11 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import pathlib
 import shutil
-import tempfile
+import time
 from typing import Any
 
 import jax
@@ -48,7 +51,7 @@ from meshrl.models import (
     save_hf_checkpoint,
     split_model,
 )
-from meshrl.models.tokenizer import resolve_tokenizer_spec
+from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec, tokenizer_for
 from meshrl.trainer.checkpoint_reader import CheckpointReader
 from meshrl.utils import multihost
 from meshrl.utils.log import get_logger, set_process_index
@@ -147,19 +150,46 @@ def load_source(config: Config, workdir: str | pathlib.Path, src: ExportSource,
 
 def tokenizer_dir(src: ExportSource) -> str | None:
     """The run's tokenizer directory, or None for the built-in char tokenizer."""
-    spec = resolve_tokenizer_spec(src.model, src.arch.vocab_size)
+    spec = resolve_tokenizer_spec(src.model)
     return None if spec == "char" else spec
 
 
-def _write(model: Any, out: pathlib.Path, tok: str | None) -> list[str]:
-    """The HF checkpoint of ``model`` (and the tokenizer files in ``tok``) at ``out``, moved
-    into place whole; the tokenizer files copied."""
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+def special_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """The token ids transformers' ``generate`` reads from config.json / generation_config.json."""
+    return {"eos_token_id": tokenizer.eos_id, "bos_token_id": tokenizer.bos_id,
+            "pad_token_id": tokenizer.pad_id}
+
+
+def _merge_generation_config(release: pathlib.Path, written: pathlib.Path) -> None:
+    """The checkpoint's own generation_config.json (its sampling defaults, its EOS list), with
+    the special ids written from the tokenizer filling the ones it lacks."""
+    ours = json.loads(written.read_text())
     try:
-        save_hf_checkpoint(model, tmp)
+        theirs = json.loads(release.read_text())
+    except ValueError:
+        log.warning("%s: not valid JSON; exported only the special token ids", release)
+        return
+    if isinstance(theirs, dict):
+        merged = {**theirs, **{k: v for k, v in ours.items() if theirs.get(k) is None}}
+        written.write_text(json.dumps(merged, indent=2))
+
+
+def _write(model: Any, out: pathlib.Path, tok: str | None, ids: dict[str, int | None]
+           ) -> list[str]:
+    """The HF checkpoint of ``model`` (and the tokenizer files in ``tok``) at ``out``, moved
+    into place whole; the tokenizer files copied (a generation_config.json the checkpoint
+    ships is kept, the special ids it lacks added)."""
+    # os.mkdir, not tempfile.mkdtemp: the export keeps the user's umask, not mode 0700.
+    tmp = out.parent / f".{out.name}.{os.getpid()}.{time.time_ns()}"
+    tmp.mkdir()
+    try:
+        save_hf_checkpoint(model, tmp, special_ids=ids)
         copied = [n for n in TOKENIZER_FILES if tok and os.path.isfile(os.path.join(tok, n))]
         for name in copied:
-            shutil.copyfile(os.path.join(tok, name), tmp / name)
+            if name == "generation_config.json":
+                _merge_generation_config(pathlib.Path(tok) / name, tmp / name)
+            else:
+                shutil.copyfile(os.path.join(tok, name), tmp / name)
         if out.exists():
             out.rmdir()  # checked empty above
         os.replace(tmp, out)
@@ -177,6 +207,7 @@ def run(config: Config, workdir: str) -> pathlib.Path:
     try:
         src = resolve_export(config, workdir, reader)
         tok = tokenizer_dir(src)
+        ids = special_ids(tokenizer_for(src.model, src.arch.vocab_size))
         model = load_source(config, workdir, src, reader)
     finally:
         reader.close()
@@ -186,7 +217,7 @@ def run(config: Config, workdir: str) -> pathlib.Path:
     copied: list[str] = []
     try:
         if primary:
-            copied = _write(model, out, tok)
+            copied = _write(model, out, tok, ids)
         else:
             save_hf_checkpoint(model, out, write=False)
     finally:

@@ -19,9 +19,10 @@ Contract:
   tokenizer has one, BOS): the ids of the RL prompt iterator for the same row. Prompts over
   min(data.max_prompt_len, the largest prompt bucket) follow ``data.on_overlong``; none left is a
   ``DatasetError``.
-* Output: ``<workdir>/samples.jsonl``, one record per prompt: its row's fields, ``prompt_text``,
-  ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``, ``raw_logprobs``, ``versions``,
-  ``finish_reason``.
+* Output: ``<workdir>/samples.jsonl``; when one exists it is kept and the samples go to the first
+  free ``samples-<n>.jsonl``, unless ``sample.overwrite``. One record per prompt: its row's
+  fields, ``prompt_text``, ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``,
+  ``raw_logprobs``, ``versions``, ``finish_reason``.
 * Several processes: each loads the weights onto a sampler mesh over its own devices
   (``mesh.tensor``/``expert``/``expert_tensor`` kept, ``data`` filling them), samples a
   contiguous block of the prompts with the seeds one process would use, and process 0 writes
@@ -199,6 +200,7 @@ def build_sampler(config: Config, workdir: paths.PathLike, src: Source, mesh: Me
             raise ConfigError(f"sample.version = {src.version}: the weights at "
                               f"{weights_dir(workdir, src.version)} do not fit the model of "
                               f"{whose} ({e}): pass the config the run was trained with") from None
+        log.info("sampling from weight version %d of %s", src.version, workdir)
         return sampler
     if s.source == "checkpoint":
         assert src.step is not None
@@ -211,14 +213,17 @@ def build_sampler(config: Config, workdir: paths.PathLike, src: Source, mesh: Me
                  version, workdir)
         return Sampler(src.arch, config.sampler, mesh, params, version=version, rules=rules)
     model = source_model(config, src, mesh, rules)
+    if s.source == "hf_path":
+        log.info("sampling from model.hf_path %s (weight version %d)", src.model.hf_path,
+                 src.version)
     return Sampler(src.arch, config.sampler, mesh, split_model(model)[1], rules=rules)
 
 
 def source_model(config: Config, src: Source, mesh: Mesh, rules: Rules) -> Decoder:
     """The model of ``sample.source`` hf_path or random, built as every job builds it."""
     if config.sample.source == "random":
-        log.info("sampling from a random %d-layer model (sample.source = 'random')",
-                 src.arch.num_layers)
+        log.info("sampling from a random %d-layer model (sample.source = 'random', weight "
+                 "version 0)", src.arch.num_layers)
     return build_model(src.model, mesh=mesh, rules=rules, seed=config.trainer.seed)
 
 
@@ -259,6 +264,8 @@ def run(config: Config, workdir: str) -> None:
                     dropped, limit)
     sampler = build_sampler(config, workdir, src, _sampling_mesh(config))
     share = _process_share(len(rows))
+    # Chosen before the gather, so every process names the file process 0 writes after it.
+    path = output_path(workdir, config.sample.overwrite)
 
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.
@@ -270,12 +277,23 @@ def run(config: Config, workdir: str) -> None:
          "seconds": dt})
     records = [r for part in parts for r in part["records"]]
     dt = max(part["seconds"] for part in parts)  # the processes sample side by side
-    path = paths.as_path(workdir) / "samples.jsonl"
     if jax.process_index() == 0:
         paths.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
     n_tokens = sum(len(r["tokens"]) for r in records)
     log.info("wrote %d samples (%d tokens, %.1f tok/s, %d prompts dropped) to %s", len(records),
              n_tokens, n_tokens / max(dt, 1e-9), dropped, path)
+
+
+def output_path(workdir: paths.PathLike, overwrite: bool) -> Any:
+    """``<workdir>/samples.jsonl``, or with ``overwrite`` False and that file present the first
+    absent ``samples-<n>.jsonl``: an earlier sample is never lost to a rerun."""
+    first = paths.as_path(workdir) / "samples.jsonl"
+    n = 0
+    path = first
+    while not overwrite and path.exists():
+        n += 1
+        path = first.with_name(f"samples-{n}.jsonl")
+    return path
 
 
 def _jsonable(v: Any) -> bool:

@@ -1,11 +1,13 @@
 """A sweep's results: ``W/results.csv``, the table on stdout, ``W/sweep_curves.png``.
 
 Contract: one row per trial, in sweep order: ``trial``, ``status`` (``done`` when its
-summary.json holds a whole JSON object, else ``failed``), its overrides (one column per dotted key), every scalar
-of its summary.json (nested dicts flattened to ``outer.inner``; lists left out) and, for a
-failed trial, ``error``: the last line of its ``sweep.log``. The table shows the overrides and
-the headline numbers; the CSV has every column. The plot has one line per trial for each of
-``CURVES`` read from the trial's ``metrics.jsonl``.
+summary.json holds a whole JSON object, else ``failed``), its overrides (one column per dotted
+key), every scalar of its summary.json (nested dicts flattened to ``outer.inner``; lists left
+out) and, for a failed trial, ``error``: the last line of its ``sweep.log``. The table shows the
+overrides and the headline numbers of the job (RL: accuracy and reward; SFT: loss); the CSV has
+every column. The plot has one panel per curve of ``CURVES`` that some trial's
+``metrics.jsonl`` holds, one line per trial; without any there is no plot (and an earlier one
+is removed), and the table's last line names only the files written.
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ from meshrl.utils.log import get_logger
 
 log = get_logger("launch.sweep")
 RESULTS, PLOT = "results.csv", "sweep_curves.png"
-HEADLINE = ("accuracy_before", "accuracy_after", "reward_first", "reward_last", "tokens_per_s",
-            "wall_s")  # the table's numbers, those a summary has
+# The table's numbers, those a summary has: RL's accuracy and reward, SFT's losses.
+HEADLINE = ("accuracy_before", "accuracy_after", "reward_first", "reward_last", "first_loss",
+            "final_loss", "eval_loss", "tokens_per_s", "wall_s")
 CURVES = (("rollout/reward_mean", "batch reward (mean)"),
-          ("eval/greedy_accuracy", "held-out greedy accuracy"))
+          ("eval/greedy_accuracy", "held-out greedy accuracy"),
+          ("eval_loss", "held-out loss (SFT)"))
 
 
 def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -81,41 +85,47 @@ def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
 
 
 def plot_curves(trials: Sequence[Trial], workdir: pathlib.Path, path: pathlib.Path) -> bool:
-    """PNG of ``CURVES`` over steps, one line per trial; False (no file) when no trial has
-    any of them."""
+    """PNG of the ``CURVES`` some trial has, over steps, one line per trial; False (no file)
+    when no trial has any of them."""
+    series = {}  # (curve key, trial name) -> [(step, value)]
+    for trial in trials:
+        metrics = read_metrics(workdir / trial.name / "metrics.jsonl")
+        for key, _ in CURVES:
+            pts = sorted((s, m[key]) for s, m in metrics.items() if key in m)
+            if pts:
+                series[key, trial.name] = pts
+    curves = [(key, title) for key, title in CURVES if any(k == key for k, _ in series)]
+    if not curves:
+        return False
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(6 * len(CURVES), 4), squeeze=False)
-    drawn = False
-    for trial in trials:
-        metrics = read_metrics(workdir / trial.name / "metrics.jsonl")
-        for ax, (key, _) in zip(axes[0], CURVES):
-            pts = sorted((s, m[key]) for s, m in metrics.items() if key in m)
+    fig, axes = plt.subplots(1, len(curves), figsize=(6 * len(curves), 4), squeeze=False)
+    for ax, (key, title) in zip(axes[0], curves):
+        for trial in trials:
+            pts = series.get((key, trial.name))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", ms=3, label=trial.name)
-                drawn = True
-    for ax, (_, title) in zip(axes[0], CURVES):
         ax.set_title(title)
         ax.set_xlabel("step (weight version)")
         ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend(fontsize="small")
-    if drawn:
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-    return drawn
+    return True
 
 
 def write_report(trials: Sequence[Trial], workdir: pathlib.Path) -> list[dict[str, Any]]:
-    """The rows, ``results.csv`` and the plot under ``workdir``."""
+    """The rows, ``results.csv`` and the plot under ``workdir``; a plot left from an earlier
+    report is removed when this one has nothing to draw, so it never disagrees with the CSV."""
     workdir.mkdir(parents=True, exist_ok=True)
     rows = [trial_row(t, workdir) for t in trials]
     write_csv(rows, workdir / RESULTS)
     if not plot_curves(trials, workdir, workdir / PLOT):
+        (workdir / PLOT).unlink(missing_ok=True)
         log.warning("no trial has metrics to plot; %s not written", PLOT)
     return rows
 
@@ -145,5 +155,8 @@ def format_table(trials: Sequence[Trial], rows: Sequence[Mapping[str, Any]],
             tail = log_tail(where) or [str(r.get("error", ""))]
             source = f"the last lines of {where}" if where.is_file() else "why"
             lines += [f"failed: {r['trial']}; {source}:", *(f"  | {ln}" for ln in tail)]
-    lines.append(f"results: {workdir / RESULTS}; curves: {workdir / PLOT}")
+    written = [f"results: {workdir / RESULTS}"]
+    if (workdir / PLOT).is_file():  # write_report removes a plot it did not draw
+        written.append(f"curves: {workdir / PLOT}")
+    lines.append("; ".join(written))
     return "\n".join(lines)

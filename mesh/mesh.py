@@ -66,9 +66,13 @@ def resolve_shapes(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[
                              f"product of the mesh.dcn_* sizes divide {n}")
     ici = _fill(cfg.ici_shape, n // math.prod(dcn), cfg, n)
     if math.prod(ici) * math.prod(dcn) != n:
+        want = math.prod(ici) * math.prod(dcn)
+        hint = (f" (to rehearse it on a CPU, fake {want} devices: XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={want})"
+                if want > n and devices[0].platform == "cpu" else "")
         raise MeshShapeError(
-            f"mesh: {_describe(cfg)} multiplies to {math.prod(ici) * math.prod(dcn)} devices, "
-            f"but {n} devices are available: make the product of all axis sizes equal {n}")
+            f"mesh: {_describe(cfg)} multiplies to {want} devices, but {n} devices are "
+            f"available: make the product of all axis sizes equal {n}{hint}")
     return ici, dcn
 
 

@@ -11,6 +11,8 @@ dropped.
 from __future__ import annotations
 
 import dataclasses
+import json
+import pathlib
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -20,6 +22,7 @@ from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
 from meshrl.models.decoder import Decoder, create_model
 from meshrl.models.hf import load_hf_checkpoint, load_hf_config
+from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec, tokenizer_for
 from meshrl.utils.log import get_logger
 
 # Fields of ModelConfig that say how to run the weights, not what they are: with model.hf_path
@@ -52,6 +55,36 @@ def resolve_model_config(model: ModelConfig) -> ModelConfig:
             "model.hf_path = %r decides the architecture; not used: %s", model.hf_path,
             ", ".join(ignored))
     return resolved
+
+
+@dataclasses.dataclass(frozen=True)
+class EffectiveModel:
+    """What a run of ``model.*`` builds and reads: ``config`` is ``resolve_model_config``'s,
+    ``from_checkpoint`` the fields of it read from ``<hf_path>/config.json`` (empty without
+    ``hf_path``), ``tokenizer`` the loaded tokenizer of ``tokenizer_spec``."""
+
+    config: ModelConfig
+    from_checkpoint: tuple[str, ...]
+    tokenizer_spec: str
+    tokenizer: Tokenizer
+    checkpoint_dtype: str | None = None  # config.json's dtype: how the weights are stored
+
+
+def effective_model(model: ModelConfig) -> EffectiveModel:
+    """The model and tokenizer every job of ``model.*`` uses, resolved and loaded by the same
+    functions the jobs call (``resolve_model_config``, ``tokenizer_for``), so a dry run that
+    passes this and prints it shows, and has checked, what the run will use. Reads config.json
+    and the tokenizer files, never the weights."""
+    resolved = resolve_model_config(model)
+    tokenizer = tokenizer_for(model, resolved.vocab_size)
+    from_checkpoint = tuple(f.name for f in dataclasses.fields(ModelConfig)
+                            if model.hf_path and f.name not in _NOT_ARCH)
+    stored = None
+    if model.hf_path:  # resolve_model_config has read and checked this file
+        hf = json.loads((pathlib.Path(model.hf_path) / "config.json").read_text())
+        stored = hf.get("dtype") or hf.get("torch_dtype")
+    return EffectiveModel(resolved, from_checkpoint, resolve_tokenizer_spec(model), tokenizer,
+                          stored)
 
 
 def build_model(model: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,

@@ -353,10 +353,13 @@ def _host_copy(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = True) -> None:
+def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = True,
+                       special_ids: dict[str, int | None] | None = None) -> None:
     """Write ``model.safetensors`` + ``config.json``. Params sharded over several processes are
     gathered tensor by tensor, so every process calls this; only those with ``write`` (process
-    0) write files."""
+    0) write files. ``special_ids`` (``eos_token_id``, ``bos_token_id``, ``pad_token_id``: the
+    tokenizer's) go into config.json and a ``generation_config.json``, so that transformers'
+    ``generate`` stops at EOS with either file."""
     from safetensors.numpy import save_file
 
     path = pathlib.Path(path)
@@ -371,7 +374,10 @@ def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = T
         return
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(hf_config_from_model(cfg), indent=2))
+    ids = {k: v for k, v in (special_ids or {}).items() if v is not None}
+    (path / "config.json").write_text(json.dumps({**hf_config_from_model(cfg), **ids}, indent=2))
+    if ids:
+        (path / "generation_config.json").write_text(json.dumps(ids, indent=2))
     get_logger("models").info("saved %s (%d tensors)", path, len(tensors))
 
 

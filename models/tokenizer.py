@@ -94,7 +94,8 @@ class HFTokenizer:
         path = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(path):
             raise MissingFileError(f"{directory!r}: no tokenizer.json there: point model.tokenizer "
-                                   f"at a local directory holding tokenizer.json, or use 'char'")
+                                   f"at a local directory holding tokenizer.json, or use "
+                                   f"'auto' or 'char'")
         try:
             self._tok = _RustTokenizer.from_file(path)
         except Exception as e:  # the Rust library raises a bare Exception for a bad file
@@ -171,46 +172,45 @@ def load_tokenizer(spec: str) -> Tokenizer:
                          f"supported)")
 
 
-# A byte model's vocabulary: the char tokenizer's 256 ids, padded at most to 1024. Every subword
-# vocabulary is far larger (GPT-2 50257, Llama 32000+), so a checkpoint above this that ships no
-# tokenizer.json lost its tokenizer; the char tokenizer would feed it meaningless ids.
-CHAR_MODEL_MAX_VOCAB = 1024
+def resolve_tokenizer_spec(model: ModelConfig) -> str:
+    """The tokenizer every job uses for ``model`` (a ``load_tokenizer`` spec).
 
-
-def resolve_tokenizer_spec(model: ModelConfig, vocab_size: int | None = None) -> str:
-    """The tokenizer training uses for ``model`` (a ``load_tokenizer`` spec); every job calls this.
-
-    ``model.tokenizer`` when it names a directory. With ``model.tokenizer = 'char'`` and
-    ``model.hf_path`` set: the checkpoint's own tokenizer (``<hf_path>/tokenizer.json``), else
-    ``'char'`` only when the model's vocabulary is a byte vocabulary (``vocab_size``, the
-    checkpoint's, defaults to ``model.vocab_size``; at most ``CHAR_MODEL_MAX_VOCAB``). Anything
-    else raises ``ConfigError``: a missing tokenizer never falls back silently.
+    ``model.tokenizer`` says it, with no fallback between its three values: ``'auto'`` is the
+    checkpoint's own ``<model.hf_path>/tokenizer.json`` (a ``ConfigError`` when it has none,
+    whatever the vocabulary), or ``'char'`` without ``model.hf_path``; ``'char'`` is the
+    built-in byte tokenizer, asked for on purpose (with ``model.hf_path`` only for a checkpoint
+    that ships no tokenizer.json, such as an export of a char-tokenizer run); anything else is a
+    local directory holding tokenizer.json.
     """
-    vocab = model.vocab_size if vocab_size is None else vocab_size
-    if model.tokenizer != "char":
-        if not os.path.isfile(os.path.join(model.tokenizer, "tokenizer.json")):
-            raise ConfigError(f"model.tokenizer = {model.tokenizer!r}: no tokenizer.json there: "
-                              f"point it at a local directory holding tokenizer.json (and "
-                              f"tokenizer_config.json), or use 'char'; downloads are not supported")
-        return model.tokenizer
-    if not model.hf_path:
+    spec = model.tokenizer
+    if spec == "char":
+        if model.hf_path and os.path.isfile(os.path.join(model.hf_path, "tokenizer.json")):
+            raise ConfigError(f"model.tokenizer = 'char': model.hf_path = {model.hf_path!r} ships "
+                              f"its own tokenizer.json: set model.tokenizer = 'auto' to use it "
+                              f"(runs saved before 'auto' existed meant that)")
         return "char"
-    if os.path.isfile(os.path.join(model.hf_path, "tokenizer.json")):
-        return model.hf_path  # the checkpoint ships its own tokenizer
-    if vocab > CHAR_MODEL_MAX_VOCAB:
-        raise ConfigError(f"model.hf_path = {model.hf_path!r}: has no tokenizer.json and its "
-                          f"vocab_size = {vocab} is not a byte (char tokenizer) vocabulary "
-                          f"(<= {CHAR_MODEL_MAX_VOCAB}): copy the model's tokenizer.json and "
-                          f"tokenizer_config.json into it, or set model.tokenizer to a directory "
-                          f"holding them")
-    return "char"
+    if spec == "auto":
+        if not model.hf_path:
+            return "char"
+        if not os.path.isfile(os.path.join(model.hf_path, "tokenizer.json")):
+            raise ConfigError(f"model.hf_path = {model.hf_path!r}: has no tokenizer.json "
+                              f"(model.tokenizer = 'auto' reads the checkpoint's own): copy the "
+                              f"model's tokenizer.json and tokenizer_config.json into it, point "
+                              f"model.tokenizer at a directory holding them, or set "
+                              f"model.tokenizer = 'char' if it is a byte-vocabulary model")
+        return model.hf_path
+    if not os.path.isfile(os.path.join(spec, "tokenizer.json")):
+        raise ConfigError(f"model.tokenizer = {spec!r}: no tokenizer.json there: point it at a "
+                          f"local directory holding tokenizer.json (and tokenizer_config.json), "
+                          f"or use 'auto' or 'char'; downloads are not supported")
+    return spec
 
 
 def tokenizer_for(model: ModelConfig, vocab_size: int | None = None) -> Tokenizer:
-    """``load_tokenizer(resolve_tokenizer_spec(model, vocab_size))``, checked to fit the model:
+    """``load_tokenizer(resolve_tokenizer_spec(model))``, checked to fit the model:
     ``ConfigError`` when the tokenizer has more ids than the model's ``vocab_size``."""
     vocab = model.vocab_size if vocab_size is None else vocab_size
-    spec = resolve_tokenizer_spec(model, vocab)
+    spec = resolve_tokenizer_spec(model)
     tokenizer = load_tokenizer(spec)
     if tokenizer.vocab_size > vocab:
         raise ConfigError(f"model.vocab_size = {vocab}: smaller than the tokenizer's "

@@ -194,6 +194,15 @@ def _config(**sections: dict) -> object:
     return from_config_dict(cfg)
 
 
+def _word_tokenizer(out: pathlib.Path) -> None:
+    """A loadable three-word tokenizer.json and its tokenizer_config.json (EOS ``</s>``)."""
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"</s>": 0, "a": 1, "b": 2}, unk_token="</s>")).save(
+        str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+
+
 @pytest.fixture
 def good_inputs(tmp_path: pathlib.Path) -> pathlib.Path:
     """A model directory, a tokenizer directory and data files with the files the job reads."""
@@ -205,7 +214,7 @@ def good_inputs(tmp_path: pathlib.Path) -> pathlib.Path:
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False}))
     (tmp_path / "model" / "model-00001-of-00001.safetensors").write_bytes(b"")
     (tmp_path / "tok").mkdir()
-    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    _word_tokenizer(tmp_path / "tok")  # the dry run loads it, as the run does
     (tmp_path / "train.jsonl").write_text("{}\n")
     (tmp_path / "eval.jsonl").write_text("{}\n")
     return tmp_path
@@ -230,8 +239,8 @@ MISSING = [
                                                "there"),
     ("model", "hf_path", "-model/model-00001-of-00001.safetensors",
      "model.hf_path = '{d}/model': no *.safetensors there"),
-    ("model", "tokenizer", "absent", "model.tokenizer = '{d}/absent': not 'char' and no such "
-                                     "directory"),
+    ("model", "tokenizer", "absent", "model.tokenizer = '{d}/absent': not 'auto' or 'char' and "
+                                     "no such directory"),
     ("model", "tokenizer", "-tok/tokenizer.json", "model.tokenizer = '{d}/tok': no "
                                                   "tokenizer.json there"),
     ("data", "path", "absent.jsonl", "data.path = '{d}/absent.jsonl': file not found"),

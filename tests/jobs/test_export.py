@@ -163,6 +163,7 @@ def test_export_of_a_published_version_gives_the_samplers_logits_in_transformers
     hf = tmp_path / "hf"
     hf_llama(hf, seed=1)
     cfg = _sft_config(hf)
+    cfg.model.tokenizer = "char"  # a byte-vocabulary checkpoint without tokenizer.json
     config = from_config_dict(cfg)
     mesh = create_mesh(config.mesh)
     trained = build_model(config.model, mesh=mesh, rules=rules_for("train", True))

@@ -29,7 +29,8 @@ from meshrl.utils.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 RUNTIME = {"model.compute_dtype": "bfloat16", "model.remat": "full", "model.scan_layers": True,
-           "model.attention": "einsum"}  # not the default (blockwise)
+           "model.attention": "einsum",  # not the default (blockwise)
+           "model.tokenizer": "char"}  # a byte-vocabulary checkpoint, no tokenizer.json
 
 
 @pytest.fixture(scope="module")
