@@ -9,9 +9,9 @@ their expert and back with ``all_to_all``; given ``expert_tensor``, each shard h
 every local expert's FFN width and the partial outputs are summed with ``psum``.
 
 Grouped kernels (``impl``): ``ragged_dot`` (``jax.lax.ragged_dot``, native on TPU and GPU), and
-``blocked`` (rows padded per expert to blocks of one expert each, one batched matmul; for CPU,
-where ragged_dot lowers to a dense loop over every group). ``dense_moe_ffn`` runs every expert
-on every token and masks: the reference the grouped path must equal, and the benchmark baseline.
+``blocked`` (each expert's rows in row tiles, looped, ``models/moe_tiles.py``; for CPU, where
+ragged_dot lowers to a dense loop over every group). ``dense_moe_ffn`` runs every expert
+on every token and masks: the reference the grouped path must equal.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from meshrl.models.moe_tiles import tiled_swiglu
 
 Impl = Literal["ragged_dot", "blocked"]
 RouterStats = dict[str, jax.Array]  # counts [E], prob_sum [E], rows, z_sum, dropped (sums)
@@ -76,13 +78,6 @@ def _swiglu(h_gate: jax.Array, h_up: jax.Array) -> jax.Array:
     return jax.nn.silu(h_gate) * h_up
 
 
-def block_rows(rows: int, groups: int) -> int:
-    """Rows per block of the blocked kernel: about rows / groups (so padding costs at most about
-    one block per expert), a power of two in [8, 256]."""
-    target = max(8, rows // max(groups, 1))
-    return min(256, 1 << (target.bit_length() - 1))
-
-
 def grouped_ffn(rows_MxD: jax.Array, group_M: jax.Array, num_groups: int, w_gate_GxDxF: jax.Array,
                 w_up_GxDxF: jax.Array, w_down_GxFxD: jax.Array, impl: Impl,
                 presorted: bool = False) -> jax.Array:
@@ -96,7 +91,9 @@ def grouped_ffn(rows_MxD: jax.Array, group_M: jax.Array, num_groups: int, w_gate
         out_MxD = _ragged(rows_MxD[order_M], sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
         return jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
     if impl == "blocked":
-        return _blocked(rows_MxD, order_M, sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+        sorted_MxD = rows_MxD if presorted else rows_MxD[order_M]
+        out_MxD = tiled_swiglu(sorted_MxD, sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+        return out_MxD if presorted else jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
     raise ValueError(f"impl = {impl!r}: must be 'ragged_dot' or 'blocked'")
 
 
@@ -109,33 +106,6 @@ def _ragged(sorted_MxD: jax.Array, sizes_G: jax.Array, wg: jax.Array, wu: jax.Ar
     # Rows past the last group are not defined to be zero on every backend.
     live_M = jnp.arange(sorted_MxD.shape[0]) < sizes_G.sum()
     return jnp.where(live_M[:, None], out_MxD, 0)
-
-
-def _blocked(rows_MxD: jax.Array, order_M: jax.Array, sizes_G: jax.Array, wg: jax.Array,
-             wu: jax.Array, wd: jax.Array) -> jax.Array:
-    """Each group's rows padded to whole blocks of ``block_rows``, one group per block; one
-    batched matmul over the blocks with each block's expert weights gathered. Static block
-    count: ceil(M / b) + G covers any split of M rows over G groups."""
-    M, D = rows_MxD.shape
-    G = sizes_G.shape[0]
-    b = block_rows(M, G)
-    N = -(-M // b) + G
-    padded_G = -(-sizes_G // b) * b
-    pend_G = jnp.cumsum(padded_G)
-    start_G = jnp.cumsum(sizes_G) - sizes_G
-    slot_P = jnp.arange(N * b, dtype=jnp.int32)
-    g_P = jnp.searchsorted(pend_G, slot_P, side="right").astype(jnp.int32)
-    gc_P = jnp.minimum(g_P, G - 1)
-    off_P = slot_P - (pend_G - padded_G)[gc_P]
-    live_P = (g_P < G) & (off_P < sizes_G[gc_P])
-    src_P = order_M[jnp.clip(start_G[gc_P] + off_P, 0, M - 1)]
-    x_NxBxD = jnp.where(live_P[:, None], rows_MxD[src_P], 0).reshape(N, b, D)
-    block_N = gc_P.reshape(N, b)[:, 0]
-    dt = rows_MxD.dtype
-    h_NxBxF = _swiglu(jnp.einsum("nbd,ndf->nbf", x_NxBxD, wg[block_N].astype(dt)),
-                      jnp.einsum("nbd,ndf->nbf", x_NxBxD, wu[block_N].astype(dt)))
-    y_PxD = jnp.einsum("nbf,nfd->nbd", h_NxBxF, wd[block_N].astype(dt)).reshape(N * b, D)
-    return jnp.zeros((M, D), y_PxD.dtype).at[jnp.where(live_P, src_P, M)].set(y_PxD, mode="drop")
 
 
 def capacity(tokens: int, spec: MoESpec) -> int:
