@@ -6,6 +6,8 @@
 An error the user can fix (``meshrl.utils.errors.UserError``: config, mesh, data, model
 directory, tokenizer, checkpoint, workdir) prints one line ``error: <what>: <value>: <fix>`` to
 stderr and exits 1; the traceback is printed too with ``--config.logging.level=DEBUG``.
+Ctrl-C stops SFT and RL at the next step boundary with a checkpoint and one line, ``stopped at
+step N; checkpoint saved: <path>``; a second Ctrl-C stops at once, saying nothing was saved.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     from meshrl.configs import from_config_dict
     from meshrl.jobs import dispatch as jobs
+    from meshrl.utils import interrupt
     from meshrl.utils.errors import UserError, exit_on_user_error, quiet_shutdown_noise
 
-    config = None
+    config = workdir = None
     quiet_shutdown_noise(lambda: _debug(config))
     try:
         config = from_config_dict(_CONFIG.value)
@@ -51,9 +54,23 @@ def main(argv: list[str]) -> None:
             return
         from meshrl.utils.workdir import default_workdir
 
-        jobs.run(config, _WORKDIR.value or default_workdir())
+        workdir = _WORKDIR.value or default_workdir()
+        interrupt.install()
+        jobs.run(config, workdir)
     except UserError as e:
         exit_on_user_error(e, verbose=_debug(config))
+    except interrupt.Stopped as e:
+        _interrupted(str(e))
+    except KeyboardInterrupt:
+        _interrupted(f"interrupted: stopped at once, without saving (a second Ctrl-C, a Ctrl-C "
+                     f"in a multi-process run, or before the job started); the newest "
+                     f"checkpoint under {workdir or 'the workdir'} is kept")
+
+
+def _interrupted(line: str) -> None:
+    """One line on stderr and the shell's exit status for SIGINT."""
+    print(line, file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from meshrl.configs.fields import (
     Section,
     at_least,
     field,
+    greater_than,
     one_of_or_fill,
 )
 from meshrl.configs.model_schema import DType, ModelConfig
@@ -202,6 +203,14 @@ class RolloutConfig(Section):
                                        "error; fast failures outpace slow successes, so keep it "
                                        "well above (max_staleness + 1) x prompts_per_step. A "
                                        "broken reward pool stops the run at once.", at_least(1))
+    max_filtered_in_a_row: int = field(
+        256, "Groups in a row, as they finish, whose samples all got the same reward before the "
+             "run stops with one line naming the reward's answer format (the newest checkpoint "
+             "kept); with filter_equal_groups off, the run stops when the first this many scored "
+             "groups all got one and the same reward. 0: never stop.", at_least(0))
+    status_every_s: float = field(30.0, "While the trainer waits for a batch, log the filtered, "
+                                        "kept and in-flight groups this often, in seconds.",
+                                  greater_than(0.0))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,12 +14,17 @@ from typing import Any
 
 def rl_step_line(step: int, total: int, record: Mapping[str, float], eta: str) -> str:
     """``version 30/300 reward 0.512 staleness 0.94 (max 2) dropped 1 loss -0.0123
-    4,210 tok/s ETA 00:45``: the weight version the step produced, the batch's mean reward,
-    its tokens' mean and max version lag, stale groups dropped so far, the loss and the
+    4,210 tok/s ETA 00:45``: the weight version the step produced, the batch's mean reward
+    (then the mean over every group scored since the previous step line, the filtered ones
+    too, and the fraction kept), its tokens' mean and max version lag, stale groups dropped so far, the loss and the
     generated tokens per second of the step."""
     parts = [f"version {step}/{total}"]
     if "rollout/reward_mean" in record:
         parts.append(f"reward {record['rollout/reward_mean']:.3f}")
+    if "rollout/reward_mean_all" in record:  # the kept groups' mean alone flatters the policy
+        parts.append(f"(all {record['rollout/scored_groups']:,.0f} groups "
+                     f"{record['rollout/reward_mean_all']:.3f}, kept "
+                     f"{record['rollout/kept_fraction']:.3f})")
     if "rollout/batch_staleness_mean" in record:
         parts.append(f"staleness {record['rollout/batch_staleness_mean']:.2f} "
                      f"(max {record.get('rollout/batch_staleness_max', 0.0):.0f})")

@@ -32,6 +32,7 @@ from meshrl.inference.async_engine import AsyncEngine
 from meshrl.inference.engine import Sampler
 from meshrl.inference.weights import process_local_copy
 from meshrl.jobs.report import rl_step_line, rl_summary_table
+from meshrl.jobs.rl_console import await_batch, filtered_note, stop_at
 from meshrl.jobs.rl_eval import aevaluate, plot_curves, read_metrics
 from meshrl.jobs.rl_setup import (
     rl_batch_size,
@@ -55,10 +56,11 @@ from meshrl.trainer.engine import Trainee, check_versions, put_batch
 from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import decoder_forward
+from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
-from meshrl.utils import multihost, paths
 from meshrl.utils.aio import run_sync
 from meshrl.workflows import RolloutBatch, make_rollout_batch, make_runner
+from meshrl.workflows.watch import window_metrics
 
 __all__ = ["RLTrainer", "host_stats", "rl_batch_size", "run", "warm_start_config",
            "warm_start_steps"]
@@ -265,7 +267,9 @@ class RLTrainer:
             last, cpu_last = t_rl, time.process_time()
             for step in range(self.start_step + 1, t.steps + 1):
                 version = step - 1
-                groups = await runner.get_batch(version)
+                groups = await await_batch(runner, version)
+                if groups is None:  # Ctrl-C while waiting: the state is version's
+                    stop_at(self, version, runner)
                 t_got = time.perf_counter()
                 groups.sort(key=lambda g: g[0].group_id)  # completion order must not matter
                 rb = make_rollout_batch(c, groups, self.tokenizer.pad_id)
@@ -289,6 +293,12 @@ class RLTrainer:
                 host["train/version_lag_max"] = float(lag)
                 host.update(runner.metrics())
                 host.update(self.reward_pool.metrics())
+                # A step line's all-groups figures cover every group scored since the last one.
+                if step == self.start_step + 1 or step % t.log_every == 0 or step == t.steps:
+                    window = runner.watch.take_window()
+                    host.update(window_metrics(window))
+                    if note := filtered_note(step, window):
+                        log.info(note)
                 train.annotate(host)
                 # The handoff waited for this step, so reading its metrics now stalls nothing,
                 # and its line and metric row come before the next batch is gathered.
@@ -303,6 +313,8 @@ class RLTrainer:
                     await self.aeval(engine, step)
                 if is_ckpt:
                     self.save(step, runner)
+                if interrupt.requested() and step != t.steps:
+                    stop_at(self, step, runner)
                 # Host work between steps (publish, eval, checkpoint) is not step time.
                 last += time.perf_counter() - now
                 cpu_last += time.process_time() - cpu_now

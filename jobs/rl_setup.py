@@ -21,6 +21,7 @@ from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.reference import ref_fields
 from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
 from meshrl.trainer.step import batch_shardings, row_buckets
+from meshrl.trainer.stop import stop_hook
 from meshrl.utils import log as log_lib
 
 log = log_lib.get_logger("rl")
@@ -66,7 +67,7 @@ def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trai
     engine = TrainEngine(sft, workdir / "sft", mesh, trainee, get_loss("sft"))
     try:
         engine.start(data=data)
-        engine.run_sft()
+        engine.run_sft(hooks=[stop_hook])
         return engine.params
     finally:
         engine.close()

@@ -37,6 +37,7 @@ from meshrl.models.tokenizer import tokenizer_for
 from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.step import ForwardFn, decoder_forward
+from meshrl.trainer.stop import stop_hook
 from meshrl.utils import log, paths
 
 _log = log.get_logger("trainer.sft")
@@ -148,7 +149,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         engine.start(data=data)
-        history = engine.run_sft(hooks=[periodic_eval])
+        history = engine.run_sft(hooks=[periodic_eval, stop_hook])
         wall = time.perf_counter() - t0
         ev = evaluate(engine.params)
         if ev:

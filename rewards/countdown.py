@@ -37,7 +37,8 @@ def score_one(completion: str, numbers: list[int], target: int) -> float:
     return 1.0 if value == int(target) else 0.0
 
 
-@register("countdown")
+@register("countdown",
+          answer_format="<answer>EQUATION</answer> last, reaching the target with the given numbers")
 def countdown(prompts: list[str], completions: list[str], *, numbers: list[list[int]],
               target: list[int], **_: Any) -> list[float]:
     return [score_one(c, n, t) for c, n, t in zip(completions, numbers, target)]

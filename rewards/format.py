@@ -36,7 +36,8 @@ def matches(completion: str, template: str = DEFAULT_TEMPLATE) -> bool:
     return compile_template(template).fullmatch(completion) is not None
 
 
-@register("format")
+@register("format", answer_format="reward.format_template, e.g. "
+                                 "<think>...</think><answer>...</answer>")
 def format_reward(prompts: list[str], completions: list[str], *,
                   format_template: list[str] | None = None, **_: Any) -> list[float]:
     templates = format_template or [DEFAULT_TEMPLATE] * len(completions)

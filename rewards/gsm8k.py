@@ -32,7 +32,8 @@ def final_answer(completion: str) -> str | None:
     return boxed if boxed is not None else last_number(completion)
 
 
-@register("gsm8k")
+@register("gsm8k", answer_format="'#### N' (else \\boxed{N}, else the last number), N equal to "
+                                 "the number after '####' in the answer field")
 def gsm8k_reward(prompts: list[str], completions: list[str], *, answer: list[str],
                  **_: Any) -> list[float]:
     return score_final_answers(completions, answer, final_answer, gold_number, is_equiv)

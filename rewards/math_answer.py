@@ -323,7 +323,8 @@ def final_answer(completion: str) -> str | None:
     return boxed if boxed is not None else last_number(tail)
 
 
-@register("math")
+@register("math", answer_format="\\boxed{ANSWER} (else the last number), equivalent to the "
+                                "answer field")
 def math_reward(prompts: list[str], completions: list[str], *, answer: list[str],
                 **_: Any) -> list[float]:
     return score_final_answers(completions, answer, final_answer, gold_answer, is_equiv)

@@ -13,15 +13,32 @@ from collections.abc import Callable
 RewardFn = Callable[..., list[float]]
 
 _REGISTRY: dict[str, RewardFn] = {}
+_FORMATS: dict[str, str] = {}
 
 
-def register(name: str) -> Callable[[RewardFn], RewardFn]:
+def register(name: str, answer_format: str = "") -> Callable[[RewardFn], RewardFn]:
+    """``answer_format``: what a completion must look like to score, in a few words; a run
+    whose groups all score alike names it (``answer_format``)."""
     def deco(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"reward {name!r} is already registered")
         _REGISTRY[name] = fn
+        _FORMATS[name] = answer_format
         return fn
     return deco
+
+
+def answer_format(name: str) -> str:
+    """The answer format ``name`` parses: its registered description, else the function's
+    ``answer_format`` attribute or first docstring line (``module:function`` rewards)."""
+    if _FORMATS.get(name):
+        return _FORMATS[name]
+    try:
+        fn = get(name)
+    except (KeyError, ImportError):
+        return "unknown"
+    text = getattr(fn, "answer_format", "") or (fn.__doc__ or "").strip().split("\n")[0]
+    return text or "not described (add an answer_format to its registration)"
 
 
 def get(name: str) -> RewardFn:

@@ -7,7 +7,9 @@ pool, and the (possibly file-backed) prompt iterator is advanced in a worker thr
 A group that raises is logged, counted (``errored_groups``) and skipped, but the run does not spin
 on a cause that fails every group: a ``UserError`` from a group (a broken reward pool) or
 ``max_failed_groups`` failures in a row with no group finishing in between ends the stream, and
-``get_batch`` raises a ``UserError`` naming the cause.
+``get_batch`` raises a ``UserError`` naming the cause. So does a reward that scores every sample
+alike (``watch.RolloutWatch``); while the trainer waits, a line every ``status_every_s`` says what
+the rollout is doing.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import asyncio
 import collections
 import itertools
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
@@ -24,6 +27,7 @@ from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 from meshrl.workflows.episode import Engine, arun_group
 from meshrl.workflows.staleness import StalenessController
+from meshrl.workflows.watch import RolloutWatch, waiting_line
 
 log = get_logger("workflows")
 
@@ -41,13 +45,31 @@ class RolloutFailedError(UserError, RuntimeError):
 
 def group_episode_fn(engine: Engine, *, group_size: int, filter_equal: bool = True,
                      counters: collections.Counter[str] | None = None,
-                     **episode_kwargs: Any) -> GroupFn:
-    """``arun_group`` bound to an engine and settings, in the runner's ``(item, group_id)`` form."""
+                     watch: RolloutWatch | None = None, **episode_kwargs: Any) -> GroupFn:
+    """``arun_group`` bound to an engine and settings, in the runner's ``(item, group_id)`` form;
+    ``watch`` sees every scored group, the filtered ones too."""
+    if watch is None:
+        async def plain(item: dict, group_id: int) -> Group | None:
+            return await arun_group(engine, item, group_size=group_size, group_id=group_id,
+                                    filter_equal=filter_equal, counters=counters,
+                                    **episode_kwargs)
+        return plain
+    counts = counters if counters is not None else collections.Counter()
 
-    async def fn(item: dict, group_id: int) -> Group | None:
-        return await arun_group(engine, item, group_size=group_size, group_id=group_id,
-                                filter_equal=filter_equal, counters=counters, **episode_kwargs)
-    return fn
+    async def watched(item: dict, group_id: int) -> Group | None:
+        # Filtered here, not in arun_group: the watch needs a filtered group's rewards too.
+        group = await arun_group(engine, item, group_size=group_size, group_id=group_id,
+                                 filter_equal=False, counters=(own := collections.Counter()),
+                                 **episode_kwargs)
+        rewards = [t.reward for t in group] if group is not None else []
+        keep = group is not None and not (filter_equal and group_size > 1
+                                          and len(set(rewards)) == 1)
+        if group is not None:
+            watch.on_scored(rewards, keep)
+            own = collections.Counter({"accepted_groups" if keep else "filtered_equal_groups": 1})
+        counts.update(own)
+        return group if keep else None
+    return watched
 
 
 class RolloutRunner:
@@ -65,9 +87,11 @@ class RolloutRunner:
     def __init__(self, group_fn: GroupFn, prompts: Iterator[Any],
                  controller: StalenessController, *, first_group_id: int = 0,
                  counters: collections.Counter[str] | None = None,
-                 max_failed_groups: int = 64) -> None:
+                 max_failed_groups: int = 64, watch: RolloutWatch | None = None,
+                 status_every_s: float = 30.0) -> None:
         self.group_fn, self.prompts, self.controller = group_fn, prompts, controller
         self.max_failed_groups = max_failed_groups
+        self.watch, self.status_every_s = watch, status_every_s
         self._failed_in_row = 0
         # Share one Counter with group_episode_fn so filtering counts reach metrics/state_dict.
         self.counters = counters if counters is not None else collections.Counter()
@@ -156,6 +180,8 @@ class RolloutRunner:
             group = None
         else:
             self._failed_in_row = 0
+            if self.watch is not None and self.watch.error is not None and self._error is None:
+                self._end_stream(self.watch.error)
         if group is None:
             self.controller.on_reject()
         else:
@@ -178,6 +204,12 @@ class RolloutRunner:
             self._error.__cause__ = error
         else:
             return
+        self._end_stream(self._error)
+
+    def _end_stream(self, error: BaseException) -> None:
+        """Admit no more groups; ``get_batch`` raises ``error`` once the queue is drained."""
+        if self._error is None:
+            self._error = error
         if self._filler is not None:
             self._filler.cancel()  # admit no more groups
         self._put(None)
@@ -196,6 +228,26 @@ class RolloutRunner:
         self.controller.set_version(version)
         self._wake.set()  # a new version opens capacity
         out: list[Group] = []
+        ticker = asyncio.get_running_loop().create_task(self._report_waiting(version, out))
+        try:
+            return await self._gather(out)
+        finally:
+            ticker.cancel()
+
+    async def _report_waiting(self, version: int, out: list[Group]) -> None:
+        """Every ``status_every_s`` while a batch is awaited: what the rollout has done."""
+        if self.watch is None:
+            return
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(self.status_every_s)
+            log.info(waiting_line(self.watch.window, version=version,
+                                  ready=len(out) + self._queue.qsize(),
+                                  batch_size=self.controller.batch_size,
+                                  in_flight=self.controller.running,
+                                  waited_s=time.monotonic() - t0))
+
+    async def _gather(self, out: list[Group]) -> list[Group]:
         while len(out) < self.controller.batch_size:
             entry = await self._queue.get()
             group = entry[2]

@@ -13,6 +13,7 @@ from meshrl.workflows.batch import RolloutBatch, Trajectory, build_rollout_batch
 from meshrl.workflows.episode import Engine, Environment, EpisodeSettings, RewardScorer
 from meshrl.workflows.runner import RolloutRunner, group_episode_fn
 from meshrl.workflows.staleness import StalenessController
+from meshrl.workflows.watch import RolloutWatch
 
 
 def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
@@ -33,14 +34,17 @@ def make_runner(config: Config, engine: Engine, reward_pool: RewardScorer,
     ``rollout.max_staleness``; call ``start()`` inside the event loop."""
     r = config.rollout
     counters: collections.Counter[str] = collections.Counter()
+    watch = RolloutWatch(reward_names=config.reward.names, filter_equal=r.filter_equal_groups,
+                         group_size=r.group_size, max_in_a_row=r.max_filtered_in_a_row)
     group_fn = group_episode_fn(engine, group_size=r.group_size,
-                                filter_equal=r.filter_equal_groups, counters=counters,
+                                filter_equal=r.filter_equal_groups, counters=counters, watch=watch,
                                 reward_pool=reward_pool, decode=tokenizer.decode,
                                 settings=episode_settings(config, tokenizer), env=env)
     controller = StalenessController(batch_size=r.prompts_per_step, max_staleness=r.max_staleness,
                                      version=version)
     return RolloutRunner(group_fn, prompts, controller, counters=counters,
-                         max_failed_groups=r.max_failed_groups)
+                         max_failed_groups=r.max_failed_groups, watch=watch,
+                         status_every_s=r.status_every_s)
 
 
 def make_rollout_batch(config: Config, groups: Sequence[Sequence[Trajectory]],
