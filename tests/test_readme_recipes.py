@@ -27,7 +27,8 @@ def recipes() -> dict[str, list[list[str]]]:
     out: dict[str, list[list[str]]] = {}
     for m in re.finditer(r"<!-- recipe: (\w+) -->\n```bash\n(.*?)```", text, re.S):
         joined = m.group(2).replace("\\\n", " ")
-        out[m.group(1)] = [shlex.split(line) for line in joined.splitlines() if line.strip()]
+        out[m.group(1)] = [shlex.split(line) for line in joined.splitlines()
+                           if line.strip() and not line.lstrip().startswith("#")]
     return out
 
 
@@ -46,6 +47,13 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
 
 def test_readme_has_the_issue_recipes():
     assert set(recipes()) == {"sft", "rl", "sample", "export", "sweep"}
+
+
+def test_each_training_recipe_lists_its_cpu_rehearsal():
+    # tests/jobs/test_real_model_recipes.py runs these variants end to end.
+    for name, config in (("sft", "configs/sft_chat.py"), ("rl", "configs/rl_gsm8k.py")):
+        configs = [cmd[cmd.index("--config") + 1] for cmd in recipes()[name]]
+        assert configs == [config, f"{config}:cpu"], (name, configs)
 
 
 def test_every_main_py_recipe_passes_its_dry_run(placeholders, tmp_path):

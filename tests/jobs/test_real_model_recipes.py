@@ -1,7 +1,7 @@
 """The real-model recipes rehearsed end to end on CPU, nothing downloaded: a Qwen2 checkpoint saved
 by transformers (with a BPE tokenizer and a ChatML template) goes through
-``configs/rl_gsm8k.py:tiny`` on GSM8K-format JSONL, is exported and loaded by transformers, then
-through ``configs/sft_chat.py:tiny`` on chat-format JSONL from that export, exported and loaded
+``configs/rl_gsm8k.py:cpu`` on GSM8K-format JSONL, is exported and loaded by transformers, then
+through ``configs/sft_chat.py:cpu`` on chat-format JSONL from that export, exported and loaded
 again. Every run is ``main.py`` in a subprocess; the command-line overrides are what fits a
 2-core CPU, plus what lets a random-init model learn: it earns no GSM8K reward (every advantage
 would be 0 and, at weight decay 0, every update exactly 0, so "it trains" would prove nothing),
@@ -88,9 +88,9 @@ def files(tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @pytest.fixture(scope="module")
 def rl_run(files) -> tuple[pathlib.Path, pathlib.Path]:
-    """rl_gsm8k.py:tiny from the Qwen2 checkpoint, then its export."""
+    """rl_gsm8k.py:cpu from the Qwen2 checkpoint, then its export."""
     workdir, out = files["root"] / "rl", files["root"] / "rl_hf"
-    _train_and_export("rl_gsm8k.py:tiny", workdir, out, files["hf"], files["train"],
+    _train_and_export("rl_gsm8k.py:cpu", workdir, out, files["hf"], files["train"],
                       files["test"], [*RL_CPU_FIT, *RL_LEARNS])
     return workdir, out
 
@@ -170,7 +170,7 @@ def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(
     _, rl_hf = rl_run
     workdir, out = files["root"] / "sft", files["root"] / "sft_hf"
 
-    _train_and_export("sft_chat.py:tiny", workdir, out, rl_hf, files["chat"],
+    _train_and_export("sft_chat.py:cpu", workdir, out, rl_hf, files["chat"],
                       files["chat_eval"], SFT_CPU_FIT)
 
     summary = json.loads((workdir / "summary.json").read_text())
