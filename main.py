@@ -40,6 +40,9 @@ def _debug(config: Any) -> bool:
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from meshrl.utils.tpu_env import quiet_libtpu_probe
+
+    quiet_libtpu_probe()  # before JAX starts a backend
     from meshrl.configs import from_config_dict
     from meshrl.jobs import dispatch as jobs
     from meshrl.utils import interrupt

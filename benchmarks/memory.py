@@ -41,13 +41,10 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402 -- XLA_FLAGS must be set before JAX is imported
-import dataclasses  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from meshrl.benchmarks.figures import emit  # noqa: E402
 from meshrl.configs.loader import from_config_dict  # noqa: E402
@@ -81,83 +78,26 @@ def make_config(seq: int, rows: int, prompts: int, prompt_len: int, *, reference
     return from_config_dict(cfg)
 
 
-def _abstract(tree: Any, shardings: Any) -> Any:
-    """``ShapeDtypeStruct``s of ``tree``'s leaves, with one sharding for all or a tree of them."""
-    if isinstance(shardings, NamedSharding):
-        shardings = jax.tree.map(lambda _: shardings, tree)
-    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-                        tree, shardings)
-
-
 def train_step_memory(config: Config, mesh: Any) -> Any:
-    """``memory_analysis()`` of the RL job's compiled train step (abstract state and batch)."""
-    from meshrl.algorithms.batch import RLTrainBatch, abstract_batch
-    from meshrl.algorithms.policy_loss import make_rl_loss_fn
-    from meshrl.mesh import rules_for
-    from meshrl.models import abstract_model, param_shardings, split_model
-    from meshrl.trainer import (
-        abstract_state,
-        batch_shardings,
-        decoder_forward,
-        expand_prefix,
-        jit_train_step,
-        make_optimizer,
-        state_shardings,
-    )
-    from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+    """``memory_analysis()`` of the RL job's compiled train step (abstract state and batch), as
+    the compile job builds it."""
+    from meshrl.jobs.compile_programs import train_program
+    from meshrl.models import resolve_model_config
 
-    t, rl = config.trainer, config.rl
-    rules = rules_for("train", config.mesh.fsdp)
-    graphdef, params = split_model(abstract_model(config.model, mesh=mesh, rules=rules))
-    tx, schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
-                                  updates_per_step(rl))
-    params_sh = expand_prefix(param_shardings(params, mesh, rules), params)
-    state_sh = state_shardings(params_sh, tx, mesh, params)
-    rows = config.rollout.prompts_per_step * config.rollout.group_size
-    batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch)
-    step = make_rl_train_step(decoder_forward(graphdef, t.logits_chunk),
-                              make_rl_loss_fn(rl, config.sampler.temperature), tx, schedule,
-                              rl=rl, temperature=config.sampler.temperature,
-                              microbatches=t.microbatches)
-    jitted = jit_train_step(step, state_sh, batch_sh, mesh)
-    lowered = jitted.lower(abstract_state(state_sh, params, tx),
-                           abstract_batch(batch_sh, rows, t.seq_len))
-    return lowered.compile().memory_analysis()
+    return train_program(config, resolve_model_config(config.model), mesh).lowered.compile(
+    ).memory_analysis()
 
 
 def prefill_memory(config: Config, mesh: Any, *, all_positions: bool, one_pass: bool) -> Any:
     """``memory_analysis()`` of one sampler prefill of ``sampler.slots`` prompts of the one
-    prompt bucket, jitted as ``inference.engine.Sampler`` jits it; ``one_pass`` ignores
-    ``sampler.prefill_tokens`` (every prompt in one pass)."""
-    from meshrl.inference import programs
-    from meshrl.inference.programs import SlotState
-    from meshrl.inference.requests import slot_settings
-    from meshrl.mesh import rules_for
-    from meshrl.models import KVCache, abstract_model, param_shardings, split_model
+    prompt bucket, as the compile job builds it; ``one_pass`` ignores ``sampler.prefill_tokens``
+    (every prompt in one pass)."""
+    from meshrl.jobs.compile_programs import prefill_program
+    from meshrl.models import resolve_model_config
 
-    s = config.sampler
-    rules = rules_for("sample")
-    # The sampler's own model config (inference.engine.Sampler.__init__).
-    model_cfg = dataclasses.replace(config.model, param_dtype=s.dtype, compute_dtype=s.dtype,
-                                    remat="none")
-    graphdef, params = split_model(abstract_model(model_cfg, mesh=mesh, rules=rules))
-    from meshrl.trainer import expand_prefix
-
-    params = _abstract(params, expand_prefix(param_shardings(params, mesh, rules), params))
-    S, T, (P,) = s.slots, s.max_len, s.prompt_buckets
-    repl = NamedSharding(mesh, PartitionSpec())
-    cache_sh = KVCache.shardings(model_cfg, S, T, mesh, rules)
-    cache = _abstract(jax.eval_shape(lambda: KVCache.init(model_cfg, S, T, s.dtype)), cache_sh)
-    state = _abstract(jax.eval_shape(lambda: SlotState.init(S)), repl)
-    host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
-            slot_settings([], S, s))
-    tokens, lens, slots, settings = (_abstract(x, repl) for x in host)
-    prefill = programs.make_prefill(graphdef, model_cfg, T, all_positions=all_positions,
-                                    max_tokens=0 if one_pass else s.prefill_tokens)
-    jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
-                     out_shardings=(cache_sh, repl, repl))
-    lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)
-    return lowered.compile().memory_analysis()
+    prog = prefill_program(config, resolve_model_config(config.model), mesh,
+                           all_positions=all_positions, max_tokens=0 if one_pass else None)
+    return prog.lowered.compile().memory_analysis()
 
 
 def _line(what: str, stats: Any, seconds: float) -> int:

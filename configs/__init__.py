@@ -14,6 +14,7 @@ from meshrl.configs.schema import (
     DCN_DATA_AXIS,
     MESH_AXES,
     CheckpointConfig,
+    CompileConfig,
     Config,
     DataConfig,
     DistributedConfig,
@@ -33,7 +34,7 @@ from meshrl.configs.schema import (
 )
 
 __all__ = [
-    "DCN_DATA_AXIS", "MESH_AXES", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
+    "DCN_DATA_AXIS", "MESH_AXES", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
     "RolloutConfig", "RuntimeConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",

@@ -26,6 +26,8 @@ def base_config(job: Job | str = Job.SFT) -> ml_collections.ConfigDict:
     cfg.job = Job(job).value
     for name, cls in SECTIONS.items():
         cfg[name] = ml_collections.ConfigDict(dataclasses.asdict(cls()))
+    if cfg.job in ("sft", "rl"):  # --config.job=compile then compiles this file's own job
+        cfg.compile.job = cfg.job
     return cfg
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import enum
 from typing import Any, Literal
 
+from meshrl.configs.compile_schema import CompileConfig
 from meshrl.configs.cross_section import validate_config
 from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
@@ -39,6 +40,7 @@ class Job(str, enum.Enum):
     SAMPLE = "sample"  # generate completions for prompts from a file
     EXPORT = "export"  # write a run's checkpoint or weight version as a HF checkpoint
     EVALUATE = "evaluate"  # evaluate each weight version an RL run publishes, as it appears
+    COMPILE = "compile"  # compile compile.job's programs for a TPU topology or the local devices
 
 
 MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
@@ -298,6 +300,19 @@ class LoggingConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = field("INFO", "Log level.")
     tensorboard: bool = field(True, "Write tensorboardX events under <workdir>/tb (process 0).")
     progress_bar: bool = field(True, "Show a progress bar on process 0.")
+    profile_steps: tuple[int, ...] = field(
+        (), "(first, last): write a jax.profiler trace of training steps first..last "
+            "(inclusive; for RL its own steps, not the warm start) under "
+            "<workdir>/profile/process_<i> (TensorBoard's profile plugin, Perfetto); (): none.")
+    wandb_project: str = field("", "Also log metrics to this Weights & Biases project from "
+                                   "process 0 (needs the wandb extra); empty: off.")
+    wandb_run_name: str = field("", "The Weights & Biases run name; empty: the workdir's name.")
+
+    def validate(self) -> None:
+        p = self.profile_steps
+        if p and (len(p) != 2 or not 1 <= p[0] <= p[1]):
+            raise ConfigError(f"logging.profile_steps = {p}: must be () or (first, last) with "
+                              f"1 <= first <= last")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -332,7 +347,8 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig, EvaluateConfig)
+                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig, EvaluateConfig,
+                CompileConfig)
 }
 
 
@@ -357,6 +373,7 @@ class Config:
     sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
+    compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)

@@ -69,8 +69,7 @@ class Sampler:
                  rules: Rules | None = None, insert_buckets: Sequence[int] | None = None):
         self.cfg, self.mesh, self.workdir = cfg, mesh, workdir
         self.rules = rules if rules is not None else rules_for("sample")
-        self.model_cfg = dataclasses.replace(model_cfg, param_dtype=cfg.dtype,
-                                             compute_dtype=cfg.dtype, remat="none")
+        self.model_cfg = programs.sampler_model_config(model_cfg, cfg)
         abstract = abstract_model(self.model_cfg, mesh=mesh, rules=self.rules)
         self.graphdef, abstract_state = split_model(abstract)
         self.weights = wts.SamplerWeights(abstract_state,

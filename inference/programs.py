@@ -6,6 +6,7 @@ decides from host-side lengths which compiled variant runs next.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from meshrl.configs.schema import ModelConfig
+from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference.sampling import sample
 from meshrl.models import KVCache
 from meshrl.models.decoder import apply_head, forward
@@ -65,6 +66,12 @@ def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Ar
     return st.replace(token_B=jnp.where(emit_B, tok_B, st.token_B),
                       pos_B=jnp.where(emit_B, new_pos_B, st.pos_B),
                       active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
+
+
+def sampler_model_config(model_cfg: ModelConfig, cfg: SamplerConfig) -> ModelConfig:
+    """The model as the sampler runs it: params and compute in ``sampler.dtype``, no remat."""
+    return dataclasses.replace(model_cfg, param_dtype=cfg.dtype, compute_dtype=cfg.dtype,
+                               remat="none")
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
@@ -144,7 +151,9 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
                lo: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         # Only slots [lo, lo + rows) can be live (the host packs them there); the rest is skipped.
-        win = cache.window(window, rows, lo)
+        # A window of the whole cache is the cache itself: no copy, no write-back.
+        whole = window == cache.max_len and rows == cache.slots and lo == 0
+        win = cache if whole else cache.window(window, rows, lo)
         on_trace(win.k[0].shape)
         st = jax.tree.map(lambda x: x[lo:lo + rows], full_st)
         start_B = st.pos_B
@@ -166,7 +175,7 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
         # A row writes only at positions [start, start + chunk): copying back that band instead
         # of the whole window halves the cache traffic of a long-window chunk.
-        cache = cache.put_band(win, start_B, chunk, lo)
+        cache = win if whole else cache.put_band(win, start_B, chunk, lo)
         full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, lo, 0),
                                full_st, st)
         return cache, full_st, out + (st.active_B, st.reason_B)

@@ -14,7 +14,6 @@ then calls the job. Design: docs/architecture.md, "Device placement and dispatch
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import logging
 
 import jax
@@ -30,7 +29,9 @@ from meshrl.mesh import (
     rules_for,
 )
 from meshrl.models.build import EffectiveModel, effective_model
+from meshrl.trainer.wandb_sink import check_wandb
 from meshrl.utils import compile_cache, log, multihost, paths
+from meshrl.utils.tpu_env import tpu_chips_attached
 from meshrl.utils.workdir import WorkdirError, WorkdirLock, prepare
 
 # Job -> "module:function"; each function takes (config, workdir).
@@ -46,19 +47,20 @@ register(Job.SAMPLE, "meshrl.jobs.sample:run")
 register(Job.RL, "meshrl.jobs.rl:run")
 register(Job.EXPORT, "meshrl.jobs.export:run")
 register(Job.EVALUATE, "meshrl.jobs.evaluate:run")
+register(Job.COMPILE, "meshrl.jobs.compile:run")
 
 
 class _KnownNoise(logging.Filter):
     """Drops two log records that tell a user nothing they can act on: JAX probing for a TPU
-    on a host without libtpu (an accelerator host has it installed, so its own failure still
-    shows), and Orbax noting that the checkpoint reader opened its directory read-only, as
-    the reader always does."""
+    on a host without TPU chips (with or without the TPU compiler installed; on a TPU host a
+    failed start still shows), and Orbax noting that the checkpoint reader opened its
+    directory read-only, as the reader always does."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = str(record.msg)
         if record.name == "jax._src.xla_bridge":
             return not (msg.startswith("Unable to initialize backend 'tpu'")
-                        and importlib.util.find_spec("libtpu") is None)
+                        and not tpu_chips_attached())
         return not msg.startswith("Given directory is read only")
 
 
@@ -82,6 +84,7 @@ def preflight(config: Config) -> EffectiveModel:
     Returns the effective model the dry run prints."""
     quiet_known_noise()
     check_input_paths(config)
+    check_wandb(config)
     effective = effective_model(config.model)
     warning = check_chat_model(config)
     if warning:
@@ -101,6 +104,10 @@ def dry_run(config: Config) -> str:
         from meshrl.mesh.placement import create_meshes
 
         mesh, sampler_mesh = create_meshes(config)
+    elif config.job == Job.COMPILE:  # the mesh over the devices it compiles for
+        from meshrl.jobs.compile import target
+
+        mesh, sampler_mesh = create_mesh(config.mesh, target(config.compile)[0]), None
     else:
         mesh, sampler_mesh = create_mesh(config.mesh), None
     log.set_process_index(jax.process_index())
@@ -109,7 +116,7 @@ def dry_run(config: Config) -> str:
         render(config, replace={"model": effective.config}, notes=model_notes(effective)),
         "# inputs (checked)",
         *(f"  {name}: {path}" for name, path in _inputs(config, effective)),
-        f"# mesh ({len(mesh.devices.flat)} devices, {jax.devices()[0].platform})",
+        f"# mesh ({len(mesh.devices.flat)} devices, {mesh.devices.flat[0].platform})",
         "  " + describe_mesh(mesh),
     ]
     if sampler_mesh is not None:
@@ -154,7 +161,9 @@ def _inputs(config: Config, effective: EffectiveModel) -> list[tuple[str, str]]:
 
 def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
-    cache = compile_cache.enable(config.runtime)
+    # The compile job builds programs for devices that may not be here; a cached TPU executable
+    # cannot even be read back without a TPU client.
+    cache = None if config.job == Job.COMPILE else compile_cache.enable(config.runtime)
     preflight(config)  # the same checks as dry_run, before anything is written
     if config.job not in _JOBS:
         known = sorted(j.value for j in _JOBS)

@@ -43,13 +43,16 @@ def warm_start_steps(config: Config) -> int:
 
 def warm_start_config(config: Config, steps: int) -> Config:
     """The SFT config of the warm start: ``steps`` steps of AdamW at peak rate
-    ``rl.warm_start_lr``, no held-out evaluation; every other field as in ``config``."""
+    ``rl.warm_start_lr``, no held-out evaluation, no Weights & Biases run (the RL run is the
+    one a user follows there; the warm start's curves stay in <workdir>/sft) and no profiler
+    trace (``logging.profile_steps`` names RL steps); every other field as in ``config``."""
     t = config.trainer
     return dataclasses.replace(
         config, job=Job.SFT,
         trainer=dataclasses.replace(t, steps=steps, eval_every=0,
                                     learning_rate=config.rl.warm_start_lr),
-        optimizer=dataclasses.replace(config.optimizer, name="adamw"))
+        optimizer=dataclasses.replace(config.optimizer, name="adamw"),
+        logging=dataclasses.replace(config.logging, wandb_project="", profile_steps=()))
 
 
 def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee,

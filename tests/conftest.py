@@ -11,6 +11,9 @@ from meshrl.tests.xla import xla_flags  # noqa: E402 -- plain os, imports no jax
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from meshrl.utils.tpu_env import quiet_libtpu_probe  # noqa: E402 -- imports no jax backend
+
+quiet_libtpu_probe()  # the TPU compiler (test extra) stays quiet here and in subprocesses
 # JAX's persistent compilation cache for the session and every subprocess it starts: many tests
 # build the same tiny programs through fresh jit wrappers (a sampler per test, main.py runs), and
 # the cache turns each repeat into a load. A fresh directory per session keeps the suite's time

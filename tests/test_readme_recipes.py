@@ -49,11 +49,16 @@ def test_readme_has_the_issue_recipes():
     assert set(recipes()) == {"sft", "rl", "sample", "export", "sweep"}
 
 
-def test_each_training_recipe_lists_its_cpu_rehearsal():
-    # tests/jobs/test_real_model_recipes.py runs these variants end to end.
-    for name, config in (("sft", "configs/sft_chat.py"), ("rl", "configs/rl_gsm8k.py")):
-        configs = [cmd[cmd.index("--config") + 1] for cmd in recipes()[name]]
-        assert configs == [config, f"{config}:cpu"], (name, configs)
+def test_each_recipe_lists_its_cpu_rehearsal():
+    # tests/jobs/test_real_model_recipes.py runs these :cpu variants end to end: RL, its
+    # export and sampling, SFT and its export.
+    expected = {"sft": ["configs/sft_chat.py", "configs/sft_chat.py:cpu"],
+                "rl": ["configs/rl_gsm8k.py", "configs/rl_gsm8k.py:cpu"],
+                "sample": ["configs/sample.py", "configs/rl_gsm8k.py",
+                           "configs/rl_gsm8k.py:cpu"],
+                "export": ["configs/rl_gsm8k.py", "configs/rl_gsm8k.py:cpu"]}
+    for name, configs in expected.items():
+        assert [cmd[cmd.index("--config") + 1] for cmd in recipes()[name]] == configs, name
 
 
 def test_every_main_py_recipe_passes_its_dry_run(placeholders, tmp_path):

@@ -33,6 +33,7 @@ from meshrl.mesh import rules_for
 from meshrl.trainer.checkpoint import Checkpointer, Restored
 from meshrl.trainer.metrics import MetricsWriter, peak_flops_per_device
 from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.profile import ProfileWindow
 from meshrl.trainer.progress import Progress
 from meshrl.trainer.state import TrainState, abstract_state, init_state, state_shardings
 from meshrl.trainer.step import (
@@ -43,6 +44,7 @@ from meshrl.trainer.step import (
     jit_leaf_step,
     make_train_step,
 )
+from meshrl.trainer.wandb_sink import wandb_sink
 from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 from meshrl.utils.watchdog import Watchdog
@@ -205,7 +207,8 @@ class TrainEngine:
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
                                      process_index=jax.process_index(),
                                      resume_step=None if self.restored is None
-                                     else self.start_step)
+                                     else self.start_step, wandb=wandb_sink(config, workdir))
+        self.profile = ProfileWindow(config.logging.profile_steps, workdir, jax.process_index())
         self.data: DataIterator | None = None
         self.progress: Progress | None = None
         self.on_log: Callable[[int, dict[str, float]], None] | None = None
@@ -284,6 +287,7 @@ class TrainEngine:
         """Run step ``step`` on the device ``batch`` (``prepare(batch) -> (batch, metrics)``
         first, e.g. the KL reference), then read the previous step's metrics while it runs."""
         dispatched = time.perf_counter()
+        self.profile.before(step)
         self.watchdog.launched(f"train step {step}")
         with jax.transfer_guard("disallow"):
             extra: dict[str, jax.Array] = {}
@@ -291,6 +295,7 @@ class TrainEngine:
                 batch, extra = prepare(batch)
             self._leaves, metrics = self.step_fn(self._leaves, batch)
             self._view = None
+        self.profile.after(step, self._leaves)
         self.flush()
         self._pending = _Pending(step, {**metrics, **extra}, dispatched, {})
 
@@ -370,6 +375,7 @@ class TrainEngine:
             self.progress.close()
 
     def close(self) -> None:
+        self.profile.close()
         self.watchdog.stop()
         self.checkpointer.close()
         self.metrics.close()

@@ -115,8 +115,9 @@ class MetricsWriter:
     """
 
     def __init__(self, workdir: paths.PathLike, *, tensorboard: bool, process_index: int,
-                 resume_step: int | None = None) -> None:
+                 resume_step: int | None = None, wandb: Any = None) -> None:
         self._enabled = process_index == 0
+        self._wandb = wandb if self._enabled else None  # trainer/wandb_sink.py
         self._tb = None
         self._jsonl = None
         if not self._enabled:
@@ -137,12 +138,16 @@ class MetricsWriter:
         assert self._jsonl is not None
         self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
         self._jsonl.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, scalars)
 
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
         if self._jsonl is not None:
             self._jsonl.close()
+        if self._wandb is not None:
+            self._wandb.close()
 
 
 def _drop_rows_after(path: epath.Path, last_kept: int) -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from meshrl.configs import (
+    CompileConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -24,8 +25,11 @@ from meshrl.configs.schema import SECTIONS
 
 
 def test_base_config_round_trips_to_defaults():
+    # Every field at its default, except compile.job: the job whose programs job = compile
+    # compiles is the config file's own.
     config = from_config_dict(base_config("sft"))
-    assert config == Config(job=Job.SFT)
+    assert config == Config(job=Job.SFT, compile=CompileConfig(job="sft"))
+    assert from_config_dict(base_config("rl")).compile.job == "rl"
 
 
 @pytest.mark.parametrize("section", sorted(SECTIONS))

@@ -135,6 +135,8 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
         np.testing.assert_allclose(out.raw_logprobs, ref.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~23 s; the two-range split (the one the scheduler makes) stays in the
+# default run: test_long_sequences_decoding_in_their_own_call_match_one_window_decoding
 def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params):
     _, params = tiny_params
     # Refills at different chunks leave live sequences at three position levels; with no

@@ -1,5 +1,6 @@
-"""The real-model recipes rehearsed end to end on CPU, nothing downloaded: a Qwen2 checkpoint saved
-by transformers (with a BPE tokenizer and a ChatML template) goes through
+"""The real-model recipes rehearsed end to end on CPU, nothing downloaded. In the default run:
+``configs/sft_chat.py:cpu`` as the README writes it, then its export. Marked slow: a Qwen2
+checkpoint saved by transformers (with a BPE tokenizer and a ChatML template) goes through
 ``configs/rl_gsm8k.py:cpu`` on GSM8K-format JSONL, is exported and loaded by transformers, then
 through ``configs/sft_chat.py:cpu`` on chat-format JSONL from that export, exported and loaded
 again. Every run is ``main.py`` in a subprocess; the command-line overrides are what fits a
@@ -28,22 +29,16 @@ pytestmark = pytest.mark.distributed  # 8 fake CPU devices: the recipes' FSDP me
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# What fits a 2-core CPU in seconds instead of an accelerator in minutes.
-CPU_FIT = ["--config.trainer.seq_len=128", "--config.data.max_prompt_len=64",
-           "--config.data.eval_examples=4", "--config.trainer.microbatches=1"]
-RL_CPU_FIT = [*CPU_FIT, "--config.sampler.max_len=128", "--config.sampler.max_new_tokens=16",
-              "--config.sampler.prompt_buckets=(64,)", "--config.sampler.slots=32",
-              "--config.sampler.decode_chunk=8", "--config.rollout.group_size=8",
-              "--config.rollout.prompts_per_step=2", "--config.reward.num_workers=1",
-              "--config.rollout.filter_equal_groups=False"]
+# The :cpu variants are sized for a 2-core CPU as written; the RL run adds only what lets a
+# random-init model learn (below).
 # A reward the random model can earn and learn; 16 samples a step (groups of 8) and a rate far
 # above the recipe's 1e-6 (no warm-up) take its mean from about 0.5 to about 0.9 in 12 steps.
 RL_STEPS = 12
 RL_LEARNS = ["--config.reward.names=('meshrl.tests.jobs.real_model:letter_share',)",
+             "--config.rollout.filter_equal_groups=False",
              "--config.trainer.learning_rate=3e-2", "--config.optimizer.warmup_steps=0",
              f"--config.trainer.steps={RL_STEPS}", f"--config.trainer.eval_every={RL_STEPS // 2}",
              f"--config.checkpoint.every_steps={RL_STEPS // 2}"]
-SFT_CPU_FIT = [*CPU_FIT, "--config.trainer.batch_size=8"]
 
 
 def _main(config: str, workdir: pathlib.Path, *args: str) -> str:
@@ -58,11 +53,11 @@ def _main(config: str, workdir: pathlib.Path, *args: str) -> str:
 
 def _train_and_export(config: str, workdir: pathlib.Path, out: pathlib.Path,
                       hf_path: pathlib.Path, data: pathlib.Path, eval_data: pathlib.Path,
-                      cpu_fit: list[str]) -> None:
+                      extra: list[str]) -> None:
     """The recipe's run from ``hf_path`` on ``data``, then ``job = export`` of it into ``out``
     (the same command line plus the export fields, as a user would type it)."""
     args = [f"--config.model.hf_path={hf_path}", f"--config.data.path={data}",
-            f"--config.data.eval_path={eval_data}", *cpu_fit]
+            f"--config.data.eval_path={eval_data}", *extra]
     _main(config, workdir, *args)
     _main(config, workdir, *args, "--config.job=export", f"--config.export.path={out}")
 
@@ -91,7 +86,7 @@ def rl_run(files) -> tuple[pathlib.Path, pathlib.Path]:
     """rl_gsm8k.py:cpu from the Qwen2 checkpoint, then its export."""
     workdir, out = files["root"] / "rl", files["root"] / "rl_hf"
     _train_and_export("rl_gsm8k.py:cpu", workdir, out, files["hf"], files["train"],
-                      files["test"], [*RL_CPU_FIT, *RL_LEARNS])
+                      files["test"], RL_LEARNS)
     return workdir, out
 
 
@@ -100,6 +95,7 @@ def _rewards(workdir: pathlib.Path) -> list[float]:
     return [r["rollout/reward_mean"] for r in rows if "rollout/reward_mean" in r]
 
 
+@pytest.mark.slow  # ~70 s with its run; the default run keeps the SFT :cpu recipe (below)
 def test_rl_gsm8k_recipe_from_a_transformers_qwen2_raises_its_reward_and_exports(rl_run, files):
     workdir, out = rl_run
     summary = json.loads((workdir / "summary.json").read_text())
@@ -126,6 +122,7 @@ def test_rl_gsm8k_recipe_from_a_transformers_qwen2_raises_its_reward_and_exports
     assert (out / "tokenizer.json").read_bytes() == (files["hf"] / "tokenizer.json").read_bytes()
 
 
+@pytest.mark.slow  # shares the RL run above
 def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(rl_run, files):
     import torch
 
@@ -171,7 +168,7 @@ def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(
     workdir, out = files["root"] / "sft", files["root"] / "sft_hf"
 
     _train_and_export("sft_chat.py:cpu", workdir, out, rl_hf, files["chat"],
-                      files["chat_eval"], SFT_CPU_FIT)
+                      files["chat_eval"], [])
 
     summary = json.loads((workdir / "summary.json").read_text())
     assert summary["steps"] == 4 and np.isfinite(summary["first_loss"])
@@ -185,3 +182,28 @@ def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(
     with torch.no_grad():
         loss = model(input_ids=torch.tensor([ids]), labels=torch.tensor([ids])).loss
     assert np.isfinite(float(loss))
+
+
+@pytest.mark.slow  # ~15 s; the sample job itself runs in the default suite (tests/jobs)
+def test_rl_cpu_run_samples_from_its_newest_version_as_the_readme_says(rl_run, files):
+    workdir, _ = rl_run
+    out = _main("rl_gsm8k.py:cpu", workdir, "--config.job=sample",
+                "--config.sample.source=version", f"--config.model.hf_path={files['hf']}",
+                f"--config.data.path={files['train']}",
+                f"--config.data.eval_path={files['test']}")
+    rows = [json.loads(x) for x in (workdir / "samples.jsonl").read_text().splitlines()]
+    assert rows and all(set(r["versions"]) == {RL_STEPS} for r in rows), out[-2000:]
+
+
+def test_sft_chat_cpu_recipe_as_written_trains_a_transformers_qwen2_and_exports_it(files):
+    # The README's SFT rehearsal line with its paths filled in, then its export: the default
+    # run's end-to-end check of a :cpu recipe (the RL chain above is slow).
+    workdir, out = files["root"] / "sft_direct", files["root"] / "sft_direct_hf"
+    _train_and_export("sft_chat.py:cpu", workdir, out, files["hf"], files["chat"],
+                      files["chat_eval"], [])
+    summary = json.loads((workdir / "summary.json").read_text())
+    assert summary["steps"] == 4 and np.isfinite(summary["final_loss"])
+    assert summary["eval_sequences"] > 0  # the held-out chat file was read
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] is not None
+    assert sorted(_tensors(out)) == sorted(_tensors(files["hf"]))

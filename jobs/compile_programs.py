@@ -1,0 +1,201 @@
+"""The run's device programs, lowered with abstract inputs (nothing allocated) for a mesh.
+
+Each builder jits its program exactly as the run does (the same step constructors, shardings and
+donation) and lowers it on ``ShapeDtypeStruct``s: the SFT or RL train step at the full batch,
+the frozen-reference forward of the KL, the sampler's prefill of a full admission of the largest
+prompt bucket, and one decode chunk over every slot and the whole cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.algorithms.batch import RLTrainBatch, TrainBatch, abstract_batch
+from meshrl.algorithms.losses import get_loss
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
+from meshrl.configs.schema import Config, ModelConfig
+from meshrl.inference import programs as sampler_programs
+from meshrl.inference.programs import SlotState
+from meshrl.inference.requests import slot_settings
+from meshrl.mesh import rules_for
+from meshrl.models import KVCache, abstract_model, flops_per_token, param_shardings, split_model
+from meshrl.trainer import (
+    abstract_state,
+    batch_shardings,
+    decoder_forward,
+    expand_prefix,
+    jit_leaf_step,
+    make_optimizer,
+    make_train_step,
+    state_shardings,
+)
+from meshrl.trainer.reference import ref_fields, reference_logprobs
+from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    name: str
+    lowered: Any  # jax.stages.Lowered
+    steps: int  # model steps one call runs (a decode chunk's steps; else 1)
+    model_flops: float  # per call, all chips: 6N (training) or 2N (forward) per token + attention
+    executed_flops: float  # per call, all chips: model FLOPs + the remat recompute
+    weights_bytes: float  # per chip: the params the program reads
+    state_bytes: float = 0.0  # per chip: optimizer state (train) or KV cache (sampler)
+    warnings: tuple[str, ...] = ()
+
+
+def per_chip_bytes(tree: Any) -> float:
+    """Bytes of one device's shard of every ``ShapeDtypeStruct`` leaf of ``tree``."""
+    return float(sum(np.prod(x.sharding.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+                     for x in jax.tree.leaves(tree)))
+
+
+def abstract_tree(tree: Any, shardings: Any) -> Any:
+    """``ShapeDtypeStruct``s of ``tree``'s leaves, with one sharding for all or a tree of them."""
+    if isinstance(shardings, NamedSharding):
+        shardings = jax.tree.map(lambda _: shardings, tree)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+                        tree, shardings)
+
+
+def train_rows(config: Config) -> int:
+    """Sequences in one train step: the RL batch, or trainer.batch_size for SFT."""
+    if config.compile.job == "rl":
+        return config.rollout.prompts_per_step * config.rollout.group_size
+    return config.trainer.batch_size
+
+
+def _train_params(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple[Any, Any, Any]:
+    rules = rules_for("train", config.mesh.fsdp)
+    graphdef, params = split_model(abstract_model(model_cfg, mesh=mesh, rules=rules))
+    return graphdef, params, expand_prefix(param_shardings(params, mesh, rules), params)
+
+
+def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """The SFT or RL step (``compile.job``) as ``TrainEngine`` jits it, at the full batch."""
+    t, rl, rl_job = config.trainer, config.rl, config.compile.job == "rl"
+    graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
+    tx, schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
+                                  updates_per_step(rl) if rl_job else 1)
+    state_sh = state_shardings(params_sh, tx, mesh, params)
+    rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
+    forward = decoder_forward(graphdef, t.logits_chunk)
+    if rl_job:
+        T = config.sampler.temperature
+        batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch, *ref_fields(rl))
+        step = make_rl_train_step(forward, make_rl_loss_fn(rl, temperature=T), tx, schedule,
+                                  rl=rl, temperature=T, microbatches=t.microbatches)
+    else:
+        batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
+        step = make_train_step(forward, get_loss("sft"), tx, schedule,
+                               microbatches=t.microbatches)
+    jitted = jit_leaf_step(step, state_sh, batch_sh, mesh)
+    leaves = jax.tree.leaves(abstract_state(state_sh, params, tx))
+    weights = per_chip_bytes(abstract_tree(params, params_sh))
+    lowered = jitted.lower(leaves, abstract_batch(batch_sh, rows, t.seq_len))
+    warnings = split_warning(rows, t.microbatches, batch_sh.input_ids, t.seq_len)
+    tokens = rows * t.seq_len * (updates_per_step(rl) if rl_job else 1)
+    flops = flops_per_token(model_cfg, t.seq_len) * tokens
+    remat = 8 / 6 if model_cfg.remat == "full" else 1.0  # the forward pass runs again
+    return Program("train", lowered, 1, flops, flops * remat, weights,
+                   per_chip_bytes(leaves) - weights, warnings)
+
+
+def split_warning(rows: int, microbatches: int, sharding: Any, seq_len: int) -> tuple[str, ...]:
+    """A line when a microbatch's rows do not split evenly over the batch shards: XLA then
+    replicates activations and all-reduces them, silently (a real run is as slow)."""
+    shards = rows // sharding.shard_shape((rows, seq_len))[0]
+    per = rows // microbatches
+    if per % shards == 0:
+        return ()
+    return (f"{per} rows per microbatch (batch {rows} / {microbatches} microbatches) do not "
+            f"split over the {shards} batch shards: activations replicate; make "
+            f"trainer.batch_size / trainer.microbatches a multiple of {shards}",)
+
+
+def reference_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """The frozen reference's log-probabilities of the RL batch (the KL's forward pass)."""
+    t = config.trainer
+    graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
+    rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
+    batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
+
+    def reference(ref_params: Any, batch: TrainBatch) -> jax.Array:
+        return reference_logprobs(decoder_forward(graphdef, t.logits_chunk), ref_params, batch,
+                                  temperature=config.sampler.temperature,
+                                  microbatches=t.microbatches)
+
+    jitted = jax.jit(reference, in_shardings=(params_sh, batch_sh),
+                     out_shardings=batch_sh.input_ids)
+    params = abstract_tree(params, params_sh)
+    lowered = jitted.lower(params, abstract_batch(batch_sh, rows, t.seq_len))
+    flops = flops_per_token(model_cfg, t.seq_len) / 3 * rows * t.seq_len
+    return Program("reference", lowered, 1, flops, flops, per_chip_bytes(params))
+
+
+def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
+    s, rules = config.sampler, rules_for("sample")
+    cfg = sampler_programs.sampler_model_config(model_cfg, s)
+    graphdef, params = split_model(abstract_model(cfg, mesh=mesh, rules=rules))
+    params = abstract_tree(params, expand_prefix(param_shardings(params, mesh, rules), params))
+    cache_sh = KVCache.shardings(cfg, s.slots, s.max_len, mesh, rules)
+    cache = abstract_tree(jax.eval_shape(lambda: KVCache.init(cfg, s.slots, s.max_len, s.dtype)),
+                      cache_sh)
+    repl = NamedSharding(mesh, PartitionSpec())
+    state = abstract_tree(jax.eval_shape(lambda: SlotState.init(s.slots)), repl)
+    return cfg, graphdef, params, cache, cache_sh, state, repl
+
+
+def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
+                    all_positions: bool = False, max_tokens: int | None = None) -> Program:
+    """One prefill of every slot with prompts of the largest bucket, as ``Sampler`` jits it
+    (``max_tokens``: the pass size, default ``sampler.prefill_tokens``; ``all_positions``: the
+    head on every prompt position, a baseline of benchmarks/memory.py)."""
+    s = config.sampler
+    cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
+    S, P = s.slots, s.prompt_buckets[-1]
+    host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
+            slot_settings([], S, s))
+    tokens, lens, slots, settings = (abstract_tree(x, repl) for x in host)
+    prefill = sampler_programs.make_prefill(
+        graphdef, cfg, s.max_len, all_positions=all_positions,
+        max_tokens=s.prefill_tokens if max_tokens is None else max_tokens)
+    jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
+                     out_shardings=(cache_sh, repl, repl))
+    lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)
+    flops = flops_per_token(cfg, P) / 3 * S * P
+    return Program("prefill", lowered, 1, flops, flops, per_chip_bytes(params),
+                   per_chip_bytes(cache))
+
+
+def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """One decode chunk (``sampler.decode_chunk`` steps) of every slot over the whole cache."""
+    s = config.sampler
+    cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
+    decode = sampler_programs.make_decode(graphdef, s.max_len, s.decode_chunk, lambda _: None)
+    jitted = jax.jit(decode, static_argnames=("window", "rows", "lo"), donate_argnums=(1, 2),
+                     out_shardings=(cache_sh, repl, repl))
+    lowered = jitted.lower(params, cache, state, window=s.max_len, rows=s.slots, lo=0)
+    flops = flops_per_token(cfg, s.max_len) / 3 * s.slots * s.decode_chunk
+    return Program("decode", lowered, s.decode_chunk, flops, flops, per_chip_bytes(params),
+                   per_chip_bytes(cache))
+
+
+BUILDERS: dict[str, Callable[[Config, ModelConfig, Mesh], Program]] = {
+    "train": train_program, "reference": reference_program, "prefill": prefill_program,
+    "decode": decode_program}
+
+
+def default_programs(config: Config) -> tuple[str, ...]:
+    """What ``compile.job`` runs: SFT the train step; RL the sampler's programs too, and the
+    reference forward when the KL is on."""
+    if config.compile.job == "sft":
+        return ("train",)
+    return ("train", "prefill", "decode") + (("reference",) if config.rl.kl_coef > 0 else ())

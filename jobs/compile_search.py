@@ -1,0 +1,95 @@
+"""The compile job's mesh search (``compile.search = true``).
+
+Enumerates the ICI splits of the device count over ``data`` (FSDP: params sharded over it),
+``tensor``, ``context`` and ``expert`` (this last one for MoE models only) that the config's
+rules accept (``ConfigError``: e.g. tensor must divide the KV heads, expert the experts), keeps
+``MAX_COMPILED`` of them, fewest model-parallel devices first (a cheap prior: pure FSDP moves
+the fewest bytes per step when it fits), compiles each one's train step, and picks the fastest
+that fits by the roofline. Then it compiles the job's programs on that mesh. Every candidate,
+compiled or refused, is listed with its reason in compile.json's ``search``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from typing import Any
+
+from meshrl.aot.chips import Chip
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config
+from meshrl.utils import log
+from meshrl.utils.errors import UserError
+
+_log = log.get_logger("compile")
+MAX_COMPILED = 6  # train-step compiles a search may spend (tens of seconds each at 8B+)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config: Config, n: int) -> list[tuple[Config | None, dict[str, int], str]]:
+    """(config with that mesh or None, the split, why refused) for every split of ``n``."""
+    moe = config.model.num_experts > 0
+    out = []
+    for tensor, context, expert in itertools.product(_divisors(n), repeat=3):
+        if n % (tensor * context * expert) or (expert > 1 and not moe):
+            continue
+        split = {"data": n // (tensor * context * expert), "tensor": tensor,
+                 "context": context, "expert": expert}
+        mesh = dataclasses.replace(config.mesh, **split, expert_tensor=1,
+                                   fsdp=split["data"] > 1 or config.mesh.fsdp)
+        try:
+            out.append((dataclasses.replace(config, mesh=mesh), split, ""))
+        except ConfigError as e:
+            out.append((None, split, str(e)))
+    # Fewest model-parallel devices first; among equals, experts before tensor before context.
+    out.sort(key=lambda c: (c[1]["data"] == 0, -c[1]["data"], c[1]["context"], c[1]["tensor"]))
+    return out
+
+
+def search(config: Config, devices: list[Any], chip: Chip | None
+           ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(the job's programs compiled on the chosen mesh, the table of what was tried)."""
+    from meshrl.jobs.compile import compile_all  # compile.py imports this module lazily
+
+    if chip is None:
+        raise UserError("compile.search = True: needs a chip's figures (a compile.topology, "
+                        "or a local TPU/GPU), for the roofline that ranks the meshes")
+    tried, best = [], None
+    for cand, split, why in candidates(config, len(devices)):
+        row: dict[str, Any] = {"mesh": split, "compiled": False, "refused": why or None}
+        if cand is not None and sum(r["compiled"] for r in tried) < MAX_COMPILED:
+            t0 = time.perf_counter()
+            try:
+                (train,) = compile_all(cand, devices, chip, ("train",))
+            except (ValueError, TypeError) as e:  # a split the model code cannot shard
+                row["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            else:
+                row.update(compiled=True, fits=train["fits"], headroom=train["headroom"],
+                           hbm_per_chip_gib=train["hbm_per_chip_gib"],
+                           step_s_roofline=train["step_s_roofline"],
+                           mfu_roofline=train["mfu_roofline"], bound=train["roofline"]["bound"])
+                if train["fits"] and (best is None or train["step_s_roofline"]
+                                      < best[1]["step_s_roofline"]):
+                    best = (cand, row)
+            _log.info("mesh %s: %s (%.0f s)", split, _summary(row), time.perf_counter() - t0)
+        elif cand is not None:
+            row["refused"] = f"not compiled: the search compiles at most {MAX_COMPILED}"
+        tried.append(row)
+    if best is None:
+        raise UserError(f"compile.search: none of the {len(tried)} meshes tried fits on "
+                        f"{len(devices)} x {chip.name}; see the table above: a larger topology, "
+                        f"fewer sequences per step (trainer.microbatches), or model.remat=full")
+    best[1]["chosen"] = True
+    return compile_all(best[0], devices, chip), tried
+
+
+def _summary(row: dict[str, Any]) -> str:
+    if not row["compiled"]:
+        return f"refused: {row['refused']}"
+    return (f"{row['hbm_per_chip_gib']:.1f} GiB/chip, fits {row['fits']}, roofline step "
+            f"{row['step_s_roofline'] * 1e3:.1f} ms, MFU {row['mfu_roofline']:.0%}, "
+            f"{row['bound']}-bound")

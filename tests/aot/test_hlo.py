@@ -1,0 +1,95 @@
+"""Collectives and HBM traffic counted from HLO text, loop trip counts included."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.aot import hlo
+
+LOOP = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%body (p: (s32[], f32[4,8])) -> (s32[], f32[4,8]) {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[4,8] get-tuple-element(%p), index=1
+  %ag = f32[16,8]{1,0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  %y = f32[4,8] slice(%ag), slice={[0:4], [0:8]}
+  ROOT %t = (s32[], f32[4,8]) tuple(%j, %y)
+}
+
+%cond (p: (s32[], f32[4,8])) -> pred[] {
+  %p = (s32[], f32[4,8]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,8]) -> f32[4,8] {
+  %a = f32[4,8] parameter(0)
+  %start = s32[] constant(2)
+  %t = (s32[], f32[4,8]) tuple(%start, %a)
+  %w = (s32[], f32[4,8]) while(%t), condition=%cond, body=%body
+  %r = f32[4,8] get-tuple-element(%w), index=1
+  ROOT %ar = f32[4,8] all-reduce(%r), replica_groups=[1,2]<=[2], to_apply=%add
+}
+"""
+
+
+def test_collective_in_loop_counts_once_per_trip_from_the_condition():
+    c = hlo.collectives(LOOP)
+    ag, ar = c.by_kind["all-gather"], c.by_kind["all-reduce"]
+    assert (ag.count, ag.bytes, ag.ici_bytes) == (3, 3 * 512, 3 * 512 * 3 / 4)  # i = 2, 3, 4
+    assert (ar.count, ar.bytes, ar.ici_bytes) == (1, 128, 128)  # 2 (n-1)/n of 128 B, n = 2
+    assert c.unknown_loops == []
+
+
+def test_stated_trip_count_wins_and_unreadable_loop_is_listed():
+    stated = LOOP.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"7"}}')
+    assert hlo.collectives(stated).by_kind["all-gather"].count == 7
+    unreadable = LOOP.replace("direction=LT", "direction=NE")
+    c = hlo.collectives(unreadable)
+    assert c.by_kind["all-gather"].count == 1 and c.unknown_loops == ["w"]
+
+
+def test_hbm_bytes_counts_loop_bodies_per_trip():
+    # Per trip: all-gather reads 128 B and writes 512 B; the slice reads 512 B, writes 128 B;
+    # the add reads two and writes one 4-byte scalar; the condition's compare (4 + 4 read, 1
+    # written) runs once more than the body. Outside: the all-reduce 128 + 128.
+    per_trip = (128 + 512) + (512 + 128) + 12
+    assert hlo.hbm_bytes(LOOP) == 3 * per_trip + 4 * 9 + 256
+
+
+def test_scanned_all_gather_of_a_compiled_cpu_program_has_exact_bytes():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    if len(mesh.devices.flat) < 4:
+        pytest.skip("needs 4 devices: run under tests/conftest.py's 8 fake CPU devices")
+
+    def layers(w_LxDxD: jax.Array, x_BxD: jax.Array) -> jax.Array:
+        def body(h: jax.Array, w: jax.Array) -> tuple[jax.Array, None]:
+            w = jax.lax.with_sharding_constraint(w, NamedSharding(mesh, PartitionSpec()))
+            return jnp.tanh(h @ w), None
+        return jax.lax.scan(body, x_BxD, w_LxDxD)[0]
+
+    w = jax.ShapeDtypeStruct((6, 64, 64), jnp.float32,
+                             sharding=NamedSharding(mesh, PartitionSpec(None, "data", None)))
+    x = jax.ShapeDtypeStruct((8, 64), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+    c = hlo.collectives(jax.jit(layers).lower(w, x).compile().as_text())
+    ag = c.by_kind["all-gather"]
+    assert (ag.count, ag.bytes, ag.largest) == (6, 6 * 64 * 64 * 4, 64 * 64 * 4)
+    assert c.total_bytes == ag.bytes
+
+
+def test_array_bytes_reads_tuples_layouts_and_dtypes():
+    assert hlo.array_bytes("(bf16[2,3]{1,0:T(8,128)(2,1)}, s32[], pred[4])") == [12, 4, 4]

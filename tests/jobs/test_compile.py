@@ -1,0 +1,166 @@
+"""job = compile on the local (fake CPU) devices: compile.json, the programs a job runs, and the
+one-line errors. TPU topologies: tests/jobs/test_compile_tpu.py."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from meshrl.configs import ConfigError, base_config, from_config_dict, load_config_file
+from meshrl.jobs import compile as compile_job
+from meshrl.jobs.compile_programs import default_programs
+from meshrl.utils.errors import UserError
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+FIELDS = {"program", "fits", "hbm_per_chip_gib", "hbm_capacity_gib", "collectives",
+          "step_s_roofline", "mfu_roofline", "memory_gib", "model_flops", "hbm_traffic_bytes",
+          "xla_cost_analysis", "mesh", "warnings"}
+
+
+def test_compile_job_writes_one_object_per_program_of_the_rl_job(tmp_path):
+    config = load_config_file(ROOT / "configs" / "default.py")
+    config = from_config_dict({**config.to_dict(), "job": "compile"})
+    assert config.compile.job == "rl"  # the config file's own job
+    compile_job.run(config, str(tmp_path))
+    report = json.loads((tmp_path / "compile.json").read_text())
+    assert [p["program"] for p in report["programs"]] == ["train", "prefill", "decode"]
+    for entry in report["programs"]:
+        assert FIELDS <= set(entry), FIELDS - set(entry)
+        assert entry["hbm_per_chip_gib"] > 0 and entry["model_flops"] > 0
+        assert entry["fits"] is None and entry["step_s_roofline"] is None  # no CPU chip figures
+    train = report["programs"][0]
+    assert train["mesh"]["data"] == 8 and "all-gather" in train["collectives"]  # FSDP
+    assert report["programs"][2]["steps_per_call"] == config.sampler.decode_chunk
+
+
+def test_sft_job_compiles_its_train_step_and_programs_select(tmp_path):
+    cfg = base_config("sft")
+    cfg.job = "compile"
+    config = from_config_dict(cfg)
+    assert config.compile.job == "sft" and default_programs(config) == ("train",)
+    cfg.compile.job, cfg.rl.kl_coef = "rl", 0.1
+    assert default_programs(from_config_dict(cfg))[-1] == "reference"
+    cfg.compile.programs = ("reference",)
+    results = compile_job.compile_all(from_config_dict(cfg), *compile_job.target(
+        from_config_dict(cfg).compile)[:2])
+    assert [r["program"] for r in results] == ["reference"]
+    assert results[0]["hbm_per_chip_gib"] > 0
+
+
+@pytest.mark.parametrize(("field", "value", "rule"), [
+    ("topology", "v4-8", "must be v5e-N, v5p-N or v6e-N"),
+    ("programs", ("train", "backward"), "must be distinct names from"),
+    ("programs", ("train", "train"), "must be distinct names from")])
+def test_bad_compile_field_is_one_line_naming_it(field, value, rule):
+    cfg = base_config("rl")
+    cfg.compile[field] = value
+    with pytest.raises(ConfigError, match=f"compile.{field} = .*{rule}"):
+        from_config_dict(cfg)
+
+
+def test_topology_without_the_tpu_compiler_names_the_extra(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "libtpu" else real(name, *a))
+    cfg = base_config("rl")
+    cfg.compile.topology = "v5p-8"
+    with pytest.raises(UserError, match=r'needs the TPU compiler: pip install -e "\.\[tpu\]"'):
+        compile_job.target(from_config_dict(cfg).compile)
+
+
+def test_topology_of_a_size_not_offered_is_one_line():
+    cfg = base_config("rl")
+    cfg.compile.topology = "v5p-6"
+    with pytest.raises(UserError, match="v5p slices here are v5p-8, v5p-16"):
+        compile_job.target(from_config_dict(cfg).compile)
+
+
+def _entry(program: str, gib: float, weights_gib: float, state_gib: float) -> dict:
+    GiB = 2 ** 30
+    return {"program": program, "hbm_per_chip_gib": gib, "hbm_capacity_gib": 95.0,
+            "weights_bytes_per_chip": weights_gib * GiB, "state_bytes_per_chip": state_gib * GiB}
+
+
+def test_colocated_rl_peak_is_resident_state_plus_the_largest_program_own_share():
+    config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
+    results = [_entry("train", 55.0, 7.5, 15.0), _entry("prefill", 50.0, 15.0, 32.0),
+               _entry("decode", 80.0, 15.0, 32.0)]
+    both = compile_job.colocated(config, results)
+    # Resident: train params + moments (22.5) + sampler weights and KV (47); decode's own share
+    # (80 - 47 = 33) is larger than the train step's (55 - 22.5 = 32.5).
+    assert both["resident_gib"] == pytest.approx(69.5)
+    assert both["peak_gib"] == pytest.approx(102.5) and both["largest_program"] == "decode"
+    assert both["fits"] is False and "7.5 GiB over" in both["advice"]
+    assert "16.0 GiB of KV cache" in both["advice"]
+    sft = from_config_dict({**base_config("sft").to_dict(), "job": "compile"})
+    assert compile_job.colocated(sft, results) is None  # no sampler beside SFT
+
+
+def test_program_refused_for_hbm_reports_how_much_it_needs_and_what_to_change():
+    from meshrl.jobs.compile_programs import Program
+
+    GiB = 2 ** 30
+    prog = Program("decode", None, 8, 8e12, 8e12, 2 * GiB, 16 * GiB)
+    error = RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+                         "required for HLO temporaries (41.87G) exceeds available HBM "
+                         "(31.25G).\nmore")
+    from meshrl.aot.chips import CHIPS
+
+    config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
+    e = compile_job.over_capacity(prog, error, CHIPS["v6e"], 1.0,
+                                  compile_job.advice(config, "decode"))
+    assert e["fits"] is False and e["hbm_per_chip_gib"] == pytest.approx(41.87 + 18)
+    assert e["error"].startswith("RESOURCE_EXHAUSTED") and "\n" not in e["error"]
+    assert f"sampler.slots = {config.sampler.slots // 2}" in e["advice"]
+    assert e["model_flops"] == pytest.approx(1e12)
+
+
+def test_microbatch_rows_that_do_not_split_over_the_batch_shards_are_flagged():
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from meshrl.jobs.compile_programs import split_warning
+
+    mesh = Mesh(jax.devices()[:8], ("data",))
+    rows = NamedSharding(mesh, PartitionSpec("data", None))
+    assert split_warning(8, 4, rows, 16) == (
+        "2 rows per microbatch (batch 8 / 4 microbatches) do not split over the 8 batch "
+        "shards: activations replicate; make trainer.batch_size / trainer.microbatches a "
+        "multiple of 8",)
+    assert split_warning(8, 1, rows, 16) == () and split_warning(32, 4, rows, 16) == ()
+
+
+def test_mesh_search_candidates_cover_the_splits_and_refuse_with_the_rule():
+    from meshrl.jobs.compile_search import candidates
+
+    cfg = base_config("sft")
+    cfg.model.update(num_heads=4, num_kv_heads=2)
+    dense = candidates(from_config_dict(cfg), 4)
+    assert len(dense) == 6 and all(c[1]["expert"] == 1 for c in dense)
+    assert dense[0][1] == {"data": 4, "tensor": 1, "context": 1, "expert": 1}  # FSDP first
+    cfg.model.update(arch="qwen3_moe", num_experts=2, num_experts_per_tok=1)
+    moe = candidates(from_config_dict(cfg), 4)
+    refused = [(split, why) for c, split, why in moe if c is None]
+    assert any(s["expert"] == 4 and "mesh.expert = 4: must divide model.num_experts"
+               in why for s, why in refused)
+    assert {c[1]["expert"] for c in moe if c[0] is not None} == {1, 2}
+
+
+def test_mesh_search_with_nothing_that_fits_says_so_in_one_line(monkeypatch):
+    from meshrl.aot.chips import CHIPS
+    from meshrl.jobs import compile_search
+
+    def over(config, devices, chip, names):
+        return [{"fits": False, "headroom": -0.5, "hbm_per_chip_gib": 140.0,
+                 "step_s_roofline": 1.0, "mfu_roofline": 0.5, "roofline": {"bound": "hbm"}}]
+
+    monkeypatch.setattr(compile_job, "compile_all", over)
+    config = from_config_dict({**base_config("sft").to_dict(), "job": "compile"})
+    with pytest.raises(UserError, match="none of the 6 meshes tried fits on 4 x v5p"):
+        compile_search.search(config, [object()] * 4, CHIPS["v5p"])
+    with pytest.raises(UserError, match="compile.search = True: needs a chip's figures"):
+        compile_search.search(config, [object()] * 4, None)

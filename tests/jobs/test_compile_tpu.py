@@ -1,0 +1,124 @@
+"""The TPU code paths compiled for a v5e 2x2 slice without its hardware (libtpu's topology
+description; nothing runs), and the collectives each promises, read from the compiled HLO."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import jax
+import pytest
+
+from meshrl.aot import hlo
+from meshrl.configs import base_config, from_config_dict
+from meshrl.jobs import compile as compile_job
+from meshrl.jobs.compile_programs import BUILDERS
+from meshrl.mesh import create_mesh
+from meshrl.models import resolve_model_config
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="the TPU compiler is not installed: pip install -e '.[tpu]' -c constraints.txt")
+
+
+def _config(job: str, **fields: object):
+    cfg = base_config(job)
+    cfg.job, cfg.compile.topology = "compile", "v5e-4"
+    for key, value in fields.items():
+        section, name = key.split("__")
+        cfg[section][name] = value
+    return from_config_dict(cfg)
+
+
+def _compiled(config, program: str):
+    devices, chip, _ = compile_job.target(config.compile)
+    assert devices[0].platform == "tpu" and chip.name == "v5e"
+    mesh = create_mesh(config.mesh, devices)
+    prog = BUILDERS[program](config, resolve_model_config(config.model), mesh)
+    return prog.lowered.compile()
+
+
+def test_fsdp_train_step_gathers_one_layer_at_a_time():
+    config = _config("sft", mesh__data=4, mesh__fsdp=True, model__scan_layers=True,
+                     model__num_layers=4)
+    text = _compiled(config, "train").as_text()
+    c = hlo.collectives(text)
+    m = config.model
+    stacked_mlp = m.num_layers * m.hidden_size * m.intermediate_size * 4  # float32 params
+    assert c.by_kind["all-gather"].count >= m.num_layers  # inside the scanned layer
+    assert c.by_kind["all-gather"].largest < stacked_mlp  # never all layers' weights at once
+    assert c.by_kind["reduce-scatter"].count > 0  # gradients leave sharded
+
+
+def test_splash_attention_compiles_to_the_tpu_kernel():
+    config = _config("sft", mesh__data=4, model__attention="splash", trainer__seq_len=256,
+                     model__head_dim=128)
+    assert "tpu_custom_call" in _compiled(config, "train").as_text()
+
+
+def test_ring_context_attention_passes_keys_round_the_ring():
+    config = _config("sft", mesh__data=1, mesh__context=4, model__context_attention="ring",
+                     trainer__seq_len=256)
+    c = hlo.collectives(_compiled(config, "train").as_text())
+    assert c.by_kind["collective-permute"].count >= 3 * config.model.num_layers  # 3 hops each
+
+
+def test_ragged_dot_moe_with_expert_parallelism_exchanges_tokens_all_to_all():
+    config = _config("sft", mesh__data=1, mesh__expert=4, model__arch="qwen3_moe",
+                     model__num_experts=8, model__num_experts_per_tok=2,
+                     model__moe_intermediate_size=64, model__moe_impl="ragged_dot")
+    c = hlo.collectives(_compiled(config, "train").as_text())
+    assert c.by_kind["all-to-all"].count > 0
+
+
+def test_sampler_prefill_and_decode_compile_tensor_parallel_with_known_loops(tmp_path):
+    config = _config("rl", mesh__data=1, mesh__tensor=4, model__num_kv_heads=4,
+                     compile__programs=("prefill", "decode"))
+    results = compile_job.run(config, str(tmp_path))
+    assert [r["program"] for r in results] == ["prefill", "decode"]
+    for r in results:
+        assert r["fits"] and r["unknown_trip_count_loops"] == []
+        assert "all-reduce" in r["collectives"]  # tensor-parallel projections
+        assert r["step_s_roofline"] > 0 and 0 < r["mfu_roofline"] <= 1
+    decode = results[1]
+    chunk = config.sampler.decode_chunk
+    assert decode["steps_per_call"] == chunk and math.isfinite(decode["hbm_traffic_bytes"])
+    assert jax.devices()[0].platform == "cpu"  # the runtime backend is untouched
+
+
+@pytest.mark.slow  # ~17 s: three compiles; the TPU code paths above stay in the default run
+def test_mesh_search_lists_every_split_and_keeps_the_fastest_that_fits(tmp_path, monkeypatch):
+    from meshrl.jobs import compile_search
+
+    monkeypatch.setattr(compile_search, "MAX_COMPILED", 2)
+    config = _config("sft", compile__search=True, model__num_kv_heads=4)
+    results = compile_job.run(config, str(tmp_path))
+    import json
+
+    report = json.loads((tmp_path / "compile.json").read_text())
+    tried = report["search"]
+    assert len(tried) == 6  # data x tensor x context splits of 4 devices (dense: expert 1)
+    compiled = [r for r in tried if r["compiled"]]
+    assert len(compiled) == 2 and all(r["refused"] for r in tried if not r["compiled"])
+    chosen = [r for r in tried if r.get("chosen")]
+    assert len(chosen) == 1 and chosen[0]["step_s_roofline"] == min(
+        r["step_s_roofline"] for r in compiled if r["fits"])
+    assert {k: results[0]["mesh"][k] for k in chosen[0]["mesh"]} == chosen[0]["mesh"]
+
+
+def test_tpu_compiler_installed_leaves_a_cpu_run_quiet():
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("TPU_") and k != "JAX_PLATFORMS"}  # as a user's shell has it
+    proc = subprocess.run([sys.executable, str(root / "main.py"), "--config",
+                           str(root / "configs" / "default.py"), "--dry_run"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "# mesh (1 devices, cpu)" in proc.stdout or ", cpu)" in proc.stdout
+    for noise in ("TPU_WORKER_HOSTNAMES", "libtpu", "backend 'tpu'", "host bounds"):
+        assert noise not in proc.stderr, proc.stderr[-2000:]
