@@ -3,13 +3,13 @@
 checkpoint saved by transformers (with a BPE tokenizer and a ChatML template) goes through
 ``configs/rl_gsm8k.py:cpu`` on GSM8K-format JSONL, is exported and loaded by transformers, then
 through ``configs/sft_chat.py:cpu`` on chat-format JSONL from that export, exported and loaded
-again. Every run is ``main.py`` in a subprocess; the command-line overrides are what fits a
-2-core CPU, plus what lets a random-init model learn: it earns no GSM8K reward (every advantage
-would be 0 and, at weight decay 0, every update exactly 0, so "it trains" would prove nothing),
-so the RL run pays for the share of letters in a completion (``real_model.letter_share``), at a
-rate and for a number of steps at which that share clearly rises; and
-``rollout.filter_equal_groups=False``, because once every completion earns the full reward the
-equal groups would be filtered and the run would wait for ever."""
+again. Every run is ``main.py`` in a subprocess with the README's command line: the ``:cpu``
+variants fit a 2-core CPU as written. The RL run adds only what lets a random-init model learn:
+it earns no GSM8K reward (every group would be filtered, and the run stops at
+``rollout.max_filtered_in_a_row``), so it pays for the share of letters in a completion
+(``real_model.letter_share``), at a rate and for a number of steps at which that share clearly
+rises; and ``rollout.filter_equal_groups=False``, because once every completion earns the full
+reward the equal groups would be filtered and the run would stop the same way."""
 
 from __future__ import annotations
 
