@@ -19,6 +19,12 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from meshrl.utils.tpu_env import quiet_libtpu_probe
+
+# Every benchmark imports this module before JAX starts a backend: with the TPU compiler
+# installed on a host without a TPU, libtpu would print a hostname error at start-up.
+quiet_libtpu_probe()
+
 MIN_ROUNDS = 3
 FLOOR_SLACK = 0.05
 
