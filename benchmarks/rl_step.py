@@ -141,7 +141,7 @@ class StepFloors:
         import jax.numpy as jnp
 
         from meshrl.benchmarks import minimal_rl
-        from meshrl.inference.engine import Sampler
+        from meshrl.inference.sampler import Sampler
         from meshrl.mesh import rules_for
 
         self.trainer, self.calls, self.rollouts = trainer, calls, rollouts

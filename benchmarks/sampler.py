@@ -62,7 +62,7 @@ import numpy as np
 
 from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
-from meshrl.inference.engine import Request, Sampler
+from meshrl.inference.sampler import Request, Sampler
 from meshrl.mesh import create_mesh
 from meshrl.models import create_model, split_model
 from meshrl.models.hf import load_hf_checkpoint, save_hf_checkpoint

@@ -40,8 +40,8 @@ from etils import epath
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples
-from meshrl.inference.async_engine import AsyncEngine
-from meshrl.inference.engine import Sampler
+from meshrl.inference.async_sampler import AsyncSampler
+from meshrl.inference.sampler import Sampler
 from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
 from meshrl.jobs.rl_eval import aevaluate, read_metrics
 from meshrl.mesh import create_mesh, initialize_distributed, rules_for
@@ -116,7 +116,7 @@ class _Evaluator:
                               f"needs held-out examples (set data.eval_path for file sources)")
         sampler = Sampler(arch, config.sampler, create_mesh(config.mesh), workdir=str(workdir),
                           rules=rules_for("sample"))
-        self.engine = AsyncEngine(sampler)
+        self.engine = AsyncSampler(sampler)
         self.pool = RewardPool.from_config(config.reward)
 
     def load(self, version: int) -> bool:

@@ -28,8 +28,8 @@ from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
-from meshrl.inference.async_engine import AsyncEngine
-from meshrl.inference.engine import Sampler
+from meshrl.inference.async_sampler import AsyncSampler
+from meshrl.inference.sampler import Sampler
 from meshrl.inference.weights import process_local_copy
 from meshrl.jobs.report import rl_step_line, rl_summary_table
 from meshrl.jobs.rl_console import await_batch, filtered_note, stop_at
@@ -210,7 +210,7 @@ class RLTrainer:
                              f"{self.step.buckets} gives each of the {n} processes that many")
         return min(fits) // n
 
-    def _handoff(self, engine: AsyncEngine, version: int) -> float:
+    def _handoff(self, engine: AsyncSampler, version: int) -> float:
         """Wait for the dispatched step's params, hand them to the sampler as ``version``;
         returns when the params were ready (``perf_counter``)."""
         params = self.engine.params
@@ -223,7 +223,7 @@ class RLTrainer:
         """Compile the step for every row bucket now, not in the step that first needs it."""
         self.engine.precompile()
 
-    async def aeval(self, engine: AsyncEngine, version: int) -> dict[str, float]:
+    async def aeval(self, engine: AsyncSampler, version: int) -> dict[str, float]:
         c = self.config
         ev = await aevaluate(engine, self.reward_pool, self.examples, version=version,
                              decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id,
@@ -240,12 +240,12 @@ class RLTrainer:
         self.engine.save(step, {"prompts": self.prompts.get_state()},
                          {**self.counters, "runner": runner.state_dict()})
 
-    async def arun(self, rollout_engine: Callable[[AsyncEngine], Any] | None = None
+    async def arun(self, rollout_engine: Callable[[AsyncSampler], Any] | None = None
                    ) -> dict[str, Any]:
         """The RL loop; ``rollout_engine`` may wrap the engine the rollouts (not the
         evaluations) use, e.g. to shape completion lengths in a benchmark."""
         c, t, train = self.config, self.config.trainer, self.engine
-        engine = AsyncEngine(self.sampler)
+        engine = AsyncSampler(self.sampler)
         # Each process samples its share of the step's groups on its own devices.
         local = dataclasses.replace(c, rollout=dataclasses.replace(
             c.rollout, prompts_per_step=c.rollout.prompts_per_step // jax.process_count()))

@@ -25,7 +25,7 @@ from etils import epath
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples
-from meshrl.inference.engine import Completion, Request
+from meshrl.inference.sampler import Completion, Request
 from meshrl.inference.weights import published_versions, weights_dir
 from meshrl.jobs.sample import build_sampler, resolve_source
 from meshrl.mesh import create_mesh

@@ -48,8 +48,8 @@ from meshrl.configs.schema import Config, DataConfig, ModelConfig
 from meshrl.datasets import sources
 from meshrl.datasets.pipeline import encode_prompt, prompt_text
 from meshrl.datasets.sources import DatasetError
-from meshrl.inference.engine import Request, Sampler
 from meshrl.inference.requests import buckets_up_to
+from meshrl.inference.sampler import Request, Sampler
 from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
 from meshrl.mesh import Rules, create_mesh, rules_for
 from meshrl.mesh.placement import process_sampler_mesh

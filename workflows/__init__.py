@@ -9,11 +9,11 @@ from meshrl.workflows.batch import (
     pack_rows,
 )
 from meshrl.workflows.episode import (
-    Engine,
     Environment,
     EnvStep,
     EpisodeSettings,
     RewardScorer,
+    SamplerClient,
     arun_episode,
     arun_group,
 )
@@ -27,7 +27,7 @@ from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_ru
 from meshrl.workflows.staleness import StalenessController
 
 __all__ = [
-    "Engine", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
+    "SamplerClient", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
     "RewardScorer", "RolloutBatch", "RolloutFailedError", "RolloutRunner", "StalenessController",
     "Trajectory", "arun_episode", "arun_group", "bucket_length", "build_rollout_batch",
     "episode_settings", "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from meshrl.inference.engine import Completion, Request
+from meshrl.inference.sampler import Completion, Request
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 
@@ -24,8 +24,8 @@ log = get_logger("workflows")
 _NOT_REWARD_FIELDS = frozenset({"prompt", "prompt_ids", "prompt_text"})
 
 
-class Engine(Protocol):
-    """What workflows need from the sampler (``meshrl.inference.async_engine.AsyncEngine``)."""
+class SamplerClient(Protocol):
+    """What workflows need from the sampler (``meshrl.inference.async_sampler.AsyncSampler``)."""
 
     @property
     def version(self) -> int: ...
@@ -76,7 +76,7 @@ def reward_fields(item: dict, n: int = 1) -> dict[str, list[Any]]:
             if k not in _NOT_REWARD_FIELDS and not k.startswith("_")}
 
 
-async def arun_episode(engine: Engine, item: dict, *, reward_pool: RewardScorer,
+async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: RewardScorer,
                        decode: Callable[[Sequence[int]], str],
                        settings: EpisodeSettings = EpisodeSettings(),
                        env: Environment | None = None, group_id: int = 0,
@@ -149,7 +149,7 @@ async def arun_episode(engine: Engine, item: dict, *, reward_pool: RewardScorer,
                       metadata={"sample_index": sample_index})
 
 
-async def arun_group(engine: Engine, item: dict, *, group_size: int, group_id: int,
+async def arun_group(engine: SamplerClient, item: dict, *, group_size: int, group_id: int,
                      filter_equal: bool = True,
                      counters: collections.Counter[str] | None = None,
                      **episode_kwargs: Any) -> list[Trajectory] | None:

@@ -25,7 +25,7 @@ from typing import Any
 from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
-from meshrl.workflows.episode import Engine, arun_group
+from meshrl.workflows.episode import SamplerClient, arun_group
 from meshrl.workflows.staleness import StalenessController
 from meshrl.workflows.watch import RolloutWatch, waiting_line
 
@@ -43,7 +43,7 @@ class RolloutFailedError(UserError, RuntimeError):
     """Every recent group failed: the run cannot make progress until the cause is fixed."""
 
 
-def group_episode_fn(engine: Engine, *, group_size: int, filter_equal: bool = True,
+def group_episode_fn(engine: SamplerClient, *, group_size: int, filter_equal: bool = True,
                      counters: collections.Counter[str] | None = None,
                      watch: RolloutWatch | None = None, **episode_kwargs: Any) -> GroupFn:
     """``arun_group`` bound to an engine and settings, in the runner's ``(item, group_id)`` form;

@@ -10,7 +10,7 @@ from typing import Any
 from meshrl.configs.schema import Config
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.workflows.batch import RolloutBatch, Trajectory, build_rollout_batch
-from meshrl.workflows.episode import Engine, Environment, EpisodeSettings, RewardScorer
+from meshrl.workflows.episode import Environment, EpisodeSettings, RewardScorer, SamplerClient
 from meshrl.workflows.runner import RolloutRunner, group_episode_fn
 from meshrl.workflows.staleness import StalenessController
 from meshrl.workflows.watch import RolloutWatch
@@ -27,7 +27,7 @@ def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
                            seed=config.trainer.seed)
 
 
-def make_runner(config: Config, engine: Engine, reward_pool: RewardScorer,
+def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer,
                 prompts: Iterator[Any], tokenizer: Tokenizer, *,
                 env: Environment | None = None, version: int = 0) -> RolloutRunner:
     """A runner whose controller admits ``rollout.prompts_per_step`` groups per version with

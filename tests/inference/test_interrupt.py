@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshrl.inference.engine import Request
+from meshrl.inference.sampler import Request
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler, reference_greedy
 

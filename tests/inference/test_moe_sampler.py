@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
-from meshrl.inference.engine import Sampler
 from meshrl.inference.requests import Request
+from meshrl.inference.sampler import Sampler
 from meshrl.mesh import create_mesh
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import _devices, reference_greedy

@@ -12,8 +12,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
 from meshrl.inference import programs
-from meshrl.inference.engine import Request, Sampler
 from meshrl.inference.requests import slot_settings
+from meshrl.inference.sampler import Request, Sampler
 from meshrl.mesh import create_mesh
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY

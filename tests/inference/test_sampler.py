@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.inference.engine import Request
+from meshrl.inference.sampler import Request
 from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 

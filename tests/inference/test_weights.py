@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import MeshConfig, SamplerConfig
-from meshrl.inference.engine import Request, Sampler
+from meshrl.inference.sampler import Request, Sampler
 from meshrl.inference.weights import WeightMismatchError, flat_params, publish_weights
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model

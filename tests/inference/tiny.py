@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
-from meshrl.inference.engine import Sampler
+from meshrl.inference.sampler import Sampler
 from meshrl.mesh import create_mesh
 from meshrl.models import forward
 

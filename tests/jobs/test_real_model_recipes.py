@@ -128,7 +128,7 @@ def test_rl_export_loads_in_transformers_with_the_runs_logits_and_chat_template(
 
     from meshrl.configs.loader import base_config, from_config_dict
     from meshrl.configs.schema import SamplerConfig
-    from meshrl.inference.engine import Sampler
+    from meshrl.inference.sampler import Sampler
     from meshrl.mesh import create_mesh, rules_for
     from meshrl.models import build_model, forward
     from meshrl.models.tokenizer import tokenizer_for

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from meshrl.inference.engine import Completion, Request
+from meshrl.inference.sampler import Completion, Request
 from meshrl.jobs.rl_eval import (
     EvalVersionError,
     aevaluate,

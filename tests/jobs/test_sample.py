@@ -19,7 +19,7 @@ from meshrl.configs.loader import from_config_dict
 from meshrl.configs.schema import MeshConfig
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
-from meshrl.inference.engine import Request, Sampler
+from meshrl.inference.sampler import Request, Sampler
 from meshrl.inference.weights import flat_params, publish_weights
 from meshrl.jobs import sample as job
 from meshrl.jobs.rl_eval import sample_versions

@@ -1,7 +1,7 @@
 """A deterministic scripted engine, reward pool and environment for workflow tests.
 
 The behaviour under test is the workflow and the staleness control, not the sampler, so the
-engine only has to honour the ``Engine`` protocol: real ``Request``/``Completion`` types, tokens
+engine only has to honour the ``SamplerClient`` protocol: real ``Request``/``Completion`` types, tokens
 yielded over awaited latencies, and the weight version current when each token was produced.
 """
 
@@ -12,7 +12,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshrl.inference.engine import Completion, Request
+from meshrl.inference.sampler import Completion, Request
 from meshrl.workflows import EnvStep
 
 

@@ -1,4 +1,4 @@
-"""The workflow against the real AsyncEngine on a tiny random model: the protocol fits, and the
+"""The workflow against the real AsyncSampler on a tiny random model: the protocol fits, and the
 sampler's behaviour logprobs line up with the trainer's recomputed ones after to_train_batch, at
 temperature 1 and at a temperature T != 1 (the trainer then scores logits / T)."""
 
@@ -14,7 +14,7 @@ import pytest
 from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
-from meshrl.inference.async_engine import AsyncEngine
+from meshrl.inference.async_sampler import AsyncSampler
 from meshrl.models import create_model, forward, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
 from meshrl.tests.workflows.fakes import FakeRewards, decode
@@ -24,7 +24,7 @@ from meshrl.workflows import EpisodeSettings, arun_group, build_rollout_batch
 @pytest.mark.slow  # ~30 s on CPU, almost all of it compiling the sampler
 def test_real_engine_episodes_give_behaviour_logprobs_equal_to_trainer_logprobs():
     graphdef, params = split_model(create_model(TINY, seed=0))
-    engine = AsyncEngine(make_sampler(params, temperature=1.0))
+    engine = AsyncSampler(make_sampler(params, temperature=1.0))
     items = [{"prompt": "p", "prompt_ids": [5, 9, 14], "answer": "x"},
              {"prompt": "q", "prompt_ids": [40, 41], "answer": "y"}]
     counters: collections.Counter[str] = collections.Counter()
@@ -59,7 +59,7 @@ def test_real_engine_episodes_give_behaviour_logprobs_equal_to_trainer_logprobs(
 class _Recording:
     """The engine, keeping each request's Completion (to compare raw and sampled logprobs)."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncSampler) -> None:
         self.engine, self.completions = engine, {}
 
     @property
@@ -76,7 +76,7 @@ class _Recording:
 # with the sampling function alone (tests/trainer/test_rl_temperature.py)
 def test_episodes_at_temperature_t_record_the_logprobs_the_trainer_recomputes_at_t():
     graphdef, params = split_model(create_model(TINY, seed=0))
-    engine = _Recording(AsyncEngine(make_sampler(params, max_len=32, prompt_buckets=(8,))))
+    engine = _Recording(AsyncSampler(make_sampler(params, max_len=32, prompt_buckets=(8,))))
     items = [{"prompt": "p", "prompt_ids": [5, 9, 14], "answer": "x"},
              {"prompt": "q", "prompt_ids": [40, 41], "answer": "y"}]
     temperatures = (0.7, 1.0)  # one sampler: temperature is a per-request slot parameter

@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from meshrl.inference.async_engine import AsyncEngine, EngineShutdownError
-from meshrl.inference.engine import Request
+from meshrl.inference.async_sampler import AsyncSampler, SamplerShutdownError
+from meshrl.inference.sampler import Request
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
 
@@ -19,7 +19,7 @@ def test_concurrent_agenerate_equals_synchronous_generate(tiny_params):
     _, params = tiny_params
     sampler = make_sampler(params)
     expected = sampler.generate([Request(p, max_new_tokens=6) for p in PROMPTS])
-    engine = AsyncEngine(sampler)
+    engine = AsyncSampler(sampler)
 
     async def main():
         return await asyncio.gather(*(engine.agenerate(Request(p, max_new_tokens=6, id=f"r{i}"))
@@ -37,7 +37,7 @@ def test_concurrent_agenerate_equals_synchronous_generate(tiny_params):
 def test_update_while_requests_run_tags_both_versions(tiny_params):
     _, params = tiny_params
     new = split_model(create_model(TINY, seed=1))[1]
-    engine = AsyncEngine(make_sampler(params, max_len=64, decode_chunk=2))
+    engine = AsyncSampler(make_sampler(params, max_len=64, decode_chunk=2))
 
     async def main():
         tasks = [asyncio.create_task(engine.agenerate(Request(p, max_new_tokens=40)))
@@ -59,16 +59,16 @@ def test_update_while_requests_run_tags_both_versions(tiny_params):
 
 def test_shutdown_fails_pending_requests_and_rejects_new_ones(tiny_params):
     _, params = tiny_params
-    engine = AsyncEngine(make_sampler(params))
+    engine = AsyncSampler(make_sampler(params))
     engine.pause()
 
     async def main():
         task = asyncio.create_task(engine.agenerate(Request([5, 6, 7])))
         await asyncio.sleep(0.01)
         await asyncio.to_thread(engine.shutdown)
-        with pytest.raises(EngineShutdownError):
+        with pytest.raises(SamplerShutdownError):
             await task
-        with pytest.raises(EngineShutdownError):
+        with pytest.raises(SamplerShutdownError):
             await engine.agenerate(Request([5, 6, 7]))
     asyncio.run(main())
 
@@ -78,7 +78,7 @@ def test_decoding_goes_on_while_an_update_waits_for_its_weights(tiny_params, mon
     # sampler must keep decoding with the old version meanwhile and pause only for the swap.
     _, params = tiny_params
     new = split_model(create_model(TINY, seed=1))[1]
-    engine = AsyncEngine(make_sampler(params, max_len=64, decode_chunk=2))
+    engine = AsyncSampler(make_sampler(params, max_len=64, decode_chunk=2))
     sampler = engine.sampler
     release, chunks = threading.Event(), []
     prepare, decode = sampler.prepare_weights, sampler._dispatch_chunk

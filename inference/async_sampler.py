@@ -14,17 +14,17 @@ import itertools
 import threading
 from typing import Any
 
-from meshrl.inference.engine import Completion, Request, Sampler
+from meshrl.inference.sampler import Completion, Request, Sampler
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
 
 
-class EngineShutdownError(RuntimeError):
+class SamplerShutdownError(RuntimeError):
     """The engine was shut down before the request finished."""
 
 
-class AsyncEngine:
+class AsyncSampler:
     def __init__(self, sampler: Sampler):
         self.sampler = sampler
         self._cv = threading.Condition()
@@ -47,7 +47,7 @@ class AsyncEngine:
         request = dataclasses.replace(request, id=("async", next(self._ids), request.id))
         with self._cv:
             if self._shutdown:
-                raise EngineShutdownError("the engine is shut down")
+                raise SamplerShutdownError("the engine is shut down")
             self._futures[request.id] = (loop, fut)
             self._inbox.append(request)
             self._cv.notify_all()
@@ -88,13 +88,13 @@ class AsyncEngine:
             self.resume()
 
     def shutdown(self) -> None:
-        """Stop the loop thread; pending requests fail with EngineShutdownError."""
+        """Stop the loop thread; pending requests fail with SamplerShutdownError."""
         with self._cv:
             self._shutdown = True
             self._cv.notify_all()
         self._thread.join()
         for loop, fut in self._futures.values():
-            loop.call_soon_threadsafe(_fail, fut, EngineShutdownError("the engine was shut down"))
+            loop.call_soon_threadsafe(_fail, fut, SamplerShutdownError("the engine was shut down"))
         self._futures.clear()
 
     def _run(self) -> None:
