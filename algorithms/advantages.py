@@ -3,45 +3,19 @@
 Every estimator maps group rewards ``[G, N]`` (G prompts, N samples each) to advantages of the same
 shape. They are pure and written with array methods only, so they are jit-able on jax arrays and
 run in plain numpy on numpy arrays: the rollout side computes advantages on the host without
-queueing work behind the sampler and the train step on a shared device. ``token_advantages``
-broadcasts per-sequence advantages onto the loss tokens. Reward shaping that happens before the estimator (the DAPO overlong penalty) lives
-here too, so the rollout side and the trainer side share one definition.
+queueing work behind the sampler and the train step on a shared device. Reward shaping that
+happens before the estimator (the DAPO overlong penalty) lives here too, so the rollout side and
+the trainer side share one definition.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Generic, TypeVar
 
 import jax
 import jax.numpy as jnp
 
-F = TypeVar("F", bound=Callable)
-
-
-class Registry(Generic[F]):
-    """Name -> function; ``register`` decorates, ``get`` resolves with a helpful error."""
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._fns: dict[str, F] = {}
-
-    def register(self, name: str) -> Callable[[F], F]:
-        def deco(fn: F) -> F:
-            if name in self._fns and self._fns[name] is not fn:
-                raise ValueError(f"{self.kind} {name!r} is already registered")
-            self._fns[name] = fn
-            return fn
-        return deco
-
-    def get(self, name: str) -> F:
-        if name not in self._fns:
-            raise KeyError(f"unknown {self.kind} {name!r}; registered: {sorted(self._fns)}")
-        return self._fns[name]
-
-    def names(self) -> list[str]:
-        return sorted(self._fns)
-
+from meshrl.utils.registry import Registry
 
 AdvantageFn = Callable[..., jax.Array]  # (rewards_GxN, *, eps) -> advantages_GxN
 _ADVANTAGES: Registry[AdvantageFn] = Registry("advantage")
@@ -94,12 +68,6 @@ def compute(name: str, rewards_B: jax.Array, group_size: int, *, eps: float = 1e
     assert B % group_size == 0, f"batch {B} is not a whole number of groups of {group_size}"
     rewards_GxN = rewards_B.reshape(B // group_size, group_size)
     return get(name)(rewards_GxN, eps=eps).reshape(B)
-
-
-def token_advantages(advantages_B: jax.Array, loss_mask_BxL: jax.Array) -> jax.Array:
-    """Broadcast per-sequence advantages onto the loss tokens; 0 elsewhere."""
-    assert advantages_B.shape == loss_mask_BxL.shape[:1], (advantages_B.shape, loss_mask_BxL.shape)
-    return advantages_B[:, None].astype(jnp.float32) * loss_mask_BxL.astype(jnp.float32)
 
 
 def overlong_penalty(lengths_B: jax.Array, *, max_len: int, buffer: int,

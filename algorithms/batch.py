@@ -51,32 +51,57 @@ class TrainBatch:
     def rows(self) -> int:
         return self.input_ids.shape[0]
 
+    def set_fields(self) -> dict[str, Any]:
+        """``{name: value}`` of the fields that are set."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None}
+
+    def like(self: B, other: TrainBatch) -> B:
+        """This batch with only the fields ``other`` sets (e.g. a batch of shardings)."""
+        return self.replace(**{f.name: None for f in dataclasses.fields(self)
+                               if getattr(other, f.name) is None})
+
     def map(self: B, fn: Callable[[str, Any], Any]) -> B:
         """A batch of ``fn(name, value)`` over the fields that are set (others stay ``None``)."""
-        return self.replace(**{f.name: fn(f.name, getattr(self, f.name))
-                               for f in dataclasses.fields(self)
-                               if getattr(self, f.name) is not None})
+        return self.replace(**{k: fn(k, v) for k, v in self.set_fields().items()})
 
 
 @flax.struct.dataclass
 class RLTrainBatch(TrainBatch):
-    """An RL step's batch, built from a ``RolloutBatch`` (``to_train_batch``). Per target token:
-    the sampler's logprob (0 off the loss mask), the advantage (0 off the mask), the weight
-    version that generated it (-1 where no model generated it) and the batch row of its sample
-    (-1 on padding). ``ref_logprobs`` (the KL reference, ``trainer.reference``) and
-    ``proximal_logprobs`` (decoupled PPO; default: the current policy) are optional."""
+    """An RL step's batch, built by ``workflows.batch.build_rl_batch``. Per target token: the
+    sampler's logprob (0 off the loss mask), the advantage (0 off the mask), the weight version
+    that generated it (-1 where no model generated it) and the index of its sample in the batch
+    (-1 on padding). Optional: ``rewards`` (its sample's shaped reward on every token of the
+    sample, 0 on padding: the KL-in-reward advantages need it on the device), ``ref_logprobs``
+    (the KL reference, ``trainer.reference``) and ``proximal_logprobs`` (decoupled PPO;
+    default: the current policy)."""
 
     behaviour_logprobs: Any = _field(np.float32)
     advantages: Any = _field(np.float32)
     versions: Any = _field(np.int32)
     sample_ids: Any = _field(np.int32)
+    rewards: Any = _field(np.float32, default=None)
     ref_logprobs: Any = _field(np.float32, default=None)
     proximal_logprobs: Any = _field(np.float32, default=None)
 
-    def oldest_version(self) -> int | None:
-        """Oldest weight version of a loss-masked token (host arrays; None without one)."""
-        versions = np.asarray(self.versions)[np.asarray(self.loss_mask) > 0]
-        return int(versions.min()) if versions.size else None
+    def sample_lags(self, version: int) -> np.ndarray:
+        """``version`` minus the oldest weight version of each sample's loss-masked tokens, one
+        entry per sample that has any (host arrays): the staleness the step trains on."""
+        on = np.asarray(self.loss_mask) > 0
+        ids, versions = np.asarray(self.sample_ids)[on], np.asarray(self.versions)[on]
+        if not ids.size:
+            return np.zeros((0,), np.int64)
+        oldest = np.full(int(ids.max()) + 1, np.iinfo(np.int64).max, np.int64)
+        np.minimum.at(oldest, ids, versions)
+        return version - oldest[np.unique(ids)]
+
+    def sample_rewards(self) -> np.ndarray:
+        """Each sample's reward, by sample id (host arrays with ``rewards`` set)."""
+        ids, rewards = np.asarray(self.sample_ids), np.asarray(self.rewards)
+        out = np.zeros(int(ids.max()) + 1 if ids.size else 0, np.float32)
+        out[ids[ids >= 0]] = rewards[ids >= 0]
+        return out
+
 
 
 def field_dtype(cls: type[TrainBatch], name: str) -> Any:

@@ -1,4 +1,4 @@
-"""KL-to-reference estimators (``rl.kl_estimator``) and the entropy of the policy.
+"""KL-to-reference estimators (``rl.kl_estimator``).
 
 Schulman's estimators of KL(pi || ref) from samples of pi, per token, with
 ``log_ratio = logp - ref_logp``:
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from meshrl.algorithms.advantages import Registry
+from meshrl.utils.registry import Registry
 
 KLFn = Callable[[jax.Array, jax.Array], jax.Array]  # (logprobs_BxL, ref_logprobs_BxL) -> BxL
 _KL: Registry[KLFn] = Registry("kl estimator")
@@ -43,7 +43,7 @@ def k3(logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array) -> jax.Array:
 
 
 def kl_in_reward(rewards_B: jax.Array, logprobs_BxL: jax.Array, ref_logprobs_BxL: jax.Array,
-                 loss_mask_BxL: jax.Array, *, coef: float, estimator: str = "k1",
+                 loss_mask_BxL: jax.Array, *, coef: float, estimator: str,
                  sample_ids_BxL: jax.Array | None = None) -> jax.Array:
     """Rewards minus ``coef`` times each sequence's summed per-token KL (masked tokens: 0).
     The KL is a constant of the reward, so it carries no gradient. Row b is sample b, or with
@@ -56,9 +56,3 @@ def kl_in_reward(rewards_B: jax.Array, logprobs_BxL: jax.Array, ref_logprobs_BxL
                                    num_segments=rewards_B.shape[0])
     return rewards_B - coef * jax.lax.stop_gradient(kl_B)
 
-
-def entropy_from_logits(logits_BxLxV: jax.Array) -> jax.Array:
-    """Entropy of softmax(logits) per position, in float32 whatever the compute dtype."""
-    logits_BxLxV = logits_BxLxV.astype(jnp.float32)
-    logp_BxLxV = jax.nn.log_softmax(logits_BxLxV, axis=-1)
-    return -(jnp.exp(logp_BxLxV) * logp_BxLxV).sum(-1)

@@ -35,8 +35,9 @@ class Hidden:
 
     hidden_BxLxD: jax.Array  # noqa: N815 -- final hidden states, the model's compute dtype
     head: jax.Array  # [D, V]; with ``tied`` the [V, D] input embedding
+    # Tokens per chunk, 0: all at once. Required: the run's value is ``trainer.logits_chunk``.
+    chunk: int = flax.struct.field(pytree_node=False)
     tied: bool = flax.struct.field(pytree_node=False, default=False)
-    chunk: int = flax.struct.field(pytree_node=False, default=0)  # tokens per chunk; 0: all
     # Chunked path on a mesh: each chunk's logits are sharded over the vocabulary on these
     # mesh axes, the chunk's hidden states replicated (module docstring). None: no constraint.
     mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)

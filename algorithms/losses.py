@@ -27,6 +27,7 @@ from meshrl.algorithms.logits import (
     tempered,
     token_stats,
 )
+from meshrl.utils.registry import Registry
 
 __all__ = ["Hidden", "LossFn", "LossOutput", "MeanMax", "ModelOutput", "check_temperature",
            "add_outputs", "get_loss", "register", "report_aux", "router_terms", "sft_cross_entropy",
@@ -108,22 +109,9 @@ def router_terms(out: ModelOutput, loss_sum: jax.Array, weight: jax.Array,
 LossOutput = tuple[jax.Array, jax.Array, dict[str, jax.Array]]
 LossFn = Callable[[ModelOutput, TrainBatch], LossOutput]
 
-_LOSSES: dict[str, LossFn] = {}
-
-
-def register(name: str) -> Callable[[LossFn], LossFn]:
-    def deco(fn: LossFn) -> LossFn:
-        if name in _LOSSES:
-            raise ValueError(f"loss {name!r} is already registered")
-        _LOSSES[name] = fn
-        return fn
-    return deco
-
-
-def get_loss(name: str) -> LossFn:
-    if name not in _LOSSES:
-        raise KeyError(f"loss {name!r} is not registered; known: {sorted(_LOSSES)}")
-    return _LOSSES[name]
+_LOSSES: Registry[LossFn] = Registry("loss")
+register = _LOSSES.register
+get_loss = _LOSSES.get
 
 
 def token_logprobs(out: ModelOutput, targets_BxL: jax.Array,

@@ -2,16 +2,20 @@
 
 A registered loss maps ``PolicyInputs`` (per-token ``[B, L]`` arrays) and ``LossParams`` to
 ``PolicyTerms``: the per-token loss to minimise, the mask of tokens that count (a loss may drop
-tokens, e.g. the decoupled-PPO weight cap) and per-token statistics. ``aggregate`` turns them into
+tokens, e.g. decoupled PPO's cap with ``behav_cap_mode = "drop"``) and per-token statistics. ``aggregate`` turns them into
 a token mean or a mean of per-sequence means; masked tokens contribute neither value nor gradient.
+``rl.rollout_correction`` (``rollout_correction.py``) then weights or masks that per-token loss.
 
 * ``ppo``: clipped surrogate with ratio pi / pi_behav; separate eps_low / eps_high (DAPO
   clip-higher) and optional dual clip (Ye et al. 2020) bounding the loss of negative advantages
   by ``c * |A|``.
 * ``decoupled_ppo`` (AReaL, Fu et al. 2025): the ratio is taken against the proximal policy
   (recomputed by the trainer) and clipped around 1; the off-policy correction is the behaviour
-  weight pi_prox / pi_behav, stop-gradient, with tokens above ``behav_weight_cap`` masked out.
-  When behaviour == proximal the weight is 1 and the loss equals ``ppo``.
+  weight pi_prox / pi_behav, stop-gradient. Tokens whose weight exceeds ``behav_weight_cap``
+  get weight 0 but still count in the normaliser, as AReaL's ``ppo_actor_loss_fn`` (their KL
+  and entropy terms stay); ``behav_cap_mode = "drop"`` removes them from the loss mask instead.
+  When behaviour == proximal the weight is 1 and the loss equals ``ppo``. With a rollout
+  correction on, the correction's weight replaces this one (it is the same pi_prox / pi_behav).
 * ``gspo`` (Zheng et al. 2025): one ratio per sequence, exp(mean token log-ratio), clipped at
   sequence level; every loss token of a sequence carries the sequence loss.
 
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 
 from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms import kl as kl_lib
-from meshrl.algorithms.advantages import Registry
+from meshrl.algorithms import rollout_correction as rc
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.logits import ModelOutput, output_shape, token_stats
 from meshrl.algorithms.losses import (
@@ -42,6 +46,7 @@ from meshrl.algorithms.losses import (
     token_logprobs,  # noqa: F401 -- re-exported: callers score logits with pl.token_logprobs
 )
 from meshrl.configs.schema import RLConfig
+from meshrl.utils.registry import Registry
 
 Aggregation = Literal["token_mean", "sequence_mean"]
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough to clip, small enough never to overflow
@@ -49,17 +54,21 @@ _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: large enough to clip, small enough never
 
 @dataclasses.dataclass(frozen=True)
 class LossParams:
-    """Static (Python) hyper-parameters; hashable so they never become traced values."""
+    """Static (Python) hyper-parameters; hashable so they never become traced values. All
+    required: the defaults are the config's (``rl.*``, ``from_config``), stated once there."""
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    dual_clip_c: float = 0.0  # 0: off, else > 1
-    behav_weight_cap: float = 0.0  # 0: off, else >= 1
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float  # 0: off, else > 1
+    behav_weight_cap: float  # 0: off, else >= 1
+    behav_cap_mode: Literal["zero", "drop"]  # capped tokens: weight 0 / out of the mask
+    correction: rc.CorrectionParams  # rc.OFF: no rollout correction
 
     @classmethod
     def from_config(cls, rl: RLConfig) -> LossParams:
         return cls(eps_low=rl.eps_low, eps_high=rl.eps_high, dual_clip_c=rl.dual_clip_c,
-                   behav_weight_cap=rl.behav_weight_cap)
+                   behav_weight_cap=rl.behav_weight_cap, behav_cap_mode=rl.behav_cap_mode,
+                   correction=rc.CorrectionParams.from_config(rl))
 
 
 class PolicyInputs(NamedTuple):
@@ -153,22 +162,30 @@ def ppo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
 
 @register("decoupled_ppo")
 def decoupled_ppo(inputs: PolicyInputs, p: LossParams) -> PolicyTerms:
-    """AReaL's decoupled objective: w * clipped_surrogate(pi / pi_prox), w = pi_prox / pi_behav."""
+    """AReaL's decoupled objective: w * clipped_surrogate(pi / pi_prox), w = pi_prox / pi_behav
+    (w = 1 when a rollout correction supplies the weight instead)."""
     _check(inputs)
     in_mask_BxL = inputs.loss_mask_BxL.astype(jnp.float32)
+    if p.correction.on:
+        log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.proximal_logprobs_BxL,
+                                          in_mask_BxL)
+        return _ppo_terms(log_ratio_BxL, inputs, p, in_mask_BxL)
     log_w_BxL = _masked_log_ratio(inputs.proximal_logprobs_BxL, inputs.behaviour_logprobs_BxL,
                                   in_mask_BxL)
-    weight_BxL = jax.lax.stop_gradient(jnp.exp(log_w_BxL))
-    capped_BxL = jnp.zeros_like(in_mask_BxL)
+    raw_w_BxL = jax.lax.stop_gradient(jnp.exp(log_w_BxL))
+    weight_BxL, capped_BxL = raw_w_BxL, jnp.zeros_like(in_mask_BxL)
     mask_BxL = in_mask_BxL
     if p.behav_weight_cap > 0.0:
-        # Tokens whose behaviour policy is too far from the proximal one are dropped, not
-        # clipped: a clipped weight would still train on a sample the cap declares unusable.
+        # Tokens whose behaviour policy is too far from the proximal one are not trained on
+        # (a clipped weight would still train on a sample the cap declares unusable). AReaL
+        # zeroes their weight and keeps them in the normaliser; "drop" unmasks them.
         capped_BxL = (weight_BxL > p.behav_weight_cap).astype(jnp.float32)
-        mask_BxL = in_mask_BxL * (1.0 - capped_BxL)
+        if p.behav_cap_mode == "drop":
+            mask_BxL = in_mask_BxL * (1.0 - capped_BxL)
+        weight_BxL = weight_BxL * (1.0 - capped_BxL)
     log_ratio_BxL = _masked_log_ratio(inputs.logprobs_BxL, inputs.proximal_logprobs_BxL, mask_BxL)
     terms = _ppo_terms(log_ratio_BxL, inputs, p, mask_BxL)
-    stats = {**terms.stats, "behav_weight_mean": weight_BxL, "behav_capped_frac": capped_BxL}
+    stats = {**terms.stats, "behav_weight_mean": raw_w_BxL, "behav_capped_frac": capped_BxL}
     return PolicyTerms(weight_BxL * terms.loss_BxL, mask_BxL, stats)
 
 
@@ -222,11 +239,25 @@ def _mean(pair: tuple[jax.Array, jax.Array]) -> jax.Array:
     return pair[0] / jnp.maximum(pair[1], 1.0)
 
 
+def corrected_terms(name: str, inputs: PolicyInputs, params: LossParams
+                    ) -> tuple[PolicyTerms, rc.Correction | None]:
+    """The registered loss's terms with ``params.correction`` applied: its weight multiplies
+    the per-token loss, its mask narrows the loss mask. ``None``: no correction."""
+    terms = get(name)(inputs, params)
+    if not params.correction.on:
+        return terms, None
+    ids_BxL, num = sequence_ids(inputs.segment_ids_BxL, inputs.loss_mask_BxL.shape)
+    corr = rc.compute(params.correction, inputs.proximal_logprobs_BxL,
+                      inputs.behaviour_logprobs_BxL, inputs.loss_mask_BxL, ids_BxL, num)
+    return PolicyTerms(corr.weight_BxL * terms.loss_BxL, terms.mask_BxL * corr.keep_BxL,
+                       {**terms.stats, **corr.stats}), corr
+
+
 def policy_loss(name: str, inputs: PolicyInputs, params: LossParams, *,
                 aggregation: Aggregation = "token_mean") -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(loss scalar, metrics): the registered loss, aggregated; metrics averaged the same way
-    over the input loss mask."""
-    terms = get(name)(inputs, params)
+    """(loss scalar, metrics): the registered loss, rollout-corrected and aggregated; metrics
+    averaged the same way over the input loss mask."""
+    terms, _ = corrected_terms(name, inputs, params)
     seg = inputs.segment_ids_BxL
     loss = _mean(aggregate(terms.loss_BxL, terms.mask_BxL, aggregation, seg))
     metrics = {k: _mean(aggregate(v, inputs.loss_mask_BxL, aggregation, seg))
@@ -272,11 +303,12 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
 
     ``loss_fn(out, batch, version=v)`` (``v`` the weight version of the params being trained,
     a traced int scalar) adds ``aux["logprob_mismatch"]``, a ``MeanMax`` of |behaviour -
-    current logprob| over the loss tokens of version ``v`` (``logprob_mismatch``).
+    current logprob| over the loss tokens of version ``v`` (``logprob_mismatch``) and, with a
+    rollout correction, ``aux["rollout_is_weight"]``, a ``MeanMax`` of its raw weight.
     """
     params = LossParams.from_config(rl)
     check_temperature(temperature)  # fail when the loss is built, not when it is traced
-    loss_impl = get(rl.policy_loss)
+    get(rl.policy_loss)  # an unknown loss fails here, not when the loss is traced
     kl_fn = kl_lib.get(rl.kl_estimator)
     kl_in_loss = rl.kl_coef > 0.0 and rl.kl_where == "loss"
 
@@ -295,7 +327,7 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
         seg_BxL = batch.segment_ids
         inputs = PolicyInputs(logp_BxL, prox_BxL, batch.behaviour_logprobs, batch.advantages,
                               in_mask_BxL, seg_BxL)
-        terms = loss_impl(inputs, params)
+        terms, corr = corrected_terms(rl.policy_loss, inputs, params)
         loss_BxL, stats = terms.loss_BxL, dict(terms.stats)
         if kl_in_loss:
             kl_BxL = kl_fn(jnp.where(in_mask_BxL > 0, logp_BxL, 0.0),
@@ -314,6 +346,8 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
             for k, v in stats.items()}
         if version is not None:
             aux["logprob_mismatch"] = logprob_mismatch(logp_BxL, batch, version)
+            if corr is not None:  # a max does not add over minibatches: one-update steps only
+                aux["rollout_is_weight"] = rc.weight_stats(corr, in_mask_BxL)
         return loss_sum, weight, aux
 
     return loss_fn
@@ -342,5 +376,18 @@ def loss_weight(rl: RLConfig, batch: RLTrainBatch) -> jax.Array:
     assert prox_BxL is not None, "loss_weight needs the batch's proximal_logprobs"
     inputs = PolicyInputs(prox_BxL, prox_BxL, batch.behaviour_logprobs, batch.advantages,
                           in_mask_BxL, batch.segment_ids)
-    mask_BxL = get(rl.policy_loss)(inputs, LossParams.from_config(rl)).mask_BxL
+    mask_BxL = corrected_terms(rl.policy_loss, inputs, LossParams.from_config(rl))[0].mask_BxL
     return aggregate(jnp.zeros_like(mask_BxL), mask_BxL, rl.aggregation, batch.segment_ids)[1]
+
+
+def correction_stats(rl: RLConfig, batch: RLTrainBatch) -> dict[str, MeanMax]:
+    """``{"rollout_is_weight": MeanMax}`` of the whole ``batch`` (with its
+    ``proximal_logprobs``) when ``rl.rollout_correction`` is on, else ``{}``: the step with
+    several updates reports it once per batch, as ``logprob_mismatch``."""
+    p = rc.CorrectionParams.from_config(rl)
+    if not p.on:
+        return {}
+    ids_BxL, num = sequence_ids(batch.segment_ids, batch.loss_mask.shape)
+    mask_BxL = batch.loss_mask.astype(jnp.float32)
+    corr = rc.compute(p, batch.proximal_logprobs, batch.behaviour_logprobs, mask_BxL, ids_BxL, num)
+    return {"rollout_is_weight": rc.weight_stats(corr, mask_BxL)}

@@ -34,7 +34,8 @@ from meshrl.benchmarks import aot_minimal  # noqa: E402
 from meshrl.benchmarks.figures import Floors, emit  # noqa: E402
 from meshrl.configs import from_config_dict, load_config_file  # noqa: E402
 from meshrl.configs.model_schema import ModelConfig  # noqa: E402
-from meshrl.jobs.compile import analyse, compile_all, target  # noqa: E402
+from meshrl.jobs.compile import compile_all, target  # noqa: E402
+from meshrl.jobs.compile_analysis import analyse  # noqa: E402
 from meshrl.jobs.compile_programs import Program  # noqa: E402
 from meshrl.mesh import create_mesh  # noqa: E402
 from meshrl.models import flops_per_token, resolve_model_config  # noqa: E402

@@ -11,7 +11,7 @@ Pareto draw per request; the random tiny model never stops early because stop id
 and the reward has a fixed latency per call (a sleep in the reward worker). Synchronous RL waits
 for the longest completion and the slowest reward of every batch before the trainer starts;
 asynchronous RL keeps generating and scoring the next batches meanwhile. Both runs use the real
-job (``RLTrainer``: sampler, runner, reward pool, train step, weight handoff), with no SFT warm
+job (``jobs.rl.build``: sampler, runner, reward pool, train step, weight handoff), with no SFT warm
 start and no evaluation. Steady-state throughput skips the first ``--warmup`` steps and is
 measured over the rest (wall time from the end of step ``--warmup`` to the end of the last
 step): 90 steps by default, since a sync step lasts as long as its batch's longest completion and
@@ -168,15 +168,12 @@ def on_each_step(trainer: Any, fn: Callable[[dict[str, float]], None]) -> None:
     at the weight handoff; what follows until the next step is not step time) and before it asks
     the runner for the next batch, so ``fn``'s own time is no step's time."""
     engine = trainer.engine
-    flush = engine.flush
+    log = engine.log
 
-    def flush_then_call() -> None:
-        # A flush records at most one step (the history's length is capped: compare records).
-        newest = engine.history[-1] if engine.history else None
-        flush()
-        if engine.history and engine.history[-1] is not newest:
-            fn(engine.history[-1])
-    engine.flush = flush_then_call
+    def log_then_call(result: Any, rate: float) -> None:
+        log(result, rate)
+        fn(engine.history[-1])
+    engine.log = log_then_call
 
 
 def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
@@ -185,19 +182,20 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
     tokens/s, samples/s, the measured wall time, the max staleness seen, mean ms per step
     waiting for the batch and on the trainer's path (batch build, train step, weight handoff),
     and the CPU cores the process kept busy."""
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
+    from meshrl.trainer.spec import rl_batch_size
 
     config = make_config(max_staleness, steps, reward_workers, placement)
     finished: list[tuple[float, int]] = []  # (end time, tokens) of every completion
     trained: dict[int, int] = {}  # step -> loss tokens of its batch
     step_ends: dict[int, float] = {}
     with tempfile.TemporaryDirectory() as workdir:
-        trainer = rl_loop.RLTrainer(config, workdir)
+        trainer = rl_job.build(config, workdir)
         try:
             build = trainer.train_batch
 
             def count(rb: Any, version: int) -> Any:
-                trained[version + 1] = int(rb.loss_mask_BxL.sum())
+                trained[version + 1] = int(rb.loss_mask.sum())
                 return build(rb, version)
             trainer.train_batch = count
             on_each_step(trainer, lambda record: step_ends.__setitem__(
@@ -208,7 +206,7 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
             trainer.sampler.warmup(recompute=True)
             trainer.precompile()  # the train step of every packed row count
             summary = asyncio.run(trainer.arun(
-                rollout_engine=lambda engine: LongTailEngine(engine, finished)))
+                rollout_sampler=lambda engine: LongTailEngine(engine, finished)))
         finally:
             trainer.close()
     hist = trainer.history[warmup:]
@@ -221,7 +219,7 @@ def run_mode(max_staleness: int, steps: int, warmup: int, reward_workers: int,
     generated = sum(k for t, k in finished if t0 < t <= t1)
     return {"trained_tokens_s": trained_tokens / wall, "generated_tokens_s": generated / wall,
             "trained_share": trained_tokens / max(generated, 1),
-            "samples_s": rl_loop.rl_batch_size(config) * n / wall, "wall_s": wall,
+            "samples_s": rl_batch_size(config) * n / wall, "wall_s": wall,
             "staleness_seen": int(summary["max_staleness_seen"]),
             "wait_ms": 1e3 * total["rollout_wait_s"] / n,
             "train_ms": 1e3 * (total["step_time_s"] - total["rollout_wait_s"]) / n,

@@ -4,7 +4,7 @@ measured step by step in the same run.
 Shape: a Llama-shaped model (4 layers, hidden 256, SwiGLU MLP 688, 4 heads, 2 KV heads, vocab
 1,024, untied embeddings, float32), 8 prompts x 4 samples per step, every completion exactly 64
 tokens (``Request.min_new_tokens``), one optimizer update per batch, random init (no warm start,
-no eval), colocated on one device. The real job runs (``RLTrainer``: runner, sampler, reward
+no eval), colocated on one device. The real job runs (``jobs.rl.build``: runner, sampler, reward
 pool, train step, handoff), synchronous (``max_staleness = 0``) and with ``max_staleness = 1``.
 
 Baseline: what the step would cost done by hand, per phase, on the step's own work:
@@ -180,8 +180,7 @@ class StepFloors:
 
         from meshrl.benchmarks.minimal_rl import BATCH_FIELDS
 
-        buckets = self.trainer.step.buckets if self.trainer.config.rl.pack_sequences else None
-        host = rollout.to_train_batch(buckets)
+        host = rollout  # the job's own host batch, packed as the job packed it
         batch = jax.block_until_ready(
             {k: jnp.asarray(np.asarray(getattr(host, k))) for k in BATCH_FIELDS})
         shape = batch["input_ids"].shape
@@ -220,13 +219,13 @@ def run_mode(max_staleness: int, steps: int, with_floors: bool
     """One RL run: per step, the step time (and for a synchronous run its phases), and the
     floors of each step when ``with_floors``."""
     from meshrl.benchmarks.rl_async import on_each_step
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
     config = make_config(max_staleness, steps)
     calls: list[Call] = []
     rollouts: dict[int, Any] = {}
     with tempfile.TemporaryDirectory() as workdir:
-        trainer = rl_loop.RLTrainer(config, workdir)
+        trainer = rl_job.build(config, workdir)
         try:
             trainer.reward_pool = rewards = TimedRewards(trainer.reward_pool)
             build = trainer.train_batch
@@ -242,7 +241,7 @@ def run_mode(max_staleness: int, steps: int, with_floors: bool
             if floors is not None:
                 on_each_step(trainer, floors)
             asyncio.run(trainer.arun(
-                rollout_engine=lambda engine: ExactLengthEngine(engine, calls)))
+                rollout_sampler=lambda engine: ExactLengthEngine(engine, calls)))
             if floors is not None:
                 floors.check_no_overlap()
             rows = {int(h["step"]): {"step": h["perf/step_time_s"]} for h in trainer.history}

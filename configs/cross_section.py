@@ -9,15 +9,28 @@ and the input paths (``configs/paths.py``). See docs/architecture.md, "Config va
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from meshrl.configs.fields import ConfigError
 
-if TYPE_CHECKING:
-    from meshrl.configs.schema import Config
+
+class ConfigSections(Protocol):
+    """The sections of ``configs.schema.Config`` these rules read. The rules run inside
+    ``Config.__post_init__``, so schema.py imports this module; naming its types here instead
+    would close an import cycle."""
+
+    job: Any  # a Job, or its string before coercion
+    mesh: Any
+    model: Any
+    trainer: Any
+    sampler: Any
+    rollout: Any
+    rl: Any
+    data: Any
+    sample: Any
 
 
-def _unused_mesh_axes(config: Config) -> None:
+def _unused_mesh_axes(config: ConfigSections) -> None:
     # Only MoE expert FFNs (``mlp_moe``) map to expert_tensor: on a dense decoder, devices on it
     # would hold replicas that compute the same thing. ``expert`` is fine: dense layers use it
     # as extra batch (mesh/rules.py). With model.hf_path the checkpoint decides (at build time).
@@ -49,7 +62,7 @@ def check_moe_mesh(num_experts: int, moe_width: int, *, expert: int, expert_tens
                           f"width model.moe_intermediate_size = {moe_width}")
 
 
-def _rl(config: Config) -> None:
+def _rl(config: ConfigSections) -> None:
     B = config.rollout.prompts_per_step * config.rollout.group_size  # sequences per step
     if B % config.trainer.microbatches:
         raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
@@ -82,7 +95,7 @@ def _rl(config: Config) -> None:
                           f">= data.max_prompt_len = {config.data.max_prompt_len}")
 
 
-def _sample(config: Config) -> None:
+def _sample(config: ConfigSections) -> None:
     source, hf_path = config.sample.source, config.model.hf_path
     if source == "hf_path" and not hf_path:
         raise ConfigError("sample.source = 'hf_path': model.hf_path is empty: set it to a local "
@@ -94,7 +107,7 @@ def _sample(config: Config) -> None:
                           f"model.hf_path")
 
 
-def _context(config: Config) -> None:
+def _context(config: ConfigSections) -> None:
     mesh = config.mesh
     if -1 in (mesh.context, mesh.dcn_context):
         return
@@ -106,7 +119,7 @@ def _context(config: Config) -> None:
                           f"{need} (model.context_balance = {config.model.context_balance})")
 
 
-def validate_config(config: Config) -> None:
+def validate_config(config: ConfigSections) -> None:
     """Raise ``ConfigError`` on the first cross-section rule ``config`` breaks."""
     _unused_mesh_axes(config)
     _context(config)

@@ -38,8 +38,26 @@ class RLConfig(Section):
     dual_clip_c: float = field(0.0, "Dual-clip bound c for negative advantages; 0 disables, "
                                     "otherwise must be > 1.", at_least(0.0))
     behav_weight_cap: float = field(5.0, "decoupled_ppo: cap on pi_prox / pi_behav; tokens above "
-                                         "it are masked out; 0 disables, otherwise must be >= 1.",
-                                    at_least(0.0))
+                                         "it are not trained on (see rl.behav_cap_mode); 0 "
+                                         "disables, otherwise must be >= 1.", at_least(0.0))
+    rollout_correction: Literal["none", "tis_token", "tis_seq", "mis_token", "mis_seq",
+                                "icepop"] = field(
+        "none", "Rollout correction: weight rho = pi_old / pi_behav (trainer's pre-update vs the "
+                "sampler's logprobs, stop-gradient) on every policy loss. tis_token / tis_seq: "
+                "truncated IS min(rho, rl.correction_cap) per token / per sequence (verl "
+                "rollout_is = token / sequence); mis_token / mis_seq: rho inside "
+                "[rl.correction_low, rl.correction_high], tokens / sequences outside rejected "
+                "(out of the loss and its normaliser; verl rollout_rs); icepop: rho inside the "
+                "band, 0 outside, still counted in the normaliser. With decoupled_ppo it "
+                "replaces the built-in behaviour weight (and rl.behav_weight_cap).")
+    correction_cap: float = field(2.0, "tis_*: truncation C of the rollout-correction weight "
+                                       "(verl rollout_is_threshold); must be >= 1.", at_least(1.0))
+    correction_low: float = field(0.5, "mis_* / icepop: lower end of the kept band of rho (IcePop "
+                                       "alpha, verl rollout_rs_threshold_lower); in [0, 1], 0: "
+                                       "no lower bound.", at_least(0.0))
+    correction_high: float = field(5.0, "mis_* / icepop: upper end of the kept band of rho "
+                                        "(IcePop beta, verl rollout_rs_threshold); must be >= 1 "
+                                        "and > rl.correction_low.", at_least(1.0))
     adv_eps: float = field(1e-6, "Epsilon added to standard deviations in advantages.",
                            at_least(0.0))
     overlong_buffer: int = field(0, "DAPO soft overlong punishment: linear penalty over the last "
@@ -70,6 +88,10 @@ class RLConfig(Section):
     sampler_devices: int = field(0, "split: devices given to the sampler (the last n of "
                                     "jax.devices()); mesh.* must multiply to the remaining ones. "
                                     "Must be 0 when colocated.", at_least(0))
+    behav_cap_mode: Literal["zero", "drop"] = field(
+        "zero", "decoupled_ppo: tokens above rl.behav_weight_cap get weight 0 but still count "
+                "in the loss normaliser (zero, AReaL), or leave the loss mask with their KL and "
+                "entropy terms (drop).")
     warm_start_steps: int = field(-1, "SFT warm-start steps before RL when model.hf_path is empty; "
                                       "-1: as many as trainer.steps, 0: no warm start. Must stay "
                                       "-1 or 0 with model.hf_path.", at_least(-1))
@@ -93,6 +115,12 @@ class RLConfig(Section):
         if 0.0 < self.behav_weight_cap < 1.0:
             raise ConfigError(f"rl.behav_weight_cap = {self.behav_weight_cap}: must be 0 (off) "
                               f"or >= 1 (a cap below 1 masks on-policy tokens)")
+        if self.correction_low > 1.0:
+            raise ConfigError(f"rl.correction_low = {self.correction_low}: must be <= 1 (a band "
+                              f"above 1 rejects on-policy tokens, rho = 1)")
+        if self.correction_low >= self.correction_high:
+            raise ConfigError(f"rl.correction_low = {self.correction_low}: must be < "
+                              f"rl.correction_high = {self.correction_high}")
         if self.overlong_buffer and self.overlong_max_len <= self.overlong_buffer:
             raise ConfigError(f"rl.overlong_max_len = {self.overlong_max_len}: must be > "
                               f"rl.overlong_buffer = {self.overlong_buffer} when the overlong "

@@ -173,8 +173,18 @@ class SamplerConfig(Section):
               "in a call of their own, so the rest attends over a shorter window. Taken only "
               "when the cache reads saved outweigh one more pass over the weights plus a "
               "fixed per-call cost (Sampler.split_call_overhead).")
+    decode_split_weights_pass: float = field(
+        0.0, "What one more pass over the weights costs per decode step, as a share of reading "
+             "as many KV-cache elements; decode_split_windows weighs it against the cache reads "
+             "a split saves. 0: 1 on an accelerator (both stream from HBM); on a CPU, where a "
+             "small model's weights stay in cache, measured when the sampler's first weights "
+             "land (a short timing of the decode program at two windows against a pass over "
+             "the weights, once per process, clipped to [1/64, 1]).", at_least(0.0))
 
     def validate(self) -> None:
+        if self.decode_split_weights_pass == float("inf"):  # NaN fails at_least already
+            raise ConfigError(f"sampler.decode_split_weights_pass = "
+                              f"{self.decode_split_weights_pass}: must be finite (0: measured)")
         if (any(not 1 <= b <= self.slots for b in self.decode_row_buckets)
                 or list(self.decode_row_buckets) != sorted(set(self.decode_row_buckets))):
             raise ConfigError(f"sampler.decode_row_buckets = {self.decode_row_buckets}: must be "

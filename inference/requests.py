@@ -69,14 +69,6 @@ def buckets_up_to(n: int, start: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def bucket_for(n: int, buckets: Sequence[int]) -> int:
-    """The smallest of the sorted ``buckets`` holding ``n``."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
-
-
 def token_budget(request: Request, c: SamplerConfig) -> int:
     """Most tokens ``request`` may generate: its max_new_tokens (or ``c``'s) and the cache end."""
     return min(request.max_new_tokens or c.max_new_tokens, c.max_len - len(request.prompt_ids))

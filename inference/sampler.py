@@ -39,17 +39,22 @@ from meshrl.inference.requests import (
     Completion,
     Request,
     Round,
-    bucket_for,
     slot_settings,
     token_budget,
     tokens_left,
     validate_request,
 )
-from meshrl.inference.schedule import SPLIT_CALL_OVERHEAD, plan_windows, weights_pass_cost
+from meshrl.inference.schedule import (
+    SPLIT_CALL_OVERHEAD,
+    plan_windows,
+    sampler_share,
+    weights_pass_cost,
+)
 from meshrl.inference.shapes import plan_shapes
 from meshrl.inference.slots import SlotTable
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
+from meshrl.utils.buckets import bucket_for
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
@@ -81,12 +86,9 @@ class Sampler:
         self._split = bool(self.split_cuts)  # a full chunk may split (see shapes, schedule)
         self._repl = NamedSharding(mesh, PartitionSpec())
         self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
-        # A call's fixed cost per decode step, in elements read. Measured on a 2-core CPU: an
-        # extra 4-step call of a 120k-parameter model costs ~1.1 ms, ~0.3 ms per step, about
-        # what reading 1M floats takes there (the split made that model's chunk 6.6 vs 4.4 ms).
-        self.split_call_overhead = SPLIT_CALL_OVERHEAD
+        self.split_call_overhead = SPLIT_CALL_OVERHEAD  # a call's fixed cost (schedule)
         self._weights_size = sum(math.prod(v.shape) for v in self.weights.expected.values())
-        self._weights_pass = weights_pass_cost(self._weights_size, mesh.devices.flat[0].platform)
+        self._weights_pass: int | None = None  # priced when the first weights land (_install)
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
         self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
@@ -135,6 +137,8 @@ class Sampler:
     def _install(self, flat: dict[str, jax.Array], version: int) -> None:
         with self._lock:
             self.params = self.weights.tree(flat)
+            if self._weights_pass is None:
+                self._weights_pass = weights_pass_cost(self._weights_size, sampler_share(self))
             self.version = int(version)
             self.slots.mark_stale()
 

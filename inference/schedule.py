@@ -1,4 +1,4 @@
-"""How a decode chunk splits over cache windows: pure planning from host-side positions.
+"""How a decode chunk splits over cache windows: planning from host-side positions.
 
 A decode call attends over one cache window for all its rows, so when live sequences sit at
 very different positions (continuous batching refills slots at different times) one call over
@@ -6,36 +6,127 @@ the longest window reads the short sequences' empty entries on every step. The
 sampler ranks live slots by position (longest first) and may cut that ranking at the
 ``split_cuts`` into contiguous slot ranges, each its own call over its own window. A cut pays
 when the cache entries it saves outweigh one more call: one more pass over the weights
-(``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``). Free slots ride along with the last range, whose
-window its live rows set. ``Sampler`` swaps each range's members into place before dispatch.
+(``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``). Free slots ride
+along with the last range, whose window its live rows set. ``Sampler`` swaps each range's
+members into place before dispatch.
+
+What a weights pass costs next to cache reads depends on the machine: on an accelerator both
+stream from HBM; on a CPU the weights of a small model stay in the last-level cache over a
+chunk's steps while the cache windows stream from DRAM. ``sampler.decode_split_weights_pass``
+sets the share; 0 measures it when the sampler's first weights land (``measure_weights_pass``).
+Only a sampler on this process's devices measures: a timing differs between processes, and
+every process of one program must plan the same calls.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import math
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
+import jax
+import jax.numpy as jnp
+
+from meshrl.configs.schema import SamplerConfig
+
+# A decode call's fixed cost per step (dispatch, sampling, slot bookkeeping), in cache-entry
+# elements read: what one more call costs beyond its weights pass and its own window.
 SPLIT_CALL_OVERHEAD = 1 << 20
-# What one more pass over the weights costs per decode step, as a share of reading that many
-# cache entries. On an accelerator both stream from HBM (1). On a CPU the weights of a small
-# model stay in the last-level cache over a chunk's steps while the cache windows stream from
-# DRAM: for the 3.4M-parameter model of benchmarks/sampler.py on a 2-core EPYC, splitting a
-# 32-row chunk paid from ~1.5M cache entries saved per step, not from 4.4M (weights + fixed).
-CPU_WEIGHTS_PASS = 0.125
+# Bounds of a measured weights-pass share: timings of a loaded machine are noisy, and a share
+# outside them would make the planner split on noise (too low) or never (too high).
+SHARE_RANGE = (1 / 64, 1.0)
+MEASURE_WINDOW_SPAN = 8  # the longer timed window is at most this many times the shorter
 
 Call = tuple[int, int, int]  # (lo, rows, window): slots [lo, lo + rows) over entries [0, window)
+_measured: dict[Hashable, float] = {}  # measured shares of this process, by sampler shape
 
 
-def weights_pass_cost(weights_size: int, platform: str) -> int:
+def weights_pass_cost(weights_size: int, share: float) -> int:
     """One more read of ``weights_size`` weights per decode step, in cache-entry elements."""
-    return int(weights_size * (CPU_WEIGHTS_PASS if platform == "cpu" else 1.0))
+    return int(weights_size * share)
+
+
+def weights_pass_share(cfg: SamplerConfig, platform: str, may_split: bool, key: Hashable,
+                       measure: Callable[[], float]) -> float:
+    """The share ``weights_pass_cost`` uses: ``sampler.decode_split_weights_pass`` when set;
+    else 1 on an accelerator or where no chunk may split on a measured share (none can, or the
+    sampler spans processes), else ``measure()``, run once per process for each ``key`` (the
+    sampler's shape)."""
+    if cfg.decode_split_weights_pass > 0:
+        return cfg.decode_split_weights_pass
+    if platform != "cpu" or not may_split:
+        return 1.0
+    if key not in _measured:
+        _measured[key] = measure()
+    return _measured[key]
+
+
+def sampler_share(sampler: Any) -> float:
+    """``weights_pass_share`` for an idle ``Sampler`` holding its weights. A measurement times
+    the sampler's own decode program as ``warmup`` runs it: on inactive slots, nothing that
+    matters in the cache changing, and the compiled variants stay for the windows' later use."""
+    cfg, S = sampler.cfg, sampler.cfg.slots
+
+    def decode_at(window: int) -> Any:
+        sampler.cache, sampler.state, out = sampler._decode(
+            sampler.params, sampler.cache, sampler.state, window=window, rows=S, lo=0)
+        return out
+
+    platform = sampler.mesh.devices.flat[0].platform
+    local = all(d.process_index == jax.process_index() for d in sampler.mesh.devices.flat)
+    key = (sampler.model_cfg, S, cfg.max_len, cfg.decode_chunk, platform,
+           tuple(sampler.mesh.shape.items()))
+    may_split = sampler._split and local
+    return weights_pass_share(cfg, platform, may_split, key, lambda: measure_weights_pass(
+        decode_at, measure_windows(sampler.window_buckets),
+        S * sampler._entry_size * cfg.decode_chunk, sampler.params))
+
+
+def measure_windows(window_buckets: Sequence[int]) -> tuple[int, int]:
+    """The two windows timed: the shortest, and the longest within ``MEASURE_WINDOW_SPAN`` x."""
+    lo = window_buckets[0]
+    return lo, max(w for w in window_buckets if w <= MEASURE_WINDOW_SPAN * lo)
+
+
+def _best_seconds(run: Callable[[], Any], reps: int) -> float:
+    jax.block_until_ready(run())  # compiles
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(run())
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_weights_pass(decode_at: Callable[[int], Any], windows: tuple[int, int],
+                         elements_per_entry: int, params: Any, reps: int = 3) -> float:
+    """Seconds per weight of one pass over ``params`` over seconds per cache element in the
+    decode program: ``decode_at(window)`` runs it over cache entries [0, window), reading
+    ``elements_per_entry`` elements per entry (rows x entry size x steps), so the difference of
+    the two ``windows`` prices a cache element. Clipped to ``SHARE_RANGE``; 1 when the windows
+    are one (nothing to difference) or the timings show no cost of a longer window (noise)."""
+    short, long = windows
+    if long <= short:
+        return 1.0
+    per_entry = (_best_seconds(lambda: decode_at(long), reps)
+                 - _best_seconds(lambda: decode_at(short), reps)) / (long - short)
+    if not per_entry > 0:
+        return 1.0
+    weights = jax.tree.leaves(params)
+    weights_pass = jax.jit(lambda ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))
+    per_weight = _best_seconds(lambda: weights_pass(weights), 4 * reps) / sum(
+        w.size for w in weights)
+    return min(max(per_weight / (per_entry / elements_per_entry), SHARE_RANGE[0]),
+               SHARE_RANGE[1])
 
 
 def split_cuts(row_buckets: Sequence[int], slots: int) -> tuple[int, ...]:
     """Where a full chunk's ranking may be cut: after the smallest row bucket's worth of the
-    longest sequences. More cuts (``Sampler.split_cuts = (4, 16)`` or ``(4, 8, 16)`` on 32
-    slots) measured no faster on a 2-core CPU: the extra calls and the swaps that keep each
-    range's members in place cost what the shorter windows saved (BUILD_NOTES.md)."""
+    longest sequences. More cuts (``Sampler.split_cuts = (4, 16)`` on 32 slots) add calls and
+    the swaps that keep each range's members in place, which can cost what the shorter windows
+    save; one cut is the default."""
     return tuple(b for b in row_buckets[:1] if 0 < b < slots)
 
 

@@ -21,11 +21,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from etils import epath
-from flax import nnx
 
 from meshrl.utils import multihost, paths
 from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
+from meshrl.utils.params import flat_params
 
 log = get_logger("inference")
 RETIRED = "retired"  # weights/retired.<version>.<ns>: a version on its way out
@@ -37,26 +37,6 @@ class WeightMismatchError(ValueError):
 
 class WeightVersionGoneError(UserError, FileNotFoundError):
     """A published version was removed (retention or a re-publication) while being read."""
-
-
-def _key_name(k: Any) -> str | None:
-    if isinstance(k, jax.tree_util.DictKey):
-        return str(k.key)
-    if isinstance(k, jax.tree_util.GetAttrKey):
-        return None if k.name == "value" else k.name  # the Variable's own .value level
-    if isinstance(k, jax.tree_util.SequenceKey):
-        return str(k.idx)
-    return str(k)
-
-
-def flat_params(params: Any) -> dict[str, Any]:
-    """``{"layers/0/attn/q/kernel": leaf}`` for an nnx.State, a pure dict or a published tree."""
-    if isinstance(params, nnx.Module):
-        params = nnx.state(params, nnx.Param)
-    out: dict[str, Any] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        out["/".join(n for n in map(_key_name, path) if n is not None)] = leaf
-    return out
 
 
 def nested(flat: dict[str, Any]) -> dict[str, Any]:
@@ -144,22 +124,6 @@ class SamplerWeights:
         """``flat`` as the sampler's params tree (``expected`` is in the template's order)."""
         leaves = [flat[k] for k in self.expected]
         return jax.tree.unflatten(jax.tree.structure(self.template), leaves)
-
-
-def process_local_copy(params: Any) -> Any:
-    """``params`` (global arrays, possibly sharded across processes) as arrays on this
-    process's first local device holding the whole value: what a sampler on this process's
-    devices alone takes (``update_weights`` then reshards it). Every process calls it: one
-    jitted all-gather (a collective). Fully addressable params come back unchanged."""
-    leaves = jax.tree.leaves(params)
-    if all(getattr(x, "is_fully_addressable", True) for x in leaves):
-        return params
-    mesh = leaves[0].sharding.mesh
-    # TODO(meshrl): this gathers every tensor whole onto every device at once; a large model
-    # needs it tensor by tensor (or a sampler mesh that spans processes).
-    replicated = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec()))(params)
-    return jax.tree.map(lambda x: x.addressable_shards[0].data, replicated)
 
 
 def weights_dir(workdir: paths.PathLike, version: int) -> epath.Path:

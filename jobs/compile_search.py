@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 from typing import Any
 
 from meshrl.aot.chips import Chip
@@ -50,10 +51,13 @@ def candidates(config: Config, n: int) -> list[tuple[Config | None, dict[str, in
     return out
 
 
-def search(config: Config, devices: list[Any], chip: Chip | None
+CompileAll = Callable[..., list[dict[str, Any]]]  # jobs.compile.compile_all
+
+
+def search(config: Config, devices: list[Any], chip: Chip | None, compile_all: CompileAll
            ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(the job's programs compiled on the chosen mesh, the table of what was tried)."""
-    from meshrl.jobs.compile import compile_all  # compile.py imports this module lazily
+    """(the job's programs compiled on the chosen mesh, the table of what was tried);
+    ``compile_all(config, devices, chip, programs=...)`` compiles one candidate."""
 
     if chip is None:
         raise UserError("compile.search = True: needs a chip's figures (a compile.topology, "

@@ -5,14 +5,15 @@ process (or on a host) of its own, while the run goes on or after it ended.
 
 Contract:
 * Config: the RL run's own config file (and overrides), with ``--config.job=evaluate`` and
-  the run's ``--workdir``. The evaluation is the RL job's own (``jobs/rl_eval.aevaluate``):
+  the run's ``--workdir``. The evaluation is the RL job's own (``workflows.evaluate.aevaluate``):
   the ``data.eval_*`` held-out set, greedy accuracy, and pass@1 / pass@k from
   ``k = rollout.group_size`` samples at ``sampler.temperature``, ``sampler.max_new_tokens``
   new tokens, seeded by ``trainer.seed``; so its numbers for a version are the RL job's.
 * Weights: each version listed under ``<workdir>/weights`` (complete once listed: Orbax renames
   a finished write into place) is restored onto a sampler of ``model.*`` / ``sampler.*`` on
   ``mesh.*`` through the sampler's Orbax path (``Sampler.load_weights``), in ascending order;
-  weights that do not fit ``model.*`` are a ``ConfigError``. Every token must come from the
+  weights that do not fit ``model.*`` (``models.load`` of this config, sample role) are a
+  ``ConfigError`` (``jobs.weights_source.mismatch_error``). Every token must come from the
   version evaluated (``EvalVersionError`` otherwise). A version the run's
   ``checkpoint.keep_versions`` deletes first is skipped (the summary's ``not_evaluated``):
   give the RL job ``checkpoint.keep_versions = 0`` (or enough) to evaluate every one.
@@ -42,17 +43,18 @@ from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples
 from meshrl.inference.async_sampler import AsyncSampler
 from meshrl.inference.sampler import Sampler
-from meshrl.inference.weights import WeightMismatchError, published_versions, weights_dir
-from meshrl.jobs.rl_eval import aevaluate, read_metrics
-from meshrl.mesh import create_mesh, initialize_distributed, rules_for
-from meshrl.models import resolve_model_config
-from meshrl.models.tokenizer import tokenizer_for
+from meshrl.inference.weights import WeightMismatchError, published_versions
+from meshrl.jobs import weights_source
+from meshrl.mesh import create_mesh
+from meshrl.models import load
 from meshrl.rewards import RewardPool
+from meshrl.trainer.curves import read_metrics
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.utils.errors import UserError
+from meshrl.workflows.evaluate import aevaluate
 
 __all__ = ["EvaluateTimeoutError", "RunEndedError", "evaluated_versions", "final_version",
            "rl_versions", "run", "run_ended"]
@@ -106,16 +108,18 @@ class _Evaluator:
 
     def __init__(self, config: Config, workdir: epath.Path) -> None:
         self.config, self.workdir = config, workdir
-        arch = resolve_model_config(config.model)
-        self.tokenizer = tokenizer_for(config.model, arch.vocab_size)
+        # The model of this config (not the run's saved one): weights that do not fit it are an
+        # error naming the version, never a silent switch of architecture.
+        target = load(config, create_mesh(config.mesh), "sample", abstract=True)
+        self.tokenizer = target.tokenizer
         self.examples = eval_examples(config.data, self.tokenizer)
         if not self.examples:
             d = config.data
             raise ConfigError(f"data.eval_examples = {d.eval_examples}, data.eval_path = "
                               f"{d.eval_path!r}: the held-out set is empty: the evaluate job "
                               f"needs held-out examples (set data.eval_path for file sources)")
-        sampler = Sampler(arch, config.sampler, create_mesh(config.mesh), workdir=str(workdir),
-                          rules=rules_for("sample"))
+        sampler = Sampler(target.arch, config.sampler, target.mesh, workdir=str(workdir),
+                          rules=target.rules)
         self.engine = AsyncSampler(sampler)
         self.pool = RewardPool.from_config(config.reward)
 
@@ -128,9 +132,7 @@ class _Evaluator:
         try:
             self.engine.load_weights(version)
         except WeightMismatchError as e:
-            raise ConfigError(f"{weights_dir(self.workdir, version)}: weight version {version} "
-                              f"does not fit model.* of this config ({e}): pass the config the "
-                              f"RL run was trained with") from None
+            raise weights_source.mismatch_error(self.workdir, version, "this config", e) from None
         except FileNotFoundError as e:
             log.warning("weight version %d vanished while loading (%s); listing the versions "
                         "again", version, e)
@@ -209,8 +211,6 @@ def _summary(config: Config, done: dict[int, dict[str, float]], reason: str,
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
     """Evaluate the RL run's published versions until its final one; ``summary.json``."""
-    initialize_distributed(config.distributed)
-    log_lib.set_process_index(jax.process_index())
     if jax.process_count() > 1:
         # TODO(meshrl): a multi-host evaluator must agree on the versions it lists first.
         raise NotImplementedError("the evaluate job runs on one process in this build")

@@ -23,7 +23,6 @@ Contract:
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -35,26 +34,13 @@ import jax
 from flax import nnx
 
 from meshrl.configs.fields import ConfigError
-from meshrl.configs.schema import Config, ModelConfig
-from meshrl.inference.weights import (
-    flat_params,
-    published_versions,
-    restore_weights,
-    weights_dir,
-)
-from meshrl.jobs.sample import abstract_params
-from meshrl.mesh import create_mesh, rules_for
-from meshrl.models import (
-    Decoder,
-    abstract_model,
-    resolve_model_config,
-    save_hf_checkpoint,
-    split_model,
-)
-from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec, tokenizer_for
-from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.configs.schema import Config
+from meshrl.jobs import weights_source
+from meshrl.mesh import create_mesh
+from meshrl.models import save_hf_checkpoint
+from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec
 from meshrl.utils import multihost
-from meshrl.utils.log import get_logger, set_process_index
+from meshrl.utils.log import get_logger
 
 log = get_logger("models")
 
@@ -62,17 +48,6 @@ log = get_logger("models")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja", "chat_template.json", "added_tokens.json",
                    "generation_config.json")
-
-
-@dataclasses.dataclass(frozen=True)
-class ExportSource:
-    """The run's model section (tokenizer, hf_path), its resolved architecture, and which
-    weights: checkpoint ``step``, or published ``version`` when not None."""
-
-    model: ModelConfig
-    arch: ModelConfig
-    step: int | None
-    version: int | None
 
 
 def check_output(path: str) -> pathlib.Path:
@@ -91,64 +66,18 @@ def check_output(path: str) -> pathlib.Path:
     return out
 
 
-def _run_model(reader: CheckpointReader, step: int) -> ModelConfig:
-    try:
-        return ModelConfig.from_mapping(reader.config(step)["model"])
-    except (KeyError, TypeError, ConfigError) as e:
-        raise ConfigError(f"{reader.directory / str(step)}: its saved config has no usable model "
-                          f"section ({e}): was it written by meshrl? pass that run's workdir as "
-                          f"--workdir") from None
-
-
-def resolve_export(config: Config, workdir: str | pathlib.Path, reader: CheckpointReader
-                   ) -> ExportSource:
+def resolve_export(config: Config, workdir: str | pathlib.Path) -> weights_source.WeightSource:
     """Which weights ``config.export`` names under ``workdir``; loads none of them."""
     e = config.export
-    steps = reader.steps()
-    if e.version != -1:
-        versions = published_versions(workdir)
-        if e.version not in versions:
-            raise ConfigError(f"export.version = {e.version}: not published under "
-                              f"{weights_dir(workdir, 0).parent} (published: {versions}): pick "
-                              f"one of them, or export a checkpoint (export.version = -1)")
-        model = _run_model(reader, steps[-1]) if steps else config.model
-        return ExportSource(model, resolve_model_config(model), None, e.version)
-    if not steps:
-        raise ConfigError(f"job = 'export': no verified checkpoint under {reader.directory}: "
-                          f"pass the run's workdir as --workdir, or export a published weight "
-                          f"version (export.version)")
-    step = steps[-1] if e.step == -1 else e.step
-    if step not in steps:
-        raise ConfigError(f"export.step = {e.step}: no verified checkpoint of that step under "
-                          f"{reader.directory} (verified: {steps}): pick one of them, or -1 for "
-                          f"the newest")
-    model = _run_model(reader, step)
-    return ExportSource(model, resolve_model_config(model), step, None)
+    words = weights_source.Wording(
+        source="job = 'export'", step="export.step", version="export.version",
+        instead="export a checkpoint (export.version = -1)" if e.version != -1
+        else "export a published weight version (export.version)")
+    kind = "checkpoint" if e.version == -1 else "version"
+    return weights_source.resolve(config, workdir, kind, words, step=e.step, version=e.version)
 
 
-def load_source(config: Config, workdir: str | pathlib.Path, src: ExportSource,
-                reader: CheckpointReader) -> Decoder:
-    """The model holding ``src``'s params, sharded as the trainer's FSDP rules shard them (the
-    least memory per device) on ``mesh.*``."""
-    mesh = create_mesh(config.mesh)
-    rules = rules_for("train", True)
-    target = abstract_params(src.arch, mesh, rules)
-    if src.step is not None:
-        params, version = reader.params(src.step, target)
-        log.info("exporting checkpoint step %d (weight version %d) of %s", src.step, version,
-                 workdir)
-    else:
-        assert src.version is not None
-        expected = flat_params(target)
-        shardings = {k: v.sharding for k, v in expected.items()}
-        flat = restore_weights(workdir, src.version, expected, shardings)
-        params = jax.tree.unflatten(jax.tree.structure(target), [flat[k] for k in expected])
-        log.info("exporting weight version %d of %s", src.version, workdir)
-    graphdef = split_model(abstract_model(src.arch, mesh=mesh, rules=rules))[0]
-    return nnx.merge(graphdef, params)
-
-
-def tokenizer_dir(src: ExportSource) -> str | None:
+def tokenizer_dir(src: weights_source.WeightSource) -> str | None:
     """The run's tokenizer directory, or None for the built-in char tokenizer."""
     spec = resolve_tokenizer_spec(src.model)
     return None if spec == "char" else spec
@@ -201,16 +130,15 @@ def _write(model: Any, out: pathlib.Path, tok: str | None, ids: dict[str, int | 
 
 def run(config: Config, workdir: str) -> pathlib.Path:
     """Export (see the module docstring); returns the output directory."""
-    set_process_index(jax.process_index())
     out = check_output(config.export.path)
-    reader = CheckpointReader(pathlib.Path(workdir) / "checkpoints")
-    try:
-        src = resolve_export(config, workdir, reader)
-        tok = tokenizer_dir(src)
-        ids = special_ids(tokenizer_for(src.model, src.arch.vocab_size))
-        model = load_source(config, workdir, src, reader)
-    finally:
-        reader.close()
+    src = resolve_export(config, workdir)
+    tok = tokenizer_dir(src)
+    # Sharded as the trainer's FSDP rules shard params: the least memory per device.
+    loaded, version = weights_source.load_source(config, workdir, src, create_mesh(config.mesh),
+                                                 "train", fsdp=True)
+    log.info("exporting %s", src.describe(workdir, version))
+    ids = special_ids(loaded.tokenizer)
+    model = nnx.merge(loaded.graphdef, loaded.params)
     primary = jax.process_index() == 0
     # Every process takes part in gathering the params; process 0 alone writes (the same
     # path on a shared filesystem), and the others wait for the finished directory.

@@ -1,35 +1,26 @@
-"""Setup of the RL job: batch size, the SFT warm start that gives RL a mediocre rather than a
-random policy (``docs/rl.md``), and the training engine of the RL step."""
+"""Setup of the RL job: the trainee, the SFT warm start that gives RL a mediocre rather than a
+random policy (``docs/rl.md``), the KL reference and this process's place in the batch."""
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 from etils import epath
 
-from meshrl.algorithms.batch import RLTrainBatch
-from meshrl.algorithms.losses import get_loss
-from meshrl.algorithms.policy_loss import make_rl_loss_fn
-from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import make_sft_iterator
-from meshrl.mesh import rules_for
+from meshrl.mesh import logical_to_sharding, rules_for
+from meshrl.models import load
 from meshrl.trainer.engine import Trainee, TrainEngine
-from meshrl.trainer.reference import ref_fields
-from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
-from meshrl.trainer.step import batch_shardings, row_buckets
+from meshrl.trainer.reference import ReferencePolicy
+from meshrl.trainer.sft_loop import run_sft
+from meshrl.trainer.spec import rl_batch_size, sft_spec
 from meshrl.trainer.stop import stop_hook
 from meshrl.utils import log as log_lib
 
 log = log_lib.get_logger("rl")
-
-
-def rl_batch_size(config: Config) -> int:
-    """Sequences per optimizer step: prompts (groups) times samples per prompt."""
-    return config.rollout.prompts_per_step * config.rollout.group_size
 
 
 def warm_start_steps(config: Config) -> int:
@@ -67,38 +58,49 @@ def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trai
     (workdir / "sft").mkdir(parents=True, exist_ok=True)
     log.info("SFT warm start: %d steps of %d x %d tokens under %s", steps, t.batch_size,
              t.seq_len, workdir / "sft")
-    engine = TrainEngine(sft, workdir / "sft", mesh, trainee, get_loss("sft"))
+    engine = TrainEngine(sft, workdir / "sft", mesh, trainee, sft_spec(sft, mesh))
     try:
         engine.start(data=data)
-        engine.run_sft(hooks=[stop_hook])
+        run_sft(engine, hooks=[stop_hook])
         return engine.params
     finally:
         engine.close()
 
 
-def rl_engine(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee
-              ) -> TrainEngine:
-    """The engine of the RL step: ``RLTrainBatch``es of ``rl_batch_size x trainer.seq_len`` (with
-    ``ref_logprobs`` when the KL is in the loss), one compiled step per packed row bucket,
-    metrics as ``train/*`` (the job adds ``rollout/*``, ``perf/*``)."""
-    t = config.trainer
+def load_trainee(config: Config, mesh: Any) -> tuple[Trainee, Any, Any]:
+    """(the trainee on the trainer mesh, the model's architecture, the tokenizer); a missing
+    tokenizer fails before any weights are read (``models.load``)."""
+    loaded = load(config, mesh, "train")
+    return Trainee.of(loaded, config), loaded.arch, loaded.tokenizer
+
+
+def sample_offset(config: Config, mesh: Any) -> int:
+    """This process's first sample in the global batch (its rows are one contiguous block of
+    the batch axis, laid out as the rules shard ``batch``)."""
     B = rl_batch_size(config)
-    batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, t.seq_len,
-                               RLTrainBatch, *ref_fields(config.rl))
-    rows_per_shard = batch_sh.input_ids.shard_shape((B, t.seq_len))[0]
-    # Every bucket splits into rl.ppo_minibatches minibatches of trainer.microbatches
-    # microbatches, each spread over all data shards.
-    split = t.microbatches * config.rl.ppo_minibatches
-    buckets = (row_buckets(B, B // rows_per_shard * split)
-               if config.rl.pack_sequences else (B,))
-    if bad := [r for r in buckets if r % split]:  # the cross-section rule makes this unreachable
-        raise ConfigError(f"rl.ppo_minibatches = {config.rl.ppo_minibatches}: packed row "
-                          f"buckets {bad} are not divisible by rl.ppo_minibatches * "
-                          f"trainer.microbatches = {split}")
-    T = config.sampler.temperature
-    return TrainEngine(config, workdir, mesh, trainee, make_rl_loss_fn(config.rl, temperature=T),
-                       batch_sh=batch_sh, row_buckets=buckets, metric_prefix="train/",
-                       step_timing=False, rate_key="perf/tokens_per_s", what="RL loss",
-                       make_step=functools.partial(make_rl_train_step, rl=config.rl,
-                                                   temperature=T, microbatches=t.microbatches),
-                       updates_per_step=updates_per_step(config.rl))
+    sh = logical_to_sharding(("batch",), mesh, rules_for("train", config.mesh.fsdp), (B,))
+    return min(idx[0].start or 0 for idx in sh.addressable_devices_indices_map((B,)).values())
+
+
+def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngine,
+                         tokenizer: Any) -> tuple[ReferencePolicy | None, Any, int]:
+    """(the KL reference or None, the params RL starts from, the warm start's steps this run
+    trained). A fresh run warm-starts when ``warm_start_steps`` says so; a resumed run with a
+    KL needs the step-0 policy again, so it reruns the finished warm start, which restores its
+    last checkpoint and trains nothing."""
+    kl, restored = config.rl.kl_coef > 0.0, engine.restored
+    trainee = engine.trainee
+    params = trainee.params
+    sft_steps = warm_start_steps(config) if restored is None or kl else 0
+    if sft_steps:
+        sft_dir = workdir / "sft" / "checkpoints"
+        if restored is not None and not any(p.name.isdigit() for p in sft_dir.glob("*")):
+            log.warning("no SFT checkpoint under %s: retraining the warm start to rebuild the "
+                        "KL reference policy", sft_dir)
+        params = run_warm_start(config, workdir, engine.mesh, dataclasses.replace(trainee),
+                                tokenizer, sft_steps)
+    reference = None if not kl else ReferencePolicy(
+        config.rl, trainee.forward, params, engine.state_sh.params, engine.mesh, engine.batch_sh,
+        samples=rl_batch_size(config), temperature=config.sampler.temperature,
+        group_size=config.rollout.group_size, microbatches=config.trainer.microbatches)
+    return reference, params, warm_start_steps(config) if restored is None else 0

@@ -9,7 +9,7 @@ there is no accelerator (``--platform cpu``, the default) each process gets
 ``--devices_per_process`` fake CPU devices. Every output line is prefixed with ``[pK]``. When a
 process exits non-zero, the others are stopped (their whole process groups, so no orphans) and
 the launcher exits with that code. Ctrl-C, SIGTERM and SIGHUP (a CI cancel, ``timeout``, a closed
-ssh session) stop them all the same way, and the launcher exits with 130, 143 or 129. On Linux
+ssh connection) stop them all the same way, and the launcher exits with 130, 143 or 129. On Linux
 each process also dies with the launcher (``PR_SET_PDEATHSIG``), so a launcher killed with
 SIGKILL leaves no process holding devices; elsewhere only that last case leaves them running.
 """

@@ -20,8 +20,7 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshrl.launch.sweep import Trial, format_value, read_summary
-from meshrl.launch.sweep_run import LOG, log_tail
+from meshrl.launch.sweep_trials import LOG, Trial, format_value, log_tail, read_summary
 from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 

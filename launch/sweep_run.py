@@ -1,6 +1,6 @@
 """Running a sweep's trials: local subprocesses, or an XManager experiment.
 
-Both launchers start the same command line per trial (``sweep.trial_command``) and leave the
+Both launchers start the same command line per trial (``sweep_trials.trial_command``) and leave the
 verdict to the trial's workdir: a trial is finished when its ``summary.json`` exists, so a
 rerun of the sweep starts only the others (``main.py`` resumes them from their checkpoints).
 """
@@ -8,7 +8,6 @@ rerun of the sweep starts only the others (``main.py`` resumes them from their c
 from __future__ import annotations
 
 import asyncio
-import collections
 import concurrent.futures
 import pathlib
 import shlex
@@ -18,29 +17,21 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from meshrl.launch.sweep import (
+from meshrl.launch.sweep_hyper import SweepError
+from meshrl.launch.sweep_trials import (
+    LOG,
     Sweep,
-    SweepError,
     Trial,
     is_finished,
+    log_tail,
     trial_command,
 )
 from meshrl.utils.log import get_logger
 
 log = get_logger("launch.sweep")
-LOG = "sweep.log"
 XMANAGER_MISSING = ("--launcher xmanager needs the xmanager package, which is not installed: "
                     "pip install xmanager (it is no meshrl dependency: it pins protobuf < 7); "
                     "or use --launcher local")
-
-
-def log_tail(path: pathlib.Path, lines: int = 8) -> list[str]:
-    """The last non-empty ``lines`` of ``path`` (none when it does not exist)."""
-    if not path.is_file():
-        return []
-    with open(path, errors="replace") as f:
-        tail = collections.deque((ln.rstrip() for ln in f if ln.strip()), maxlen=lines)
-    return list(tail)
 
 
 def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,

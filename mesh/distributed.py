@@ -12,8 +12,8 @@ _started = False
 
 def initialize_distributed(cfg: DistributedConfig) -> bool:
     """Start JAX's multi-controller runtime as ``cfg`` says; True when it is running. Every job
-    starts it this way (``jobs.dispatch.run``, before the job touches JAX); a second call is a
-    no-op, so a job may call it again when run on its own (tests, notebooks).
+    starts it this way, once (``jobs.dispatch.run``, before the job touches JAX); a second call
+    is a no-op.
 
     Must run before anything touches a JAX backend (creating arrays, listing devices).
     """

@@ -88,16 +88,16 @@ def effective_model(model: ModelConfig) -> EffectiveModel:
 
 
 def build_model(model: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
-                seed: int = 0) -> Decoder:
+                seed: int = 0, resolved: ModelConfig | None = None) -> Decoder:
     """The model of ``model.*`` (see the module docstring), each param placed in its sharding
-    under ``rules`` on ``mesh``. ``built.cfg`` is ``resolve_model_config(model)``."""
-    resolved = resolve_model_config(model)
+    under ``rules`` on ``mesh``. ``built.cfg`` is ``resolve_model_config(model)``; pass it as
+    ``resolved`` when already known, and config.json is not read again."""
+    resolved = resolved if resolved is not None else resolve_model_config(model)
     if not model.hf_path:
         built = create_model(resolved, mesh=mesh, rules=rules, seed=seed)
     else:
-        runtime = {name: getattr(model, name) for name in RUNTIME_FIELDS}
         built = load_hf_checkpoint(model.hf_path, mesh=mesh, rules=rules,
-                                   dtype=jnp.dtype(model.param_dtype), **runtime)
+                                   dtype=jnp.dtype(model.param_dtype), cfg=resolved)
     for name in RUNTIME_FIELDS:
         if getattr(built.cfg, name) != getattr(model, name):
             raise ConfigError(f"model.{name} = {getattr(model, name)!r}: the built model has "

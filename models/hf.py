@@ -27,6 +27,7 @@ from meshrl.models.hf_names import split as split_entry
 from meshrl.models.sharding import param_shardings
 from meshrl.utils.errors import MissingFileError, UserError
 from meshrl.utils.log import get_logger
+from meshrl.utils.params import process_local_copy
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -273,18 +274,20 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
 
 def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                        rules: Rules | None = None, dtype: Any = jnp.float32,
-                       **overrides: Any) -> Decoder:
+                       cfg: ModelConfig | None = None, **overrides: Any) -> Decoder:
     """Load a local HF checkpoint into a Decoder, each param placed in its target sharding.
 
     ``dtype`` sets the stored params and, unless overridden, the compute dtype; ``overrides``
-    sets other runtime fields (e.g. remat). ``rules`` default to the train role.
+    sets other runtime fields (e.g. remat). ``rules`` default to the train role. ``cfg``: this
+    checkpoint's config as ``load_hf_config`` already read it (then ``overrides`` are unused),
+    so that a caller that needed the architecture first reads config.json once.
     """
     from safetensors import safe_open
 
     path = pathlib.Path(path)
     dtype_name = jnp.dtype(dtype).name
     overrides = {"param_dtype": dtype_name, "compute_dtype": dtype_name, **overrides}
-    cfg = load_hf_config(path, **overrides)
+    cfg = cfg if cfg is not None else load_hf_config(path, **overrides)
     model = abstract_model(cfg, mesh=mesh, rules=rules)
     params = nnx.state(model, nnx.Param)
     shardings = (_flat_params(param_shardings(params, mesh, model.sharding.rules))
@@ -344,15 +347,6 @@ def _place(host: np.ndarray, sharding: NamedSharding | SingleDeviceSharding) -> 
 # ---- export ---------------------------------------------------------------------------------
 
 
-def _host_copy(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(jax.device_get(x))
-    from jax.experimental import multihost_utils
-
-    # Params sharded across processes: every process takes part; each gets the whole tensor.
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = True,
                        special_ids: dict[str, int | None] | None = None) -> None:
     """Write ``model.safetensors`` + ``config.json``. Params sharded over several processes are
@@ -367,7 +361,8 @@ def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = T
     mapping = param_map(cfg)
     tensors: dict[str, np.ndarray] = {}
     for key, var in _flat_params(nnx.state(model, nnx.Param)).items():
-        host = _host_copy(var.get_value())
+        # Sharded across processes: every process takes part, each gets the whole tensor.
+        host = np.asarray(jax.device_get(process_local_copy(var.get_value())))
         if write:
             tensors.update(split_entry(entry_of(mapping, cfg, key), host))
     if not write:
@@ -380,10 +375,3 @@ def save_hf_checkpoint(model: Decoder, path: str | pathlib.Path, write: bool = T
         (path / "generation_config.json").write_text(json.dumps(ids, indent=2))
     get_logger("models").info("saved %s (%d tensors)", path, len(tensors))
 
-
-def model_from_config(cfg: ModelConfig, *, mesh: Mesh | None = None, rules: Rules | None = None,
-                      seed: int = 0) -> Decoder:
-    """Deprecated alias of ``meshrl.models.build.build_model`` (kept for existing callers)."""
-    from meshrl.models.build import build_model
-
-    return build_model(cfg, mesh=mesh, rules=rules, seed=seed)

@@ -10,9 +10,11 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
+from meshrl.utils.registry import Registry
+
 RewardFn = Callable[..., list[float]]
 
-_REGISTRY: dict[str, RewardFn] = {}
+_REWARDS: Registry[RewardFn] = Registry("reward")
 _FORMATS: dict[str, str] = {}
 
 
@@ -20,9 +22,7 @@ def register(name: str, answer_format: str = "") -> Callable[[RewardFn], RewardF
     """``answer_format``: what a completion must look like to score, in a few words; a run
     whose groups all score alike names it (``answer_format``)."""
     def deco(fn: RewardFn) -> RewardFn:
-        if name in _REGISTRY and _REGISTRY[name] is not fn:
-            raise ValueError(f"reward {name!r} is already registered")
-        _REGISTRY[name] = fn
+        _REWARDS.register(name)(fn)
         _FORMATS[name] = answer_format
         return fn
     return deco
@@ -50,11 +50,8 @@ def get(name: str) -> RewardFn:
         if not callable(fn):
             raise KeyError(f"reward {name!r}: {module} has no callable {attr!r}")
         return fn
-    if name not in _REGISTRY:
-        raise KeyError(f"unknown reward {name!r}; registered: {sorted(_REGISTRY)} (or use "
-                       f"'package.module:function')")
-    return _REGISTRY[name]
+    return _REWARDS.get(name, hint=" (or use 'package.module:function')")
 
 
 def names() -> list[str]:
-    return sorted(_REGISTRY)
+    return _REWARDS.names()

@@ -55,8 +55,7 @@ def worker_main(conn: Connection, names: Sequence[str], memory_mb: int,
                 timeout_s: float) -> None:
     """Report ``("ready", None)`` (or ``("failed", why)``), then answer each task
     ``(name, prompt, completion, fields)`` with ``("ok", value)`` or ``("error", why)``."""
-    import meshrl.rewards  # noqa: F401  (registers the built-in rewards)
-
+    # The built-in rewards are registered: importing this module ran meshrl/rewards/__init__.py.
     apply_limits(memory_mb)
     try:
         rewards: dict[str, RewardFn] = {name: get(name) for name in names}

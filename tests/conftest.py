@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 # Must run before any test module imports jax and touches a backend.
-# Fast-compiling XLA (tests/xla.py) for the session; subprocesses get it through cpu_env.
+# Fast-compiling XLA (tests/xla.py) for the test run; subprocesses get it through cpu_env.
 from meshrl.tests.xla import xla_flags  # noqa: E402 -- plain os, imports no jax
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(8))
@@ -14,10 +14,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from meshrl.utils.tpu_env import quiet_libtpu_probe  # noqa: E402 -- imports no jax backend
 
 quiet_libtpu_probe()  # the TPU compiler (test extra) stays quiet here and in subprocesses
-# JAX's persistent compilation cache for the session and every subprocess it starts: many tests
+# JAX's persistent compilation cache for the test run and every subprocess it starts: many tests
 # build the same tiny programs through fresh jit wrappers (a sampler per test, main.py runs), and
-# the cache turns each repeat into a load. A fresh directory per session keeps the suite's time
-# honest for CI (cold start); set JAX_COMPILATION_CACHE_DIR to reuse one across sessions.
+# the cache turns each repeat into a load. A fresh directory per run keeps the suite's time
+# honest for CI (cold start); set JAX_COMPILATION_CACHE_DIR to reuse one across runs.
 _CACHE = None
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     import tempfile

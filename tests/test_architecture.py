@@ -1,9 +1,11 @@
 """The import contract of docs/architecture.md: every package-to-package import is in its table,
-and no two packages import each other, directly or round a longer cycle."""
+and no two packages import each other, directly or round a longer cycle; nor do two modules of
+one package."""
 
 from __future__ import annotations
 
 import ast
+import collections
 import pathlib
 import re
 
@@ -73,7 +75,8 @@ def _allows(entries: set[str], target: str) -> bool:
 
 
 def violations(root: pathlib.Path, allowed: Allowed) -> list[str]:
-    """Every import missing from ``allowed`` and every cycle between packages."""
+    """Every import missing from ``allowed``, every cycle between packages and every cycle
+    between the modules of one package."""
     problems, graph = [], {}
     for (pkg, target), where in sorted(edges(root).items()):
         graph.setdefault(pkg, set()).add(target.split(".")[0])
@@ -82,26 +85,91 @@ def violations(root: pathlib.Path, allowed: Allowed) -> list[str]:
         elif not _allows(allowed[pkg], target):
             problems.append(f"{pkg} -> meshrl.{target} is not allowed ({', '.join(where)})")
     problems += [f"cycle: {' -> '.join(c)}" for c in cycles(graph)]
+    problems += [f"module cycle: {' -> '.join(c)}" for c in cycles(module_graph(root))]
     return sorted(set(problems))
 
 
+def module_name(root: pathlib.Path, path: pathlib.Path) -> str:
+    """``models/hf.py`` -> ``models.hf``; a package's ``__init__.py`` is the package itself."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the modules of its own package it imports (function-level and type-checking
+    imports included: each can close a cycle). ``from meshrl.pkg import name`` is an import of
+    ``pkg.name`` when that is a module, else of the package's ``__init__``."""
+    graph: dict[str, set[str]] = {}
+    for pkg, files in package_modules(root).items():
+        modules = {module_name(root, path) for path in files}
+        for path in files:
+            source = module_name(root, path)
+            for name, _ in imported_names(path):
+                parts = name.split(".")[1:]
+                if parts[0] != pkg:
+                    continue
+                target = next(".".join(parts[:n]) for n in range(len(parts), 0, -1)
+                              if ".".join(parts[:n]) in modules or n == 1)
+                if target != source:
+                    graph.setdefault(source, set()).add(target)
+    return graph
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One cycle through each strongly connected group of packages (depth-first search)."""
-    found, done = [], set()
+    """One shortest cycle through each strongly connected group of nodes, from its first node
+    by name: ``[a, b, a]``."""
+    return sorted(_shortest_cycle(graph, min(group), group)
+                  for group in _strongly_connected(graph) if len(group) > 1)
 
-    def visit(node: str, path: list[str]) -> None:
-        if node in path:
-            cycle = path[path.index(node):] + [node]
-            if frozenset(cycle) not in done:
-                done.add(frozenset(cycle))
-                found.append(cycle)
-            return
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's strongly connected components (linear time: module graphs are large)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
         for nxt in sorted(graph.get(node, ())):
-            visit(nxt, path + [node])
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = set()
+            while node not in group:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.add(member)
+            groups.append(group)
 
-    for start in sorted(graph):
-        visit(start, [])
-    return found
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def _shortest_cycle(graph: dict[str, set[str]], start: str, group: set[str]) -> list[str]:
+    """Breadth-first search inside ``group`` from ``start`` back to ``start``."""
+    came_from: dict[str, str] = {}
+    queue = collections.deque([start])
+    while queue:
+        node = queue.popleft()
+        for nxt in sorted(graph.get(node, ()) & group):
+            if nxt == start:
+                path = [node]
+                while path[-1] != start:
+                    path.append(came_from[path[-1]])
+                return [*reversed(path), start]
+            if nxt not in came_from:
+                came_from[nxt] = node
+                queue.append(nxt)
+    raise AssertionError(f"{start} is in a strongly connected group but on no cycle")
 
 
 def _fake_repo(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
@@ -155,3 +223,39 @@ def test_checker_flags_a_cycle_and_a_module_outside_an_allowed_module_entry(tmp_
     assert "cycle: a -> b -> a" in problems
     assert "c -> meshrl.a.model is not allowed (c/x.py:2)" in problems
     assert len(problems) == 2
+
+
+def test_checker_flags_a_module_cycle_inside_a_package_closed_by_a_function_level_import(
+        tmp_path):
+    repo = _fake_repo(tmp_path, {
+        "models/__init__.py": "",
+        "models/build.py": "from meshrl.models.hf import load\n",
+        "models/hf.py": "def alias():\n    from meshrl.models.build import build\n",
+        "models/decoder.py": "from meshrl.models import hf\n",  # one way only: no cycle
+    })
+
+    problems = violations(repo, {"models": set()})
+
+    assert problems == ["module cycle: models.build -> models.hf -> models.build"]
+
+
+def test_checker_flags_a_type_checking_import_and_an_import_of_the_package_init(tmp_path):
+    repo = _fake_repo(tmp_path, {
+        "configs/__init__.py": "from meshrl.configs.schema import Config\n",
+        "configs/schema.py": "from meshrl.configs.rules import check\n",
+        "configs/rules.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                             "    from meshrl.configs.schema import Config\n"),
+        "rewards/__init__.py": "from meshrl.rewards.pool import Pool\n",
+        "rewards/pool.py": "def start():\n    from meshrl.rewards import names\n",
+    })
+
+    problems = violations(repo, {"configs": set(), "rewards": set()})
+
+    assert problems == ["module cycle: configs.rules -> configs.schema -> configs.rules",
+                        "module cycle: rewards -> rewards.pool -> rewards"]
+
+
+def test_cycles_gives_one_shortest_cycle_per_strongly_connected_group():
+    graph = {"a": {"b"}, "b": {"c", "a"}, "c": {"a"}, "d": {"e"}, "e": {"d"}, "f": {"a"}}
+
+    assert cycles(graph) == [["a", "b", "a"], ["d", "e", "d"]]

@@ -79,12 +79,3 @@ def test_every_main_py_recipe_passes_its_dry_run(placeholders, tmp_path):
         assert proc.returncode == 0, f"{shlex.join(cmd)}\n{out[-3000:]}"
         assert "# resolved config" in out
     assert not any(tmp_path.rglob("checkpoints")), "a dry run wrote into its workdir"
-
-
-def test_sweep_recipe_names_the_sweep_file_the_sweep_tests_run():
-    (cmd,) = recipes()["sweep"]
-    assert cmd[:2] == ["python", "launch/sweep.py"]
-    sweep_file = cmd[2]
-    assert (ROOT / sweep_file).is_file()
-    tests = "".join(p.read_text() for p in (ROOT / "tests" / "launch").glob("test_*.py"))
-    assert pathlib.Path(sweep_file).name in tests

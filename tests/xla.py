@@ -1,4 +1,4 @@
-"""XLA settings for the test session and every process it starts (``cpu_env``).
+"""XLA settings for the test run and every process it starts (``cpu_env``).
 
 The suite runs tiny programs whose compile time, not run time, is most of its cost, and LLVM's
 optimisation passes are most of the compile time: with ``FAST_COMPILE``,

@@ -8,10 +8,8 @@ from meshrl.trainer.checkpoint import (
 )
 from meshrl.trainer.engine import (
     NonFiniteLossError,
-    StaleBatchError,
     Trainee,
     TrainEngine,
-    check_versions,
     expand_prefix,
     put_batch,
 )
@@ -27,8 +25,8 @@ from meshrl.trainer.step import (
 
 __all__ = [
     "CheckpointMismatchError", "Checkpointer", "NonFiniteLossError", "Restored",
-    "StaleBatchError", "TrainEngine", "TrainState", "Trainee", "abstract_state",
-    "batch_shardings", "check_versions", "decay_mask", "decoder_forward", "expand_prefix",
+    "TrainEngine", "TrainState", "Trainee", "abstract_state",
+    "batch_shardings", "decay_mask", "decoder_forward", "expand_prefix",
     "init_state", "jit_leaf_step", "jit_train_step", "make_optimizer", "make_schedule",
     "make_train_step", "put_batch", "state_shardings", "verify_step_dir",
 ]

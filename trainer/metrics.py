@@ -111,7 +111,7 @@ class MetricsWriter:
     ``resume_step`` is the step the run restored (``None``: a fresh start). Rows a dead run wrote
     after that step did not happen in the resumed run's history: they move to
     ``metrics.discarded.jsonl`` (kept, appended), and TensorBoard purges events from
-    ``resume_step + 1`` on (its ``SessionLog.START`` convention).
+    ``resume_step + 1`` on (the restart marker TensorBoard reads).
     """
 
     def __init__(self, workdir: paths.PathLike, *, tensorboard: bool, process_index: int,

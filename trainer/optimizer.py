@@ -14,6 +14,7 @@ import jax
 import optax
 
 from meshrl.configs.schema import OptimizerConfig
+from meshrl.utils.params import path_name
 
 Schedule = Callable[[Any], Any]
 _NO_DECAY_NAMES = ("norm", "bias", "scale", "ln_")
@@ -40,18 +41,6 @@ def make_schedule(cfg: OptimizerConfig, learning_rate: float, total_steps: int) 
         [optax.linear_schedule(0.0, learning_rate, warmup), after], [warmup])
 
 
-def _path_names(path: tuple[Any, ...]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts).lower()
-
-
 def decay_mask(params: Any) -> Any:
     """True where weight decay applies: matrices (ndim >= 2) whose path names no norm or bias.
 
@@ -59,7 +48,7 @@ def decay_mask(params: Any) -> Any:
     e.g. stacked (scanned) per-layer norm scales, which are 2-D.
     """
     def keep(path: tuple[Any, ...], x: Any) -> bool:
-        name = _path_names(path)
+        name = path_name(path).lower()
         return x.ndim >= 2 and not any(n in name for n in _NO_DECAY_NAMES)
     return jax.tree_util.tree_map_with_path(keep, params)
 

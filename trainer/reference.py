@@ -3,7 +3,7 @@
 The reference is the policy at RL step 0 (the ``model.hf_path`` checkpoint or the SFT warm
 start), frozen: ``ReferencePolicy`` holds its own copy of those params on the trainer's
 shardings (the train step donates the state, so the state's buffers cannot be shared) and one
-jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before the train step:
+jitted, sharded ``apply(batch)`` that runs once per RL step before the train step:
 
 * scores the batch's targets under the reference at the sampler's temperature
   (``token_logprobs(forward(ref, ...), targets, T)``, 0 off the loss mask), microbatched like
@@ -13,8 +13,9 @@ jitted, sharded ``apply(batch, rewards_B)`` that runs once per RL step before th
   adds ``kl_coef * KL(current || ref)`` per token and reports it as ``kl_ref``);
 * ``rl.kl_where == "reward"``: replaces ``advantages`` by ``kl_reward_advantages`` (rewards
   minus ``kl_coef`` times each sequence's summed KL(behaviour || ref), advantages recomputed
-  over the batch's contiguous groups) times the loss mask; the batch's ``sample_ids`` map each
-  token to its sample, so packed rows work the same;
+  with the same registered estimator over the batch's contiguous groups) times the loss mask;
+  the batch's ``sample_ids`` map each token to its sample and the batch's ``rewards`` give each
+  sample's reward, so packed rows work the same;
 * returns the token mean of KL(behaviour || ref) (``rl.kl_estimator``) as the metric
   ``kl_behaviour_ref``, in either mode.
 
@@ -28,7 +29,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms import kl as kl_lib
@@ -36,13 +36,21 @@ from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
 from meshrl.algorithms.losses import check_temperature, token_logprobs
 from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import RLConfig
-from meshrl.trainer.step import ForwardFn
+from meshrl.trainer.step import ForwardFn, merge_rows, split_rows
 
 
 def ref_fields(rl: RLConfig) -> tuple[str, ...]:
     """The optional ``RLTrainBatch`` fields the train step gets: ``ref_logprobs`` when the KL
-    is in the loss, else none."""
-    return ("ref_logprobs",) if rl.kl_coef > 0.0 and rl.kl_where == "loss" else ()
+    is in the loss, ``rewards`` (for the reference's advantages) when it is in the reward."""
+    if not rl.kl_coef > 0.0:
+        return ()
+    return ("ref_logprobs",) if rl.kl_where == "loss" else ("rewards",)
+
+
+def sample_values(values_BxL: jax.Array, sample_ids_BxL: jax.Array, samples: int) -> jax.Array:
+    """``[samples]``: the per-sample value each token of a sample carries (e.g. its reward)."""
+    ids_BxL = jnp.where(sample_ids_BxL >= 0, sample_ids_BxL, samples)
+    return jnp.zeros((samples,), values_BxL.dtype).at[ids_BxL].set(values_BxL, mode="drop")
 
 
 def _by_microbatch(fn: Any, batch: TrainBatch, m: int) -> jax.Array:
@@ -50,11 +58,7 @@ def _by_microbatch(fn: Any, batch: TrainBatch, m: int) -> jax.Array:
     splits), results put back in row order."""
     if m == 1:
         return fn(batch)
-    b = batch.rows
-    assert b % m == 0, f"batch {b} not divisible by microbatches {m}"
-    mbs = jax.tree.map(lambda v: v.reshape(b // m, m, *v.shape[1:]).swapaxes(0, 1), batch)
-    out_MxbxL = jax.lax.map(fn, mbs)
-    return out_MxbxL.swapaxes(0, 1).reshape(b, *out_MxbxL.shape[2:])
+    return merge_rows(jax.lax.map(fn, jax.tree.map(lambda v: split_rows(v, m), batch)))
 
 
 def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch, *,
@@ -78,19 +82,18 @@ class ReferencePolicy:
     """Frozen step-0 params and the per-step function that puts the KL into the batch."""
 
     def __init__(self, rl: RLConfig, forward_fn: ForwardFn, params: Any, params_sh: Any,
-                 mesh: Mesh, batch_sh: RLTrainBatch, rewards_sh: NamedSharding,
-                 *, temperature: float, group_size: int, microbatches: int = 1) -> None:
+                 mesh: Mesh, batch_sh: RLTrainBatch, *, samples: int, temperature: float,
+                 group_size: int, microbatches: int = 1) -> None:
         if not rl.kl_coef > 0.0:
             raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
         check_temperature(temperature)
         # Own buffers: the caller's params become the train state, which each step donates.
         self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
                               out_shardings=params_sh)(params)
-        self.rewards_sh = rewards_sh
         kl_fn = kl_lib.get(rl.kl_estimator)
         in_loss = rl.kl_where == "loss"
 
-        def apply(ref_params: Any, batch: RLTrainBatch, rewards_B: jax.Array
+        def apply(ref_params: Any, batch: RLTrainBatch
                   ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
             ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
                                          microbatches=microbatches)
@@ -102,6 +105,7 @@ class ReferencePolicy:
                 return batch.replace(ref_logprobs=ref_BxL), metrics
             # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
             ids_BxL = batch.sample_ids
+            rewards_B = sample_values(batch.rewards, ids_BxL, samples)
             adv_B = kl_reward_advantages(rl, rewards_B, batch.behaviour_logprobs, ref_BxL,
                                          mask_BxL, group_size, sample_ids_BxL=ids_BxL)
             advantages_BxL = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
@@ -110,16 +114,9 @@ class ReferencePolicy:
 
         replicated = NamedSharding(mesh, PartitionSpec())
         in_sh = batch_sh.replace(ref_logprobs=None)
-        out_sh = batch_sh if in_loss else in_sh
-        self._apply = jax.jit(apply, in_shardings=(params_sh, in_sh, rewards_sh),
-                              out_shardings=(out_sh, replicated))
+        self._apply = jax.jit(apply, in_shardings=(params_sh, in_sh),
+                              out_shardings=(batch_sh, replicated))
 
-    def put_rewards(self, rewards_B: np.ndarray) -> jax.Array:
-        """Host rewards (this process's rows) -> a global array sharded like the batch rows."""
-        return jax.make_array_from_process_local_data(self.rewards_sh,
-                                                      np.asarray(rewards_B, np.float32))
-
-    def apply(self, batch: RLTrainBatch, rewards_B: jax.Array
-              ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
+    def apply(self, batch: RLTrainBatch) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
         """(the train step's batch, ``{"kl_behaviour_ref": scalar}``); no host sync."""
-        return self._apply(self.params, batch, rewards_B)
+        return self._apply(self.params, batch)

@@ -24,7 +24,8 @@ updates inside), so in the RL job it is the weight version of the params the ste
 changed); ``skipped`` counts skipped updates; the optimizer's own count (in ``opt_state``)
 counts applied updates. Metrics: ``loss`` and the loss's aux statistics are the epochs' mean of
 the sum over minibatches (each minibatch's share of the batch mean), ``grad_norm`` the mean over
-updates, ``updates`` the applied updates, ``logprob_mismatch*`` from step 1.
+updates, ``updates`` the applied updates, ``logprob_mismatch*`` (and with a rollout correction
+``rollout_is_weight*``) from step 1.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
                    "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": weight, "finite": finite_ExK.all(), "skipped": new_state.skipped,
                    "step": state.step, "updates": applied, **report_aux(
-                       {"logprob_mismatch": mismatch}, denom)}
+                       {"logprob_mismatch": mismatch, **pl.correction_stats(rl, batch)}, denom)}
         return new_state, metrics
 
     return train_step

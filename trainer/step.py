@@ -77,6 +77,12 @@ def split_rows(x_BxL: jax.Array, m: int) -> jax.Array:
     return x_BxL.reshape(b // m, m, *x_BxL.shape[1:]).swapaxes(0, 1)
 
 
+def merge_rows(x_MxbxL: jax.Array) -> jax.Array:
+    """The inverse of ``split_rows``: [M, B/M, ...] -> [B, ...] in row order."""
+    m, b = x_MxbxL.shape[:2]
+    return x_MxbxL.swapaxes(0, 1).reshape(m * b, *x_MxbxL.shape[2:])
+
+
 GradsFn = Callable[[Any, Batch], tuple[jax.Array, jax.Array, dict[str, Any], Any]]
 
 

@@ -1,12 +1,11 @@
-"""Async rollout episodes (single-turn RLVR, multi-turn), staleness control, the rollout runner
-and the one ``RolloutBatch`` struct that crosses to the trainer."""
+"""Async rollout episodes (single-turn RLVR, multi-turn), staleness control, the rollout runner,
+held-out evaluation, and the builder of the one ``RLTrainBatch`` that crosses to the trainer."""
 
 from meshrl.workflows.batch import (
-    RolloutBatch,
     Trajectory,
-    bucket_length,
-    build_rollout_batch,
+    build_rl_batch,
     pack_rows,
+    rows_needed,
 )
 from meshrl.workflows.episode import (
     Environment,
@@ -23,12 +22,12 @@ from meshrl.workflows.runner import (
     RolloutRunner,
     group_episode_fn,
 )
-from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_runner
+from meshrl.workflows.setup import episode_settings, make_rl_batch, make_runner
 from meshrl.workflows.staleness import StalenessController
 
 __all__ = [
     "SamplerClient", "EnvStep", "Environment", "EpisodeSettings", "PromptsExhaustedError",
-    "RewardScorer", "RolloutBatch", "RolloutFailedError", "RolloutRunner", "StalenessController",
-    "Trajectory", "arun_episode", "arun_group", "bucket_length", "build_rollout_batch",
-    "episode_settings", "group_episode_fn", "make_rollout_batch", "make_runner", "pack_rows",
+    "RewardScorer", "RolloutFailedError", "RolloutRunner", "StalenessController",
+    "Trajectory", "arun_episode", "arun_group", "build_rl_batch",
+    "episode_settings", "group_episode_fn", "make_rl_batch", "make_runner", "pack_rows", "rows_needed",
 ]

@@ -7,9 +7,10 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.schema import Config
 from meshrl.models.tokenizer import Tokenizer
-from meshrl.workflows.batch import RolloutBatch, Trajectory, build_rollout_batch
+from meshrl.workflows.batch import Trajectory, build_rl_batch
 from meshrl.workflows.episode import Environment, EpisodeSettings, RewardScorer, SamplerClient
 from meshrl.workflows.runner import RolloutRunner, group_episode_fn
 from meshrl.workflows.staleness import StalenessController
@@ -47,12 +48,16 @@ def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer
                          status_every_s=r.status_every_s)
 
 
-def make_rollout_batch(config: Config, groups: Sequence[Sequence[Trajectory]],
-                       pad_id: int) -> RolloutBatch:
-    """Pad to ``trainer.seq_len`` (one static shape on every process) with ``rl.*`` shaping."""
+def make_rl_batch(config: Config, groups: Sequence[Sequence[Trajectory]], pad_id: int,
+                  rows: int | Sequence[int] | None = None) -> RLTrainBatch:
+    """The RL step's batch with ``rl.*`` shaping and advantages, its rows of
+    ``trainer.seq_len`` tokens (one static shape on every process), packed into ``rows`` rows
+    when given. With the KL reference in the reward the advantages depend on the reference's
+    logprobs: the device computes them (``trainer.reference``), the host leaves them 0."""
     rl = config.rl
-    return build_rollout_batch(groups, length_buckets=(config.trainer.seq_len,), pad_id=pad_id,
-                               advantage=rl.advantage, adv_eps=rl.adv_eps,
-                               overlong_buffer=rl.overlong_buffer,
-                               overlong_max_len=rl.overlong_max_len,
-                               overlong_penalty=rl.overlong_penalty)
+    kl_in_reward = rl.kl_coef > 0.0 and rl.kl_where == "reward"
+    return build_rl_batch(groups, length_buckets=(config.trainer.seq_len,), pad_id=pad_id,
+                          advantage=None if kl_in_reward else rl.advantage, adv_eps=rl.adv_eps,
+                          overlong_buffer=rl.overlong_buffer,
+                          overlong_max_len=rl.overlong_max_len,
+                          overlong_penalty=rl.overlong_penalty, rows=rows)

@@ -12,5 +12,5 @@ CONFIG = "configs/default.py:smoke"
 
 
 def sweep() -> list[dict]:
-    return hyper.product(hyper.sweep("trainer.learning_rate", [1e-3, 3e-4]),
-                         hyper.sweep("trainer.seed", [0, 1]))
+    return hyper.product([hyper.sweep("trainer.learning_rate", [1e-3, 3e-4]),
+                          hyper.sweep("trainer.seed", [0, 1])])

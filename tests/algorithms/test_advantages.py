@@ -85,14 +85,6 @@ def test_unknown_advantage_name_lists_the_registered_ones():
         advantages.get("gae")
 
 
-def test_token_advantages_broadcast_only_onto_loss_tokens():
-    mask_BxL = jnp.array([[0, 1, 1], [0, 0, 1]], jnp.float32)
-
-    adv_BxL = advantages.token_advantages(jnp.array([2.0, -1.0]), mask_BxL)
-
-    np.testing.assert_array_equal(adv_BxL, [[0, 2, 2], [0, 0, -1]])
-
-
 def test_overlong_penalty_is_zero_then_linear_then_capped():
     lengths_B = jnp.array([0, 6, 8, 10, 12])
 

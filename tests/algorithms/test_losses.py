@@ -47,7 +47,7 @@ def test_registry_returns_registered_and_rejects_unknown_or_duplicate_names():
         return jnp.zeros(()), jnp.ones(()), {}
 
     assert get_loss("test_zero_loss") is zero
-    with pytest.raises(KeyError, match="known: .*sft"):
+    with pytest.raises(KeyError, match="unknown loss 'ppo_typo'; registered: .*sft"):
         get_loss("ppo_typo")
     with pytest.raises(ValueError, match="already registered"):
         register("sft")(zero)

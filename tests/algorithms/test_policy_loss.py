@@ -13,10 +13,19 @@ from hypothesis import strategies as st
 
 from meshrl.algorithms import kl
 from meshrl.algorithms import policy_loss as pl
+from meshrl.algorithms import rollout_correction as rc
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.schema import RLConfig
 
 RTOL, ATOL = 1e-5, 1e-6
+
+
+def loss_params(**overrides: object) -> pl.LossParams:
+    """Symmetric clipping at 0.2, no dual clip, no behaviour-weight cap (AReaL's zero mode when
+    one is set) and no rollout correction, unless overridden."""
+    return pl.LossParams(**{"eps_low": 0.2, "eps_high": 0.2, "dual_clip_c": 0.0,
+                            "behav_weight_cap": 0.0, "behav_cap_mode": "zero",
+                            "correction": rc.OFF, **overrides})
 
 
 def one_token(logp: float, old: float, adv: float) -> pl.PolicyInputs:
@@ -45,7 +54,7 @@ def random_inputs(seed: int = 0, B: int = 3, L: int = 5) -> pl.PolicyInputs:
 def test_decoupled_loss_equals_ppo_when_behaviour_is_proximal():
     inputs = random_inputs()
     inputs = inputs._replace(behaviour_logprobs_BxL=inputs.proximal_logprobs_BxL)
-    params = pl.LossParams(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, behav_weight_cap=2.0)
+    params = loss_params(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, behav_weight_cap=2.0)
 
     ppo_loss, ppo_grad = loss_and_grad("ppo", inputs, params)
     dec_loss, dec_grad = loss_and_grad("decoupled_ppo", inputs, params)
@@ -63,7 +72,7 @@ def test_decoupled_loss_equals_ppo_when_behaviour_is_proximal():
 ])
 def test_ppo_gradient_is_zero_only_outside_the_clip_range_in_the_advantage_direction(
         log_ratio, adv, grad_is_zero):
-    params = pl.LossParams(eps_low=0.2, eps_high=0.28)
+    params = loss_params(eps_low=0.2, eps_high=0.28)
 
     loss, grad = loss_and_grad("ppo", one_token(-1.0 + log_ratio, -1.0, adv), params)
     _, metrics = pl.policy_loss("ppo", one_token(-1.0 + log_ratio, -1.0, adv), params)
@@ -75,8 +84,8 @@ def test_ppo_gradient_is_zero_only_outside_the_clip_range_in_the_advantage_direc
 def test_eps_high_is_separate_from_eps_low():
     inputs = one_token(math.log(1.25), 0.0, 1.0)
 
-    symmetric = loss_and_grad("ppo", inputs, pl.LossParams(eps_low=0.2, eps_high=0.2))
-    clip_higher = loss_and_grad("ppo", inputs, pl.LossParams(eps_low=0.2, eps_high=0.28))
+    symmetric = loss_and_grad("ppo", inputs, loss_params(eps_low=0.2, eps_high=0.2))
+    clip_higher = loss_and_grad("ppo", inputs, loss_params(eps_low=0.2, eps_high=0.28))
 
     np.testing.assert_allclose(symmetric[0], -1.2, rtol=RTOL, atol=ATOL)
     assert float(symmetric[1][0, 0]) == 0.0
@@ -87,9 +96,9 @@ def test_eps_high_is_separate_from_eps_low():
 def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c_times_abs_advantage():
     inputs = one_token(math.log(10.0), 0.0, -2.0)
 
-    plain_loss, _ = loss_and_grad("ppo", inputs, pl.LossParams())
-    dual_loss, dual_grad = loss_and_grad("ppo", inputs, pl.LossParams(dual_clip_c=3.0))
-    _, metrics = pl.policy_loss("ppo", inputs, pl.LossParams(dual_clip_c=3.0))
+    plain_loss, _ = loss_and_grad("ppo", inputs, loss_params())
+    dual_loss, dual_grad = loss_and_grad("ppo", inputs, loss_params(dual_clip_c=3.0))
+    _, metrics = pl.policy_loss("ppo", inputs, loss_params(dual_clip_c=3.0))
 
     np.testing.assert_allclose(plain_loss, 20.0, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(dual_loss, 6.0, rtol=RTOL, atol=ATOL)
@@ -100,8 +109,8 @@ def test_dual_clip_bounds_the_loss_of_negative_advantages_at_c_times_abs_advanta
 def test_dual_clip_leaves_positive_advantages_alone():
     inputs = one_token(math.log(10.0), 0.0, 2.0)
 
-    plain, _ = loss_and_grad("ppo", inputs, pl.LossParams())
-    dual, _ = loss_and_grad("ppo", inputs, pl.LossParams(dual_clip_c=3.0))
+    plain, _ = loss_and_grad("ppo", inputs, loss_params())
+    dual, _ = loss_and_grad("ppo", inputs, loss_params(dual_clip_c=3.0))
 
     np.testing.assert_allclose(dual, plain, rtol=RTOL, atol=ATOL)
 
@@ -113,7 +122,7 @@ def test_gspo_uses_the_exp_mean_token_log_ratio_per_sequence():
     inputs = pl.PolicyInputs(log_ratio, zeros, zeros, jnp.full((1, 3), -1.0), mask)
     s = math.exp(0.2)
 
-    loss, metrics = pl.policy_loss("gspo", inputs, pl.LossParams(eps_low=0.1, eps_high=0.1))
+    loss, metrics = pl.policy_loss("gspo", inputs, loss_params(eps_low=0.1, eps_high=0.1))
 
     np.testing.assert_allclose(metrics["ratio_mean"], s, rtol=RTOL, atol=ATOL)
     # A < 0: objective min(s*A, clip(s)*A) = -s (unclipped branch, since s > 1.1 is false).
@@ -124,25 +133,28 @@ def test_gspo_clips_at_sequence_level():
     inputs = pl.PolicyInputs(jnp.full((1, 2), 0.5), jnp.zeros((1, 2)), jnp.zeros((1, 2)),
                              jnp.ones((1, 2)), jnp.ones((1, 2)))
 
-    loss, grad = loss_and_grad("gspo", inputs, pl.LossParams(eps_low=0.2, eps_high=0.2))
+    loss, grad = loss_and_grad("gspo", inputs, loss_params(eps_low=0.2, eps_high=0.2))
 
     np.testing.assert_allclose(loss, -1.2, rtol=RTOL, atol=ATOL)
     np.testing.assert_array_equal(grad, 0.0)
 
 
-def test_decoupled_weight_is_stop_gradient_and_tokens_above_the_cap_are_masked():
-    # token 0: weight pi_prox/pi_behav = 2 (kept); token 1: weight e^3 ~ 20 > cap (masked).
+@pytest.mark.parametrize(("mode", "count"), [("zero", 2.0), ("drop", 1.0)])
+def test_decoupled_weight_is_stop_gradient_and_tokens_above_the_cap_are_not_trained(mode, count):
+    # token 0: weight pi_prox/pi_behav = 2 (kept); token 1: weight e^3 ~ 20 > cap. AReaL's
+    # "zero" keeps token 1 in the normaliser (loss -2 / 2 tokens), "drop" removes it (-2 / 1).
     logp = jnp.array([[-1.0, -1.0]])
     prox = jnp.array([[-1.0, -1.0]])
     behav = jnp.array([[-1.0 - math.log(2.0), -4.0]])
     adv, mask = jnp.array([[1.0, 1.0]]), jnp.ones((1, 2))
     inputs = pl.PolicyInputs(logp, prox, behav, adv, mask)
+    params = loss_params(behav_weight_cap=5.0, behav_cap_mode=mode)
 
-    (loss, grad) = loss_and_grad("decoupled_ppo", inputs, pl.LossParams(behav_weight_cap=5.0))
-    _, metrics = pl.policy_loss("decoupled_ppo", inputs, pl.LossParams(behav_weight_cap=5.0))
+    (loss, grad) = loss_and_grad("decoupled_ppo", inputs, params)
+    _, metrics = pl.policy_loss("decoupled_ppo", inputs, params)
 
-    np.testing.assert_allclose(loss, -2.0, rtol=RTOL, atol=ATOL)  # only token 0: -w * r * A
-    np.testing.assert_allclose(grad, [[-2.0, 0.0]], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(loss, -2.0 / count, rtol=RTOL, atol=ATOL)  # token 0: -w r A
+    np.testing.assert_allclose(grad, [[-2.0 / count, 0.0]], rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(metrics["behav_capped_frac"], 0.5, rtol=RTOL, atol=ATOL)
 
 
@@ -156,7 +168,7 @@ def test_masked_tokens_change_neither_loss_nor_grads(name, aggregation):
                               junk(inputs.proximal_logprobs_BxL, 7.0),
                               junk(inputs.behaviour_logprobs_BxL, -jnp.inf),
                               junk(inputs.advantages_BxL, 1e6), inputs.loss_mask_BxL)
-    params = pl.LossParams(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, behav_weight_cap=5.0)
+    params = loss_params(eps_low=0.2, eps_high=0.28, dual_clip_c=3.0, behav_weight_cap=5.0)
 
     loss, grad = loss_and_grad(name, inputs, params, aggregation)
     loss2, grad2 = loss_and_grad(name, garbled, params, aggregation)
@@ -205,11 +217,6 @@ def test_kl_in_reward_subtracts_the_summed_masked_kl_per_sequence():
     out = kl.kl_in_reward(jnp.array([1.0]), logp, ref, mask, coef=0.1, estimator="k1")
 
     np.testing.assert_allclose(out, [1.0 - 0.1 * 1.5], rtol=RTOL, atol=ATOL)
-
-
-def test_entropy_of_uniform_logits_is_log_vocab():
-    np.testing.assert_allclose(kl.entropy_from_logits(jnp.zeros((2, 3, 7))), math.log(7),
-                               rtol=RTOL, atol=ATOL)
 
 
 def rl_batch(B: int = 2, L: int = 4, V: int = 5) -> tuple[jax.Array, RLTrainBatch]:
@@ -305,7 +312,7 @@ def test_kl_reward_advantages_subtract_the_sequence_kl_before_the_estimator():
 def test_decoupled_equals_ppo_for_any_inputs_when_behaviour_is_proximal(seed, eps_low, eps_high):
     inputs = random_inputs(seed)
     inputs = inputs._replace(behaviour_logprobs_BxL=inputs.proximal_logprobs_BxL)
-    params = pl.LossParams(eps_low=eps_low, eps_high=eps_high, behav_weight_cap=1.0)
+    params = loss_params(eps_low=eps_low, eps_high=eps_high, behav_weight_cap=1.0)
 
     ppo = pl.policy_loss("ppo", inputs, params)[0]
     dec = pl.policy_loss("decoupled_ppo", inputs, params)[0]
@@ -318,9 +325,23 @@ def test_policy_loss_jits_with_static_params(name):
     f = jax.jit(pl.policy_loss, static_argnames=("name", "params", "aggregation"))
     inputs = random_inputs()
 
-    loss, metrics = f(name, inputs, pl.LossParams(dual_clip_c=3.0), aggregation="sequence_mean")
-    eager, _ = pl.policy_loss(name, inputs, pl.LossParams(dual_clip_c=3.0),
+    loss, metrics = f(name, inputs, loss_params(dual_clip_c=3.0), aggregation="sequence_mean")
+    eager, _ = pl.policy_loss(name, inputs, loss_params(dual_clip_c=3.0),
                               aggregation="sequence_mean")
 
     np.testing.assert_allclose(loss, eager, rtol=RTOL, atol=ATOL)
     assert set(metrics) >= {"clip_frac", "dual_clip_frac", "ratio_mean", "approx_kl"}
+
+
+def test_loss_params_have_no_defaults_of_their_own_and_take_the_config_values():
+    rl = RLConfig()
+
+    params = pl.LossParams.from_config(rl)
+
+    assert params == pl.LossParams(eps_low=rl.eps_low, eps_high=rl.eps_high,
+                                   dual_clip_c=rl.dual_clip_c,
+                                   behav_weight_cap=rl.behav_weight_cap,
+                                   behav_cap_mode=rl.behav_cap_mode,
+                                   correction=rc.CorrectionParams.from_config(rl))
+    with pytest.raises(TypeError, match="missing 6 required"):
+        pl.LossParams()  # type: ignore[call-arg]

@@ -6,7 +6,7 @@ import typing
 
 import pytest
 
-from meshrl.algorithms import advantages, kl, policy_loss
+from meshrl.algorithms import advantages, kl, policy_loss, rollout_correction
 from meshrl.configs import Config, ConfigError, Job, base_config, from_config_dict
 from meshrl.configs.schema import SECTIONS, RLConfig, RolloutConfig
 
@@ -29,6 +29,12 @@ def test_rl_overrides_reach_the_typed_config():
 
     assert (config.rl.advantage, config.rl.dual_clip_c, config.rollout.max_turns) == (
         "rloo", 3.0, 3)
+
+
+def test_rollout_correction_choices_are_the_implemented_modes():
+    choices = typing.get_args(typing.get_type_hints(RLConfig)["rollout_correction"])
+
+    assert choices == rollout_correction.MODES == typing.get_args(rollout_correction.Mode)
 
 
 def test_every_choice_names_a_registered_function():
@@ -57,6 +63,15 @@ def test_every_choice_names_a_registered_function():
     (lambda: RLConfig(dual_clip_c=1.0), "rl.dual_clip_c = 1.0: must be 0 (off) or > 1"),
     (lambda: RLConfig(behav_weight_cap=0.5), "rl.behav_weight_cap = 0.5: must be 0 (off) or >= 1"),
     (lambda: RLConfig(adv_eps=-1.0), "rl.adv_eps = -1.0: must be >= 0"),
+    (lambda: RLConfig(behav_cap_mode="clip"), "rl.behav_cap_mode = 'clip': must be one of"),
+    (lambda: RLConfig(rollout_correction="tis"), "rl.rollout_correction = 'tis': must be one of"),
+    (lambda: RLConfig(correction_cap=0.9), "rl.correction_cap = 0.9: must be >= 1"),
+    (lambda: RLConfig(correction_low=-0.1), "rl.correction_low = -0.1: must be >= 0"),
+    (lambda: RLConfig(correction_low=1.5, correction_high=2.0),
+     "rl.correction_low = 1.5: must be <= 1"),
+    (lambda: RLConfig(correction_high=0.5), "rl.correction_high = 0.5: must be >= 1"),
+    (lambda: RLConfig(correction_low=1.0, correction_high=1.0),
+     "rl.correction_low = 1.0: must be < rl.correction_high = 1.0"),
     (lambda: RLConfig(ppo_minibatches=0), "rl.ppo_minibatches = 0: must be >= 1"),
     (lambda: RLConfig(ppo_epochs=0), "rl.ppo_epochs = 0: must be >= 1"),
     (lambda: RLConfig(overlong_buffer=-1), "rl.overlong_buffer = -1: must be >= 0"),

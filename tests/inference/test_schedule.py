@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from meshrl.configs.schema import SamplerConfig
+from meshrl.inference import schedule
 from meshrl.inference.schedule import (
-    CPU_WEIGHTS_PASS,
+    SHARE_RANGE,
     decode_shapes,
+    measure_weights_pass,
+    measure_windows,
     plan_windows,
     split_cuts,
     weights_pass_cost,
+    weights_pass_share,
 )
 
 
@@ -70,7 +81,67 @@ def test_shapes_cover_every_range_a_plan_can_choose():
         assert sum(rows for _, rows, _ in calls) == 32
 
 
-def test_weights_pass_costs_less_on_cpu_where_small_weights_stay_in_cache():
-    assert weights_pass_cost(1_000_000, "gpu") == 1_000_000
-    assert weights_pass_cost(1_000_000, "tpu") == 1_000_000
-    assert weights_pass_cost(1_000_000, "cpu") == int(1_000_000 * CPU_WEIGHTS_PASS)
+def _never() -> float:
+    raise AssertionError("measured although the share needs no measurement")
+
+
+def test_configured_share_prices_the_weights_pass_without_measuring():
+    cfg = SamplerConfig(decode_split_weights_pass=0.25)
+
+    share = weights_pass_share(cfg, "cpu", True, "configured", _never)
+
+    assert share == 0.25
+    assert weights_pass_cost(1_000_000, share) == 250_000
+
+
+def test_accelerator_or_sampler_that_never_splits_prices_a_pass_as_one_without_measuring():
+    cfg = SamplerConfig()
+
+    assert weights_pass_share(cfg, "gpu", True, "gpu", _never) == 1.0
+    assert weights_pass_share(cfg, "tpu", True, "tpu", _never) == 1.0
+    assert weights_pass_share(cfg, "cpu", False, "no-split", _never) == 1.0
+
+
+def test_share_is_measured_once_per_process_for_each_sampler_shape(monkeypatch):
+    monkeypatch.setattr(schedule, "_measured", {})
+    calls = []
+
+    def measure() -> float:
+        calls.append(1)
+        return 0.2
+
+    shares = [weights_pass_share(SamplerConfig(), "cpu", True, key, measure)
+              for key in ("a", "a", "b")]
+
+    assert shares == [0.2, 0.2, 0.2]
+    assert len(calls) == 2
+
+
+def test_timed_windows_are_the_shortest_and_the_longest_within_the_span():
+    assert measure_windows((32, 48, 64, 96, 128, 192, 256, 384, 512)) == (32, 256)
+    assert measure_windows((32, 48, 64)) == (32, 64)
+    assert measure_windows((16,)) == (16, 16)
+
+
+def test_one_window_has_nothing_to_difference_and_prices_a_pass_as_one():
+    assert measure_weights_pass(_never, (32, 32), 1, {"w": jnp.zeros((4,))}) == 1.0
+
+
+def test_measured_share_on_cpu_is_finite_positive_and_quick():
+    # A stand-in decode whose cost grows with the window: attention of 8 rows over a cache.
+    cache_BxTxD = jnp.ones((8, 2048, 64), jnp.float32)
+    attend = jax.jit(lambda w: jax.nn.softmax(
+        jnp.einsum("bd,btd->bt", cache_BxTxD[:, 0], cache_BxTxD[:, :w]), -1), static_argnums=0)
+    params = {"w1": jnp.ones((256, 256)), "w2": jnp.ones((256,))}
+    start = time.perf_counter()
+
+    share = measure_weights_pass(attend, (256, 2048), 8 * 64, params)
+
+    assert time.perf_counter() - start < 2.0
+    assert SHARE_RANGE[0] <= share <= SHARE_RANGE[1]
+
+
+@pytest.mark.parametrize("value", [-0.5, float("inf"), float("nan")])
+def test_weights_pass_share_outside_zero_and_finite_is_rejected(value):
+    with pytest.raises(ValueError, match="sampler.decode_split_weights_pass"):
+        SamplerConfig(decode_split_weights_pass=value)

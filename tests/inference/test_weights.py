@@ -11,10 +11,11 @@ import pytest
 
 from meshrl.configs.schema import MeshConfig, SamplerConfig
 from meshrl.inference.sampler import Request, Sampler
-from meshrl.inference.weights import WeightMismatchError, flat_params, publish_weights
+from meshrl.inference.weights import WeightMismatchError, publish_weights
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
+from meshrl.utils.params import flat_params
 
 TRAIN_MESH = MeshConfig(data=2, tensor=4, fsdp=True)
 SAMPLE_MESH = MeshConfig(data=2, tensor=4)

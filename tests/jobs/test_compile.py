@@ -10,6 +10,7 @@ import pytest
 
 from meshrl.configs import ConfigError, base_config, from_config_dict, load_config_file
 from meshrl.jobs import compile as compile_job
+from meshrl.jobs import compile_analysis
 from meshrl.jobs.compile_programs import default_programs
 from meshrl.utils.errors import UserError
 
@@ -111,8 +112,8 @@ def test_program_refused_for_hbm_reports_how_much_it_needs_and_what_to_change():
     from meshrl.aot.chips import CHIPS
 
     config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
-    e = compile_job.over_capacity(prog, error, CHIPS["v6e"], 1.0,
-                                  compile_job.advice(config, "decode"))
+    e = compile_analysis.over_capacity(prog, error, CHIPS["v6e"], 1.0,
+                                  compile_analysis.advice(config, "decode"))
     assert e["fits"] is False and e["hbm_per_chip_gib"] == pytest.approx(41.87 + 18)
     assert e["error"].startswith("RESOURCE_EXHAUSTED") and "\n" not in e["error"]
     assert f"sampler.slots = {config.sampler.slots // 2}" in e["advice"]
@@ -150,7 +151,7 @@ def test_mesh_search_candidates_cover_the_splits_and_refuse_with_the_rule():
     assert {c[1]["expert"] for c in moe if c[0] is not None} == {1, 2}
 
 
-def test_mesh_search_with_nothing_that_fits_says_so_in_one_line(monkeypatch):
+def test_mesh_search_with_nothing_that_fits_says_so_in_one_line():
     from meshrl.aot.chips import CHIPS
     from meshrl.jobs import compile_search
 
@@ -158,9 +159,8 @@ def test_mesh_search_with_nothing_that_fits_says_so_in_one_line(monkeypatch):
         return [{"fits": False, "headroom": -0.5, "hbm_per_chip_gib": 140.0,
                  "step_s_roofline": 1.0, "mfu_roofline": 0.5, "roofline": {"bound": "hbm"}}]
 
-    monkeypatch.setattr(compile_job, "compile_all", over)
     config = from_config_dict({**base_config("sft").to_dict(), "job": "compile"})
     with pytest.raises(UserError, match="none of the 6 meshes tried fits on 4 x v5p"):
-        compile_search.search(config, [object()] * 4, CHIPS["v5p"])
+        compile_search.search(config, [object()] * 4, CHIPS["v5p"], over)
     with pytest.raises(UserError, match="compile.search = True: needs a chip's figures"):
-        compile_search.search(config, [object()] * 4, None)
+        compile_search.search(config, [object()] * 4, None, over)

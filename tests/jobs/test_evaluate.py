@@ -21,9 +21,9 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Job
 from meshrl.inference.weights import published_versions
 from meshrl.jobs import evaluate
-from meshrl.jobs.rl_eval import read_metrics
 from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.tests.xla import cpu_env
+from meshrl.trainer.curves import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]

@@ -16,14 +16,9 @@ import numpy as np
 import pytest
 
 from meshrl.inference.sampler import Completion, Request
-from meshrl.jobs.rl_eval import (
-    EvalVersionError,
-    aevaluate,
-    pass_at_k,
-    plot_curves,
-    read_metrics,
-)
 from meshrl.tests.xla import cpu_env
+from meshrl.trainer.curves import plot_curves, read_metrics
+from meshrl.workflows.evaluate import EvalVersionError, aevaluate, pass_at_k
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
@@ -53,7 +48,7 @@ def _finish(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 240)
 def _final_weights(workdir: pathlib.Path, version: int) -> dict[str, np.ndarray]:
     import orbax.checkpoint as ocp
 
-    from meshrl.inference.weights import flat_params
+    from meshrl.utils.params import flat_params
 
     restored = ocp.StandardCheckpointer().restore(workdir / "weights" / str(version))
     return {k: np.asarray(v) for k, v in flat_params(restored).items()}
@@ -233,14 +228,14 @@ def _rl_config(**overrides):
     ({"trainer.steps": 9, "model.hf_path": "/ckpt/qwen"}, 0),  # pretrained: no warm start
 ])
 def test_warm_start_length_follows_rl_warm_start_steps(overrides, steps):
-    from meshrl.jobs.rl import warm_start_steps
+    from meshrl.jobs.rl_setup import warm_start_steps
 
     assert warm_start_steps(_rl_config(**overrides)) == steps
 
 
 def test_warm_start_sft_config_runs_adamw_at_rl_warm_start_lr():
     from meshrl.configs.schema import Job
-    from meshrl.jobs.rl import warm_start_config
+    from meshrl.jobs.rl_setup import warm_start_config
     from meshrl.trainer.optimizer import make_optimizer
 
     config = _rl_config(**{"rl.warm_start_lr": 3e-4, "trainer.learning_rate": 1e-6,

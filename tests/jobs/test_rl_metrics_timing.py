@@ -11,7 +11,8 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
 
 def test_each_rl_steps_metrics_are_recorded_before_the_next_batch_is_awaited(
         tmp_path, monkeypatch):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
+    from meshrl.trainer import rl_loop
 
     config = tiny_rl_config(**{"trainer.steps": 3, "rollout.max_staleness": 1})
     make, seen = rl_loop.make_runner, []
@@ -29,7 +30,7 @@ def test_each_rl_steps_metrics_are_recorded_before_the_next_batch_is_awaited(
         return runner
     monkeypatch.setattr(rl_loop, "make_runner", recording_runner)
 
-    trainer = rl_loop.RLTrainer(config, tmp_path)
+    trainer = rl_job.build(config, tmp_path)
     try:
         asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
     finally:

@@ -13,12 +13,12 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
 
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_float32_synchronous_rl_logprob_mismatch_is_rounding_only(tmp_path, minibatches):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
     config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.dtype": "float32",
                                "model.compute_dtype": "float32",
                                "rl.ppo_minibatches": minibatches})
-    trainer = rl_loop.RLTrainer(config, tmp_path)
+    trainer = rl_job.build(config, tmp_path)
     try:
         asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
     finally:

@@ -13,9 +13,9 @@ import pytest
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
-from meshrl.inference.weights import flat_params
 from meshrl.mesh.placement import create_meshes
 from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.utils.params import flat_params
 
 
 def _split(**overrides: Any) -> Config:
@@ -75,12 +75,12 @@ def test_split_that_does_not_fit_the_devices_is_a_config_error_naming_the_values
 @pytest.mark.distributed
 def test_split_rl_run_keeps_trainer_and_sampler_on_their_devices_and_publishes_weights(
         tmp_path):
-    from meshrl.jobs.rl import RLTrainer
+    from meshrl.jobs import rl as rl_job
 
     config = _split(**{"rl.sampler_devices": 2, "mesh.data": 3, "mesh.tensor": 2})
     trainer_devices, sampler_devices = set(jax.devices()[:6]), set(jax.devices()[6:])
 
-    trainer = RLTrainer(config, tmp_path)
+    trainer = rl_job.build(config, tmp_path)
     try:
         summary = asyncio.run(trainer.arun())
     finally:

@@ -36,14 +36,18 @@ def _kl_config(**overrides: Any) -> Config:
                              "sampler.temperature": T, "rl.kl_coef": 0.5, **overrides})
 
 
-def _informative_rewards(rb: Any, rl: Any) -> Any:
+def _informative_rewards(batch: RLTrainBatch, config: Config) -> RLTrainBatch:
     # An untrained policy earns 0 everywhere: all advantages 0, no update, and in the reward
     # mode GRPO would normalise a ~1e-7 KL's float noise. Rewards 0, 1 in every group (and their
     # advantages) keep the policy moving and the advantages well conditioned.
-    rewards_B = (np.arange(rb.shape[0]) % 2).astype(np.float32)
-    advantages_B = adv_lib.compute(rl.advantage, jnp.asarray(rewards_B), rb.group_size,
-                                   eps=rl.adv_eps)
-    return rb.replace(rewards_B=rewards_B, advantages_B=np.asarray(advantages_B, np.float32))
+    ids_BxL = batch.sample_ids
+    rewards_B = (np.arange(int(ids_BxL.max()) + 1) % 2).astype(np.float32)
+    advantages_B = np.asarray(adv_lib.compute(config.rl.advantage, jnp.asarray(rewards_B),
+                                              config.rollout.group_size, eps=config.rl.adv_eps))
+    at_BxL = np.maximum(ids_BxL, 0)
+    return batch.replace(
+        rewards=np.where(ids_BxL >= 0, rewards_B[at_BxL], 0.0).astype(np.float32),
+        advantages=(advantages_B[at_BxL] * batch.loss_mask).astype(np.float32))
 
 
 @dataclasses.dataclass
@@ -52,24 +56,25 @@ class Run:
     summary: dict[str, Any]
     params0: Any  # host copy of the trainer's params at version 0
     ref_before: Any  # host copy of the reference params before any step
-    rollouts: list[Any]  # the RolloutBatch of each step
+    rollouts: list[RLTrainBatch]  # the host batch of each step, before the reference
     batches: list[RLTrainBatch]  # the batch each train step received (host copies)
 
 
 def _run(config: Config, workdir: Any) -> Run:
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
+    from meshrl.trainer import rl_loop
 
     rollouts: list[Any] = []
     batches: list[RLTrainBatch] = []
-    real_make = rl_loop.make_rollout_batch
+    real_make = rl_loop.make_rl_batch
 
     def make(*args: Any, **kwargs: Any) -> Any:
-        rollouts.append(_informative_rewards(real_make(*args, **kwargs), config.rl))
+        rollouts.append(_informative_rewards(real_make(*args, **kwargs), config))
         return rollouts[-1]
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(rl_loop, "make_rollout_batch", make)
-        trainer = rl_loop.RLTrainer(config, workdir)
+        mp.setattr(rl_loop, "make_rl_batch", make)
+        trainer = rl_job.build(config, workdir)
         try:
             params0 = jax.device_get(trainer.state.params)
             ref_before = jax.device_get(trainer.reference.params)
@@ -145,7 +150,7 @@ def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run)
         ref_BxL = _logprobs(run.trainer, run.params0, batch)
         mask_BxL = batch.loss_mask
         ids_BxL = batch.sample_ids  # rows are packed: each token names its sample
-        want_B = kl_reward_advantages(rl, jnp.asarray(rb.rewards_B),
+        want_B = kl_reward_advantages(rl, jnp.asarray(rb.sample_rewards()),
                                       jnp.asarray(batch.behaviour_logprobs),
                                       jnp.asarray(ref_BxL), jnp.asarray(mask_BxL), group_size,
                                       sample_ids_BxL=jnp.asarray(ids_BxL))
@@ -155,8 +160,7 @@ def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run)
     first, second = run.trainer.history
     assert "train/kl_ref" not in first
     # At step 2 the policy has moved: the KL visibly changed the rollout's own advantages.
-    ids_BxL = np.maximum(run.batches[1].sample_ids, 0)
-    plain_BxL = run.rollouts[1].advantages_B[ids_BxL] * run.batches[1].loss_mask
+    plain_BxL = run.rollouts[1].advantages  # the same packing, before the KL
     assert np.abs(run.batches[1].advantages - plain_BxL).max() > 1e-5
     assert second["train/kl_behaviour_ref"] > 1e-6
     np.testing.assert_allclose(first["train/kl_behaviour_ref"], 0.0, rtol=0, atol=1e-5)
@@ -182,10 +186,10 @@ def test_reference_params_survive_donated_train_steps_unchanged_while_the_policy
 @pytest.mark.distributed
 def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retraining(
         tmp_path):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
     config = _kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 1})
-    first = rl_loop.RLTrainer(config, tmp_path)
+    first = rl_job.build(config, tmp_path)
     try:
         ref_first = jax.device_get(first.reference.params)
         asyncio.run(first.arun())  # one RL step, checkpointed at the end
@@ -195,7 +199,7 @@ def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retra
     sft_steps = sorted(p.name for p in sft.iterdir() if p.name.isdigit())
     sft_mtime = (sft / sft_steps[-1]).stat().st_mtime_ns
 
-    resumed = rl_loop.RLTrainer(_kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 2}),
+    resumed = rl_job.build(_kl_config(**{"rl.warm_start_steps": 2, "trainer.steps": 2}),
                                 tmp_path)
     try:
         ref_resumed = jax.device_get(resumed.reference.params)
@@ -213,7 +217,7 @@ def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retra
 @pytest.mark.parametrize("kl_where", ["loss", "reward"])
 def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_where):
     from meshrl.algorithms import kl as kl_lib
-    from meshrl.mesh import create_mesh, logical_to_sharding, rules_for
+    from meshrl.mesh import create_mesh, rules_for
     from meshrl.tests.trainer.tiny import make_trainee
     from meshrl.trainer.engine import expand_prefix
     from meshrl.trainer.reference import ReferencePolicy, ref_fields, reference_logprobs
@@ -228,8 +232,7 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
     params_sh = expand_prefix(trainee.params_shardings, trainee.params)
     batch_sh = batch_shardings(mesh, rules, B, L, RLTrainBatch, *ref_fields(rl))
     reference = ReferencePolicy(rl, trainee.forward, trainee.params, params_sh, mesh, batch_sh,
-                                logical_to_sharding(("batch",), mesh, rules, (B,)),
-                                temperature=T, group_size=G, microbatches=2)
+                                samples=B, temperature=T, group_size=G, microbatches=2)
     rng = np.random.default_rng(0)
     mask_BxL = (np.arange(L) >= 6).astype(np.float32)[None].repeat(B, 0)
     batch = RLTrainBatch(
@@ -248,9 +251,11 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
     shift_Bx1 = 0.1 * (1.0 + np.arange(B, dtype=np.float32))[:, None]
     batch = batch.replace(behaviour_logprobs=(ref_BxL - shift_Bx1) * mask_BxL)
     rewards_B = (np.arange(B) % 2).astype(np.float32)
-    placed = jax.tree.map(jax.device_put, batch, batch_sh.replace(ref_logprobs=None))
+    batch = batch.replace(rewards=np.repeat(rewards_B[:, None], L, 1))
+    in_sh = batch_sh.replace(ref_logprobs=None)
+    placed = jax.tree.map(jax.device_put, batch.like(in_sh), in_sh)
 
-    out, metrics = reference.apply(placed, reference.put_rewards(rewards_B))
+    out, metrics = reference.apply(placed)
 
     assert jax.tree.structure(out) == jax.tree.structure(batch_sh)
     assert np.all(ref_BxL[:, :6] == 0.0) and np.all(ref_BxL[:, 6:] < 0.0)

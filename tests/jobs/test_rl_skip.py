@@ -12,22 +12,23 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
 
 def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version_per_batch(
         tmp_path, monkeypatch):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
+    from meshrl.trainer import rl_loop
 
     config = tiny_rl_config(**{"trainer.steps": 3, "rollout.max_staleness": 0,
                                "trainer.on_nonfinite": "skip"})
-    build, built = rl_loop.make_rollout_batch, []
+    build, built = rl_loop.make_rl_batch, []
 
     def poison_second_batch(*args, **kwargs):
         rb = build(*args, **kwargs)
         built.append(rb)
         if len(built) == 2:  # a NaN behaviour logprob on every loss token: a non-finite loss
-            rb = rb.replace(behaviour_logprobs_BxL=np.where(
-                rb.loss_mask_BxL > 0, np.nan, rb.behaviour_logprobs_BxL).astype(np.float32))
+            rb = rb.replace(behaviour_logprobs=np.where(
+                rb.loss_mask > 0, np.nan, rb.behaviour_logprobs).astype(np.float32))
         return rb
-    monkeypatch.setattr(rl_loop, "make_rollout_batch", poison_second_batch)
+    monkeypatch.setattr(rl_loop, "make_rl_batch", poison_second_batch)
 
-    trainer = rl_loop.RLTrainer(config, tmp_path)
+    trainer = rl_job.build(config, tmp_path)
     try:
         summary = asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
     finally:
@@ -39,4 +40,4 @@ def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version
     assert trainer.sampler.version == 3  # one published version per consumed batch
     assert summary["max_staleness_seen"] == 0
     # Synchronous: every loss token came from the version the step updates.
-    assert [h["train/version_lag_max"] for h in trainer.history] == [0.0, 0.0, 0.0]
+    assert [h["rollout/batch_staleness_max"] for h in trainer.history] == [0.0, 0.0, 0.0]

@@ -19,9 +19,9 @@ ZERO = ("meshrl.tests.jobs.zero_reward:reward",)
 
 
 def _run(config, workdir):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
-    trainer = rl_loop.RLTrainer(config, workdir)
+    trainer = rl_job.build(config, workdir)
     try:
         summary = asyncio.run(asyncio.wait_for(trainer.arun(), timeout=120))
     finally:
@@ -31,7 +31,7 @@ def _run(config, workdir):
 
 @pytest.mark.slow
 def test_all_zero_reward_run_stops_with_one_line_and_keeps_a_restorable_checkpoint(tmp_path):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
     # Two steps that keep every group (no filter, no stop) leave a checkpoint at step 2.
     first = tiny_rl_config(**{"reward.names": ZERO, "rollout.max_filtered_in_a_row": 0})
@@ -53,7 +53,7 @@ def test_all_zero_reward_run_stops_with_one_line_and_keeps_a_restorable_checkpoi
     assert "rollout.filter_equal_groups=false" in message
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
         "2"]
-    trainer = rl_loop.RLTrainer(first, tmp_path)  # the newest checkpoint restores
+    trainer = rl_job.build(first, tmp_path)  # the newest checkpoint restores
     try:
         assert trainer.start_step == 2
         assert int(jax.device_get(trainer.state.step)) == 2
@@ -64,7 +64,7 @@ def test_all_zero_reward_run_stops_with_one_line_and_keeps_a_restorable_checkpoi
 
 @pytest.mark.slow
 def test_requested_stop_saves_the_reached_step_and_the_run_resumes_there(tmp_path, monkeypatch):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl as rl_job
 
     config = tiny_rl_config(**{"trainer.steps": 5})
     monkeypatch.setattr(interrupt, "_state", {"requested": True})  # a Ctrl-C before step 1
@@ -77,7 +77,7 @@ def test_requested_stop_saves_the_reached_step_and_the_run_resumes_there(tmp_pat
     assert str(info.value) == (f"stopped at step {step}; checkpoint saved: "
                                f"{tmp_path / 'checkpoints' / str(step)}")
     monkeypatch.setattr(interrupt, "_state", {"requested": False})
-    trainer = rl_loop.RLTrainer(config, tmp_path)
+    trainer = rl_job.build(config, tmp_path)
     try:
         assert trainer.start_step == step
     finally:

@@ -20,16 +20,19 @@ from meshrl.configs.schema import MeshConfig
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
 from meshrl.inference.sampler import Request, Sampler
-from meshrl.inference.weights import flat_params, publish_weights
+from meshrl.inference.weights import publish_weights
 from meshrl.jobs import sample as job
 from meshrl.jobs.rl_eval import sample_versions
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
 from meshrl.models.hf import save_hf_checkpoint
+from meshrl.models.load import abstract_params
 from meshrl.models.tokenizer import tokenizer_for
 from meshrl.tests.inference.tiny import TINY
 from meshrl.tests.trainer.tiny import make_loop, tiny_config
 from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.trainer.sft_loop import run_sft
+from meshrl.utils.params import flat_params
 
 # The sample config's mesh fills data=-1: the job runs over all 8 fake devices.
 pytestmark = pytest.mark.distributed
@@ -88,7 +91,7 @@ def run_dir(tmp_path_factory):
                             "logging.tensorboard": False})
     loop = make_loop(config, workdir)
     try:
-        loop.run_sft()
+        run_sft(loop)
     finally:
         loop.close()
     other = split_model(create_model(config.model, seed=5))[1]
@@ -193,7 +196,7 @@ def test_greedy_samples_from_a_run_equal_a_sampler_on_its_params(run_dir, direct
 def test_checkpoint_params_restore_onto_another_mesh_with_the_runs_values(run_dir):
     workdir, run_config, params = run_dir
     mesh = create_mesh(MeshConfig(data=-1, tensor=2))  # the run trained on one device
-    target = job.abstract_params(run_config.model, mesh, rules_for("sample"))
+    _, target, _ = abstract_params(run_config.model, mesh, rules_for("sample"))
     reader = CheckpointReader(workdir / "checkpoints")
 
     try:
@@ -212,7 +215,7 @@ def test_checkpoint_params_restore_onto_another_mesh_with_the_runs_values(run_di
 
 
 def test_missing_tokenizer_is_an_error_in_sample_and_rl(tmp_path):
-    from meshrl.jobs import rl as rl_loop
+    from meshrl.jobs import rl_setup
 
     ckpt = tmp_path / "hf"  # a subword-sized vocabulary with no tokenizer.json
     save_hf_checkpoint(create_model(dataclasses.replace(TINY, vocab_size=2048), seed=0), ckpt)
@@ -226,7 +229,7 @@ def test_missing_tokenizer_is_an_error_in_sample_and_rl(tmp_path):
                                           r"\(model.tokenizer = 'auto'"):
         job.run(config, str(tmp_path))
     with pytest.raises(ConfigError, match="has no tokenizer.json"):
-        rl_loop._load_model(config, mesh)
+        rl_setup.load_trainee(config, mesh)
     assert not (tmp_path / "samples.jsonl").exists()
 
 

@@ -1,5 +1,5 @@
 """launch/local.py stopped from outside: SIGTERM or SIGHUP (a CI cancel, ``timeout``, a closed ssh
-session) stops every process of the job, their own children included, and the launcher exits
+connection) stops every process of the job, their own children included, and the launcher exits
 128 + the signal; SIGKILL of the launcher, which no handler sees, still takes the job's
 processes with it (Linux: PR_SET_PDEATHSIG). Checked by pid in /proc."""
 

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from meshrl.launch import sweep, sweep_run
+from meshrl.launch import sweep, sweep_run, sweep_trials
 from meshrl.launch.sweep import SweepError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,7 +57,7 @@ def sweep():
 def fake_main(tmp_path, monkeypatch, meshrl_logger):
     path = tmp_path / "fake_main.py"
     path.write_text(FAKE_MAIN)
-    monkeypatch.setattr(sweep, "MAIN", path)
+    monkeypatch.setattr(sweep_trials, "MAIN", path)
     return path
 
 
@@ -86,7 +86,7 @@ def test_zip_pairs_axes_elementwise_and_nests_in_product():
 
 
 def test_zip_of_different_lengths_raises_naming_the_lengths():
-    with pytest.raises(SweepError, match=r"zip: the arguments have different lengths \[2, 3\]"):
+    with pytest.raises(SweepError, match=r"zipit: the axes have different lengths \[2, 3\]"):
         sweep.zip(sweep.sweep("trainer.seed", [0, 1]), sweep.sweep("data.difficulty", [1, 2, 3]))
 
 
@@ -173,9 +173,11 @@ def test_example_sweep_file_is_the_2x2_smoke_sweep():
     (f"CONFIG = {SMOKE!r}\ndef sweep():\n    return [{{'trainer.seed': 0}}, 3]\n",
      "sweep() item 1: 3 is not a dict"),
     (f"CONFIG = {SMOKE!r}\ndef sweep():\n    return []\n", "non-empty list of dicts"),
+    (f"CONFIG = {SMOKE!r}\ndef sweep():\n    raise KeyError('lr')\n",
+     "sweep() raised KeyError at s.py:4: 'lr'"),
     (f"CONFIG = {SMOKE!r}\ndef sweep():\n    return hyper.zip(hyper.sweep('trainer.seed', [0]), "
      f"hyper.sweep('trainer.steps', [1, 2]))\n",
-     "sweep(): zip: the arguments have different lengths [1, 2]"),
+     "sweep(): zipit: the axes have different lengths [1, 2]"),
     ("CONFIG = 'configs/nope.py'\ndef sweep():\n    return [{}]\n", "no such file"),
     ("CONFIG = 'configs/default.py:tiny'\ndef sweep():\n    return [{}]\n",
      "unknown variant 'tiny'"),

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from meshrl.launch import sweep, sweep_run
+from meshrl.launch import sweep, sweep_run, sweep_trials
 
 # main.py's stand-in: its first attempt dies writing summary.json, a later one finishes.
 # ``atomic`` writes the way the jobs do (utils.paths.write_text_atomic); ``in_place`` the way
@@ -48,9 +48,9 @@ def test_kill_during_summary_writing_leaves_the_trial_unfinished_and_the_sweep_r
         tmp_path, monkeypatch, meshrl_logger, capsys, writer):
     fake = tmp_path / "fake_main.py"
     fake.write_text(f"WRITER = {writer!r}\n" + FAKE_MAIN)
-    monkeypatch.setattr(sweep, "MAIN", fake)
+    monkeypatch.setattr(sweep_trials, "MAIN", fake)
     spec = tmp_path / "s.py"
-    spec.write_text(ONE_TRIAL.format(config=str(sweep.ROOT / "configs" / "default.py")))
+    spec.write_text(ONE_TRIAL.format(config=str(sweep_trials.ROOT / "configs" / "default.py")))
     workdir = tmp_path / "w"
 
     rc = sweep.main([str(spec), "--workdir", str(workdir)])

@@ -77,3 +77,17 @@ def hf_checkpoint(tmp_path: pathlib.Path) -> Callable[[str], tuple[pathlib.Path,
 
 def random_ids(batch: int, length: int, vocab: int = 128, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+def byte_sft_config(**model: Any) -> Any:
+    """A validated SFT ``Config`` of a tiny random decoder with the byte tokenizer (no
+    tokenizer.json needed) on one device; ``model`` overrides ``model.*``."""
+    from meshrl.configs import base_config, from_config_dict
+
+    cfg = base_config("sft")
+    cfg.mesh.data = 1
+    cfg.model.tokenizer = "char"
+    for key, value in {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
+                       "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, **model}.items():
+        setattr(cfg.model, key, value)
+    return from_config_dict(cfg)

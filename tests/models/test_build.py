@@ -18,10 +18,10 @@ from meshrl.configs import sample as sample_config
 from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import ModelConfig
 from meshrl.jobs import dispatch
-from meshrl.jobs import rl as rl_job
 from meshrl.jobs import sample as sample_job
-from meshrl.mesh import create_mesh, rules_for
-from meshrl.models import build_model, resolve_model_config
+from meshrl.jobs.weights_source import load_source
+from meshrl.mesh import create_mesh
+from meshrl.models import build_model, load, resolve_model_config
 from meshrl.tests.models.conftest import TINY, hf_logits, random_ids
 from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.tests.xla import cpu_env
@@ -69,16 +69,17 @@ def test_build_model_loads_hf_path_weights_with_runtime_fields_of_model(llama_di
                                hf_logits(torch_model, ids_BxL), rtol=0.05, atol=0.05)
 
 
-def test_rl_job_builds_the_policy_and_eval_sampler_model_with_model_runtime_fields(llama_dir):
+@pytest.mark.parametrize("role", ["train", "sample"])
+def test_load_of_an_rl_config_builds_the_model_with_model_runtime_fields(llama_dir, role):
     config = tiny_rl_config(**{"model.hf_path": str(llama_dir[0]), "rl.warm_start_steps": 0,
                                **RUNTIME})
     mesh = create_mesh(config.mesh)
 
-    graphdef, params, model_cfg, _ = rl_job._load_model(config, mesh)
+    loaded = load(config, mesh, role)
 
-    # model_cfg is also what RLTrainer hands the sampler that runs rollouts and evaluation.
-    _assert_runtime(model_cfg)
-    _assert_runtime(nnx.merge(graphdef, params).cfg)
+    # loaded.arch is what a job hands its sampler (rollouts, evaluation, the sample job).
+    _assert_runtime(loaded.arch)
+    _assert_runtime(nnx.merge(loaded.graphdef, loaded.params).cfg)
 
 
 def test_sample_job_builds_the_hf_path_model_with_model_runtime_fields(llama_dir, tmp_path):
@@ -90,9 +91,10 @@ def test_sample_job_builds_the_hf_path_model_with_model_runtime_fields(llama_dir
     config = from_config_dict(cfg)
     src = sample_job.resolve_source(config, tmp_path)
 
-    model = sample_job.source_model(config, src, create_mesh(config.mesh), rules_for("sample"))
+    loaded, _ = load_source(config, tmp_path, src, create_mesh(config.mesh), "sample")
 
-    _assert_runtime(model.cfg)
+    _assert_runtime(loaded.arch)
+    _assert_runtime(nnx.merge(loaded.graphdef, loaded.params).cfg)
 
 
 def _bad_dirs(root: pathlib.Path, llama: pathlib.Path) -> dict[str, pathlib.Path]:

@@ -11,10 +11,10 @@ import shutil
 import numpy as np
 import pytest
 
-from meshrl.inference.weights import flat_params
 from meshrl.models import create_model
 from meshrl.models.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
 from meshrl.tests.inference.tiny import TINY
+from meshrl.utils.params import flat_params
 
 INDEX = "model.safetensors.index.json"
 

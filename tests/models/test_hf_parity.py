@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import ModelConfig
-from meshrl.models import load_hf_checkpoint, model_from_config, save_hf_checkpoint
+from meshrl.models import build_model, load_hf_checkpoint, save_hf_checkpoint
 from meshrl.tests.models.conftest import KINDS, hf_logits, random_ids
 
 # float32 on CPU on both sides; differences are summation order only.
@@ -93,11 +93,11 @@ def test_sharded_safetensors_index_loads_with_same_logits(tmp_path):
                                rtol=RTOL, atol=ATOL)
 
 
-def test_model_from_config_loads_hf_path_with_runtime_fields_from_config(hf_checkpoint):
+def test_build_model_loads_hf_path_with_runtime_fields_from_config(hf_checkpoint):
     path, torch_model = hf_checkpoint("llama")
     cfg = ModelConfig(hf_path=str(path), remat="full", scan_layers=True, vocab_size=7)
 
-    model = model_from_config(cfg)
+    model = build_model(cfg)
 
     assert model.cfg.vocab_size == 128  # architecture comes from the checkpoint
     assert (model.cfg.remat, model.cfg.scan_layers) == ("full", True)

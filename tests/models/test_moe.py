@@ -138,7 +138,8 @@ def test_load_balancing_loss_equals_transformers_over_layers_with_padding():
         s = router_stats(jnp.asarray(logits), e_TxK, jnp.asarray(mask_BxL.reshape(-1)),
                          jnp.zeros(()))
         total = s if total is None else jax.tree.map(jnp.add, total, s)
-    out = Hidden(jnp.zeros((B, L, 4)), jnp.zeros((4, 5)), router=total, aux_loss_coef=1.0)
+    out = Hidden(jnp.zeros((B, L, 4)), jnp.zeros((4, 5)), chunk=0, router=total,
+                 aux_loss_coef=1.0)
 
     loss, aux = router_terms(out, jnp.zeros(()), jnp.ones(()), {})
     expected = load_balancing_loss_func(tuple(torch.tensor(g) for g in layers), E, K,

@@ -27,6 +27,7 @@ from meshrl.trainer.checkpoint import (
 )
 from meshrl.trainer.engine import expand_prefix
 from meshrl.trainer.optimizer import make_optimizer
+from meshrl.trainer.sft_loop import run_sft
 from meshrl.trainer.state import abstract_state, init_state, state_shardings
 
 ENV = cpu_env(8)
@@ -36,12 +37,13 @@ ENV = cpu_env(8)
 _PHASE_ONE = textwrap.dedent("""
     import os, sys
     from meshrl.tests.trainer.tiny import make_loop, tiny_config
+    from meshrl.trainer.sft_loop import run_sft
     loop = make_loop(tiny_config(), sys.argv[1])
     def die(step, loop):
         if step == 5:
             loop.checkpointer.wait()
             os._exit(0)
-    loop.run_sft(hooks=[die])
+    run_sft(loop, hooks=[die])
     os._exit(3)
 """)
 
@@ -53,7 +55,7 @@ def _losses(workdir: pathlib.Path) -> dict[int, float]:
 
 def _run(config, workdir):
     loop = make_loop(config, workdir)
-    loop.run_sft()
+    run_sft(loop)
     params = jax.device_get(loop.state.params)
     start = loop.start_step
     loop.close()
@@ -146,7 +148,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage):
     assert loop.start_step == 2
     assert any("step 4 is unusable" in r.getMessage() for r in records)
     assert not step4.exists() and list((tmp_path / "checkpoints").glob("corrupt.4.*"))
-    loop.run_sft()  # training continues from step 2 and writes a good step 4 again
+    run_sft(loop)  # training continues from step 2 and writes a good step 4 again
     loop.close()
     assert (step4 / MANIFEST).exists()
 

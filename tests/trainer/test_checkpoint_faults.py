@@ -21,7 +21,6 @@ from meshrl.inference import weights
 from meshrl.inference.weights import (
     RETIRED,
     WeightVersionGoneError,
-    flat_params,
     publish_version,
     published_versions,
     restore_weights,
@@ -30,7 +29,9 @@ from meshrl.tests.trainer.tiny import make_loop, tiny_config
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer import engine as engine_lib
 from meshrl.trainer.checkpoint import MANIFEST, UnverifiedCheckpointsError
+from meshrl.trainer.sft_loop import run_sft
 from meshrl.utils.errors import one_line
+from meshrl.utils.params import flat_params
 from meshrl.utils.watchdog import EXIT_HANG
 
 
@@ -43,7 +44,7 @@ def _tree(root: pathlib.Path) -> dict[str, str]:
 def _train(config, workdir: pathlib.Path, hooks=()) -> list[dict[str, float]]:
     loop = make_loop(config, workdir)
     try:
-        return list(loop.run_sft(hooks=hooks))
+        return list(run_sft(loop, hooks=hooks))
     finally:
         loop.close()
 
@@ -94,7 +95,7 @@ def test_every_step_unverified_with_restart_starts_over_and_drops_old_steps_once
         moved = {int(p.name.split(".")[1]): p for p in ckpt.glob("corrupt.*")}
         assert sorted(moved) == [2, 4]
         assert {s: _tree(p) for s, p in moved.items()} == old  # kept whole while unverified
-        loop.run_sft()
+        run_sft(loop)
     finally:
         loop.close()
 

@@ -16,6 +16,7 @@ from meshrl.tests.trainer.tiny import RandomIterator, make_loop, tiny_config
 from meshrl.tests.trees import unchanged_leaves
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.engine import NonFiniteLossError, put_batch
+from meshrl.trainer.sft_loop import run_sft
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -24,7 +25,7 @@ def test_nonfinite_loss_raises_with_step_number_and_saves_nothing_after_it(tmp_p
     config = tiny_config(**{"trainer.on_nonfinite": "raise", "checkpoint.every_steps": 1})
     loop = make_loop(config, tmp_path, RandomIterator(8, 16, nan_at=2))
     with pytest.raises(NonFiniteLossError, match="non-finite loss at step 3"):
-        loop.run_sft()
+        run_sft(loop)
     loop.close()
     # Steps 1 and 2 were checkpointed; the poisoned step 3 never was.
     assert sorted(loop.checkpointer.all_steps()) == [1, 2]
@@ -35,7 +36,7 @@ def _sft_rows(tmp_path, **overrides):
     config = tiny_config(**{"checkpoint.every_steps": 0, "checkpoint.async_save": False,
                             **overrides})
     loop = make_loop(config, tmp_path)
-    history = loop.run_sft()
+    history = run_sft(loop)
     loop.close()
     rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     return loop, history, rows

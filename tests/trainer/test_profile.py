@@ -9,6 +9,7 @@ import pytest
 from meshrl.configs import ConfigError, base_config, from_config_dict
 from meshrl.tests.trainer.tiny import make_loop, tiny_config, tiny_rl_config
 from meshrl.trainer.profile import ProfileWindow
+from meshrl.trainer.sft_loop import run_sft
 
 
 def _traces(workdir) -> list:
@@ -19,7 +20,7 @@ def test_sft_run_with_window_2_3_writes_one_nonempty_trace(tmp_path):
     config = tiny_config(**{"checkpoint.every_steps": 0, "checkpoint.async_save": False,
                             "trainer.steps": 3, "logging.profile_steps": (2, 3)})
     loop = make_loop(config, tmp_path)
-    loop.run_sft()
+    run_sft(loop)
     loop.close()
     (trace,) = _traces(tmp_path)
     assert trace.stat().st_size > 0

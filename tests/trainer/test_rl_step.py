@@ -22,12 +22,12 @@ from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.rl_step import make_rl_train_step
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import make_train_step
-from meshrl.workflows import build_rollout_batch
+from meshrl.workflows import build_rl_batch
 
 
 def _contract_batch(params: dict) -> RLTrainBatch:
     """4 sequences of 1-3 loss tokens (uneven: a per-minibatch mean is not a share)."""
-    batch = build_rollout_batch(groups(params["table"]), length_buckets=(6,)).to_train_batch()
+    batch = build_rl_batch(groups(params["table"]), length_buckets=(6,))
     return jax.tree.map(jnp.asarray, batch)
 
 
@@ -146,6 +146,68 @@ def test_loss_weight_is_the_loss_functions_weight_without_a_model_output():
     logits = forward(params, batch.input_ids)
     batch = batch.replace(proximal_logprobs=pl.token_logprobs(logits, batch.targets))
     for rl in (RLConfig(), RLConfig(aggregation="sequence_mean"), RLConfig(policy_loss="gspo"),
-               RLConfig(behav_weight_cap=1.0)):
+               RLConfig(behav_weight_cap=1.0, behav_cap_mode="drop"),
+               RLConfig(rollout_correction="mis_seq", correction_high=1.01)):
         np.testing.assert_array_equal(pl.loss_weight(rl, batch),
                                       pl.make_rl_loss_fn(rl)(logits, batch)[1])
+
+
+def _shifted_behaviour(params: dict, rho_of_token) -> tuple[RLTrainBatch, np.ndarray]:
+    """The contract batch with behaviour logprobs lowered by log rho per loss token (so
+    pi_old / pi_behav = rho under ``params``) and the rho of each token (1 off the mask)."""
+    batch = _contract_batch(params)
+    mask = np.asarray(batch.loss_mask) > 0
+    rho = np.where(mask, rho_of_token(np.arange(mask.size).reshape(mask.shape)), 1.0)
+    return batch.replace(behaviour_logprobs=batch.behaviour_logprobs - np.log(rho)), rho
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_rollout_correction_config_takes_effect_in_the_rl_step(k):
+    # rho cycles 0.3, 1, 8 over the tokens: mis_token keeps only the rho = 1 tokens (band
+    # [0.5, 5]), so the step's loss weight counts them alone; the metrics report the raw rho.
+    params = {"table": 0.3 * jax.random.normal(jax.random.key(4), (V, V))}
+    batch, rho = _shifted_behaviour(params, lambda i: np.array([0.3, 1.0, 8.0])[i % 3])
+    mask = np.asarray(batch.loss_mask) > 0
+    tx = optax.sgd(0.0)
+    metrics = {}
+    for mode in ("none", "mis_token"):
+        rl = RLConfig(rollout_correction=mode, ppo_minibatches=k)
+        step = make_rl_train_step(forward, pl.make_rl_loss_fn(rl), tx, lambda s: 0.0, rl=rl)
+        metrics[mode] = _run(step, params, tx, batch)[1]
+
+    on, off = metrics["mis_token"], metrics["none"]
+    kept = mask & (rho == 1.0)
+    assert 0 < kept.sum() < mask.sum()
+    assert float(on["tokens"]) == kept.sum() and float(off["tokens"]) == mask.sum()
+    np.testing.assert_allclose(on["rollout_is_weight"], rho[mask].mean(), rtol=1e-4)
+    np.testing.assert_allclose(on["rollout_is_weight_max"], 8.0, rtol=1e-4)
+    assert float(on["rollout_is_weight_tokens"]) == mask.sum()
+    if k == 1:
+        # Per-token statistics are means over each update's input tokens, combined weighted by
+        # its loss weight: exact here, where one update sees the whole batch.
+        np.testing.assert_allclose(on["rollout_corr_frac"], 1.0 - kept.sum() / mask.sum(),
+                                   rtol=1e-5)
+    assert "rollout_is_weight" not in off and "rollout_corr_frac" not in off
+    assert not np.isclose(float(on["loss"]), float(off["loss"]))
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_behav_cap_mode_sets_the_decoupled_normaliser_in_the_rl_step(k):
+    # Two of every three tokens have pi_prox / pi_behav = 8 > behav_weight_cap = 5: AReaL's
+    # "zero" keeps them in the denominator, "drop" leaves only the others.
+    params = {"table": 0.3 * jax.random.normal(jax.random.key(5), (V, V))}
+    batch, rho = _shifted_behaviour(params, lambda i: np.where(i % 3 == 0, 1.0, 8.0))
+    mask = np.asarray(batch.loss_mask) > 0
+    tx = optax.sgd(0.0)
+    out = {}
+    for mode in ("zero", "drop"):
+        rl = RLConfig(behav_cap_mode=mode, ppo_minibatches=k)
+        step = make_rl_train_step(forward, pl.make_rl_loss_fn(rl), tx, lambda s: 0.0, rl=rl,
+                                  microbatches=2 // k)
+        out[mode] = _run(step, params, tx, batch)[1]
+
+    uncapped = (mask & (rho <= 5.0)).sum()
+    assert float(out["zero"]["tokens"]) == mask.sum() > float(out["drop"]["tokens"]) == uncapped
+    # The same kept tokens' loss, divided by the two counts.
+    np.testing.assert_allclose(out["zero"]["loss"] * mask.sum(),
+                               out["drop"]["loss"] * uncapped, rtol=1e-5, atol=1e-6)

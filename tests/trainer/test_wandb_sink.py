@@ -14,6 +14,7 @@ from meshrl.configs import base_config, from_config_dict
 from meshrl.tests.trainer.test_metrics_writer import _scalars as tensorboard_scalars
 from meshrl.tests.trainer.tiny import make_loop, tiny_config
 from meshrl.trainer.metrics import MetricsWriter
+from meshrl.trainer.sft_loop import run_sft
 from meshrl.trainer.wandb_sink import WandbSink, check_wandb
 from meshrl.utils.errors import UserError
 
@@ -60,7 +61,7 @@ def _config(**overrides):
 
 def test_sft_run_logs_to_wandb_the_steps_and_values_tensorboard_got(tmp_path, fake_wandb):
     loop = make_loop(_config(), tmp_path)
-    loop.run_sft()
+    run_sft(loop)
     loop.close()
     (run,) = fake_wandb.runs
     assert run.kwargs["project"] == "meshrl-test" and run.kwargs["name"] == tmp_path.name

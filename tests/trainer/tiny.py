@@ -146,14 +146,14 @@ def mesh_for(config: Config, devices: list[jax.Device] | None = None) -> jax.sha
 
 def make_loop(config: Config, workdir: Any, data: Any = None) -> Any:
     """A started SFT ``TrainEngine`` on all devices of ``config.mesh`` with the tiny model and
-    random data: ``make_loop(...).run_sft()`` trains (resuming from ``workdir``)."""
-    from meshrl.algorithms.losses import get_loss
+    random data: ``run_sft(make_loop(...))`` trains (resuming from ``workdir``)."""
     from meshrl.trainer.engine import TrainEngine
+    from meshrl.trainer.spec import sft_spec
 
     mesh = mesh_for(config)
     data = data if data is not None else RandomIterator(config.trainer.batch_size,
                                                         config.trainer.seq_len)
-    engine = TrainEngine(config, workdir, mesh, make_trainee(config, mesh), get_loss("sft"))
+    engine = TrainEngine(config, workdir, mesh, make_trainee(config, mesh), sft_spec(config, mesh))
     try:
         engine.start(data=data)
     except BaseException:

@@ -43,7 +43,7 @@ def test_run_sync_inside_a_running_loop_raises_the_coroutines_error():
         asyncio.run(cell())
 
 
-# A process of its own: a stray KeyboardInterrupt must never reach the test session.
+# A process of its own: a stray KeyboardInterrupt must never reach the pytest process.
 _INTERRUPT = r"""
 import asyncio, json, os, signal, threading, time
 from meshrl.utils.aio import run_sync

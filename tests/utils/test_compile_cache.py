@@ -14,7 +14,7 @@ from meshrl.utils import compile_cache
 
 @pytest.fixture
 def restore_jax_cache():
-    """The session's cache settings (tests/conftest.py) back after the test."""
+    """The test run's cache settings (tests/conftest.py) back after the test."""
     keys = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
             "jax_persistent_cache_min_compile_time_secs")
     saved = {k: getattr(jax.config, k) for k in keys}

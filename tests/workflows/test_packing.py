@@ -17,7 +17,7 @@ from meshrl.configs.schema import ModelConfig, RLConfig
 from meshrl.models import create_model, forward, split_model
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import BucketedStep, make_train_step, row_buckets
-from meshrl.workflows import Trajectory, build_rollout_batch, pack_rows
+from meshrl.workflows import Trajectory, build_rl_batch, pack_rows, rows_needed
 
 V, L = 32, 16
 
@@ -51,16 +51,20 @@ def rollout(seed: int = 0, groups: int = 3, n: int = 2):
     return out
 
 
-def test_packed_batch_holds_each_sequence_once_in_a_segment_of_its_own():
-    rb = build_rollout_batch(rollout(), length_buckets=(L,))
-    padded, rows = rb.to_train_batch(), rb.packed_rows()
-    packed = rb.to_train_batch(rows + 1)  # one spare row: all padding
+def build(groups, rows=None) -> RLTrainBatch:
+    return build_rl_batch(groups, length_buckets=(L,), rows=rows)
 
-    assert rows < rb.shape[0]
+
+def test_packed_batch_holds_each_sequence_once_in_a_segment_of_its_own():
+    groups = rollout()
+    padded, rows = build(groups), rows_needed(groups, L)
+    packed = build(groups, rows + 1)  # one spare row: all padding
+
+    assert rows < padded.rows
     for f in dataclasses.fields(packed):
         if getattr(packed, f.name) is not None:
             assert getattr(packed, f.name).dtype == field_dtype(RLTrainBatch, f.name), f.name
-    for b, n in enumerate(rb.lengths()):
+    for b, n in enumerate(len(t) for g in groups for t in g):
         where = packed.sample_ids == b
         r = int(np.flatnonzero(where.any(axis=1))[0])
         assert where.sum() == n and where[r].sum() == n  # whole, in one row
@@ -77,10 +81,10 @@ def test_packed_batch_holds_each_sequence_once_in_a_segment_of_its_own():
     assert packed.loss_mask.sum() == padded.loss_mask.sum()
 
 
-def test_to_train_batch_with_too_few_rows_fails_and_names_the_need():
-    rb = build_rollout_batch(rollout(), length_buckets=(L,))
-    with pytest.raises(ValueError, match=f"need {rb.packed_rows()} rows"):
-        rb.to_train_batch(rb.packed_rows() - 1)
+def test_packing_into_too_few_rows_fails_and_names_the_need():
+    groups = rollout()
+    with pytest.raises(ValueError, match=f"need {rows_needed(groups, L)} rows"):
+        build(groups, rows_needed(groups, L) - 1)
 
 
 def test_row_buckets_are_quarters_of_the_batch_rounded_to_the_shard_multiple():
@@ -103,16 +107,19 @@ def tiny_decoder():
 @pytest.mark.parametrize(("policy_loss", "aggregation"), [("gspo", "sequence_mean")])
 def test_packed_step_equals_the_padded_step(policy_loss, aggregation):
     fwd, params = tiny_decoder()
-    rb = build_rollout_batch(rollout(seed=1, groups=4), length_buckets=(L,))
+    groups = rollout(seed=1, groups=4)
     rl = RLConfig(policy_loss=policy_loss, aggregation=aggregation, entropy_coef=0.01)
     tx = optax.sgd(0.1)
     step = jax.jit(make_train_step(fwd, make_rl_loss_fn(rl), tx, lambda s: 0.1, microbatches=2))
-    rows = rb.packed_rows() + rb.packed_rows() % 2  # microbatches must divide the rows
+    need = rows_needed(groups, L)
+    rows = need + need % 2  # microbatches must divide the rows
+    # The step's fields only: ``rewards`` is for the KL-in-reward reference.
     outs = [step(init_state(params, tx, seed=0), jax.tree.map(jnp.asarray, b))
-            for b in (rb.to_train_batch(), rb.to_train_batch(rows))]
+            for b in (build(groups).replace(rewards=None),
+                      build(groups, rows).replace(rewards=None))]
 
     (s_pad, m_pad), (s_pack, m_pack) = outs
-    assert rows < rb.shape[0]
+    assert rows < 8
     for k in ("loss", "tokens", "grad_norm", "clip_frac", "entropy", "ratio_mean"):
         np.testing.assert_allclose(m_pack[k], m_pad[k], rtol=2e-5, atol=1e-6, err_msg=k)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6),
@@ -120,16 +127,16 @@ def test_packed_step_equals_the_padded_step(policy_loss, aggregation):
 
 
 def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
-    rb = build_rollout_batch(rollout(seed=2), length_buckets=(L,))
+    groups = rollout(seed=2)
     rl = dataclasses.replace(RLConfig(), advantage="drgrpo", kl_coef=0.5, kl_where="reward",
                              kl_estimator="k1")
 
     def advantages(rl, b):
         ref = jnp.asarray(b.behaviour_logprobs) - 0.3 * jnp.asarray(b.loss_mask)
-        return kl_reward_advantages(rl, jnp.asarray(rb.rewards_B), b.behaviour_logprobs, ref,
-                                    b.loss_mask, rb.group_size,
+        rewards_B = jnp.asarray(build(groups).sample_rewards())
+        return kl_reward_advantages(rl, rewards_B, b.behaviour_logprobs, ref, b.loss_mask, 2,
                                     sample_ids_BxL=jnp.asarray(b.sample_ids))
-    padded, packed = rb.to_train_batch(), rb.to_train_batch(rb.packed_rows())
+    padded, packed = build(groups), build(groups, rows_needed(groups, L))
 
     np.testing.assert_allclose(advantages(rl, packed), advantages(rl, padded), rtol=1e-6,
                                atol=1e-6)
@@ -139,16 +146,16 @@ def test_kl_reward_advantages_follow_sample_ids_in_packed_rows():
 
 def test_bucketed_step_refuses_row_counts_outside_its_buckets():
     step = BucketedStep(lambda *a: None, None, L, (4, 8))
-    batch = build_rollout_batch(rollout(), length_buckets=(L,)).to_train_batch(6)
+    batch = build(rollout(), 6)
 
     with pytest.raises(ValueError, match=r"6 rows: the step is compiled for \(4, 8\)"):
         step(None, batch)
 
 
-def test_to_train_batch_packs_into_the_smallest_row_count_that_holds_the_batch():
-    rb = build_rollout_batch(rollout(), length_buckets=(L,))
-    need = rb.packed_rows()
+def test_packing_picks_the_smallest_row_count_that_holds_the_batch():
+    groups = rollout()
+    need = rows_needed(groups, L)
 
-    assert rb.to_train_batch((need - 1, need + 2, need + 5)).input_ids.shape == (need + 2, L)
+    assert build(groups, (need - 1, need + 2, need + 5)).input_ids.shape == (need + 2, L)
     with pytest.raises(ValueError, match=f"need {need} rows"):
-        rb.to_train_batch((need - 2, need - 1))
+        build(groups, (need - 2, need - 1))

@@ -1,5 +1,5 @@
 """The workflow against the real AsyncSampler on a tiny random model: the protocol fits, and the
-sampler's behaviour logprobs line up with the trainer's recomputed ones after to_train_batch, at
+sampler's behaviour logprobs line up with the trainer's recomputed ones in the built batch, at
 temperature 1 and at a temperature T != 1 (the trainer then scores logits / T)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from meshrl.inference.async_sampler import AsyncSampler
 from meshrl.models import create_model, forward, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
 from meshrl.tests.workflows.fakes import FakeRewards, decode
-from meshrl.workflows import EpisodeSettings, arun_group, build_rollout_batch
+from meshrl.workflows import EpisodeSettings, arun_group, build_rl_batch
 
 
 @pytest.mark.slow  # ~30 s on CPU, almost all of it compiling the sampler
@@ -39,8 +39,8 @@ def test_real_engine_episodes_give_behaviour_logprobs_equal_to_trainer_logprobs(
         groups = asyncio.run(main())
     finally:
         engine.shutdown()
-    batch = build_rollout_batch(groups, length_buckets=(16,))
-    tb = batch.to_train_batch()
+    batch = build_rl_batch(groups, length_buckets=(16,))
+    tb = batch
     logits_BxLxV = forward(graphdef, params, tb.input_ids)
     logp_BxL = np.asarray(token_logprobs(logits_BxLxV, tb.targets))
     mask = tb.loss_mask > 0
@@ -93,7 +93,7 @@ def test_episodes_at_temperature_t_record_the_logprobs_the_trainer_recomputes_at
         engine.engine.shutdown()
 
     for group, t in zip(groups, temperatures, strict=True):
-        tb = build_rollout_batch([group], length_buckets=(16,)).to_train_batch()
+        tb = build_rl_batch([group], length_buckets=(16,))
         logits_BxLxV = forward(graphdef, params, tb.input_ids)
         mask = tb.loss_mask > 0
         behaviour = tb.behaviour_logprobs[mask]

@@ -11,7 +11,7 @@ from meshrl.configs import base_config, from_config_dict
 from meshrl.datasets import make_prompt_iterator
 from meshrl.models.tokenizer import CharTokenizer
 from meshrl.tests.workflows.fakes import FakeEngine, FakeRewards
-from meshrl.workflows.setup import episode_settings, make_rollout_batch, make_runner
+from meshrl.workflows.setup import episode_settings, make_rl_batch, make_runner
 
 
 def rl_config():
@@ -45,10 +45,9 @@ def test_runner_from_config_yields_a_batch_at_trainer_seq_len():
         return runner, groups
 
     runner, groups = asyncio.run(main())
-    batch = make_rollout_batch(config, groups, pad_id=tok.pad_id)
-    train = batch.to_train_batch()
+    batch = make_rl_batch(config, groups, pad_id=tok.pad_id)
 
     assert runner.controller.batch_size == 3 and runner.controller.max_staleness == 1
-    assert batch.shape == (6, 48) and (batch.num_groups, batch.group_size) == (3, 2)
-    assert isinstance(train, RLTrainBatch) and train.ref_logprobs is None
-    np.testing.assert_array_equal(batch.loss_mask_BxL.sum(-1), 4)
+    assert batch.input_ids.shape == (6, 48) and len(groups) == 3
+    assert isinstance(batch, RLTrainBatch) and batch.ref_logprobs is None
+    np.testing.assert_array_equal(batch.loss_mask.sum(-1), 4)

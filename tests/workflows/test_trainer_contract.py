@@ -1,4 +1,4 @@
-"""A RolloutBatch through the trainer's own pure train step with the RL loss: the keys, shapes
+"""An RL batch through the trainer's own pure train step with the RL loss: the keys, shapes
 and the strided microbatch split fit, and the step moves the policy the right way."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
 from meshrl.trainer.state import init_state
 from meshrl.trainer.step import make_train_step
-from meshrl.workflows import Trajectory, build_rollout_batch
+from meshrl.workflows import Trajectory, build_rl_batch
 
 V = 8
 
@@ -39,7 +39,7 @@ def groups(table: jax.Array) -> list[list[Trajectory]]:
 @pytest.mark.parametrize("microbatches", [1, 2])
 def test_rl_train_step_raises_the_logprob_of_positive_advantage_tokens(microbatches):
     params = {"table": jnp.zeros((V, V))}
-    batch = build_rollout_batch(groups(params["table"]), length_buckets=(6,)).to_train_batch()
+    batch = build_rl_batch(groups(params["table"]), length_buckets=(6,))
     tx = optax.sgd(1.0)
     step = jax.jit(make_train_step(forward, make_rl_loss_fn(RLConfig()), tx,
                                    lambda s: 1.0, microbatches=microbatches))
@@ -59,7 +59,7 @@ def test_rl_train_step_raises_the_logprob_of_positive_advantage_tokens(microbatc
 
 def test_rl_train_step_with_microbatches_equals_one_big_batch():
     params = {"table": 0.1 * jax.random.normal(jax.random.key(0), (V, V))}
-    batch = build_rollout_batch(groups(params["table"]), length_buckets=(6,)).to_train_batch()
+    batch = build_rl_batch(groups(params["table"]), length_buckets=(6,))
     batch = jax.tree.map(jnp.asarray, batch)
     tx = optax.sgd(0.5)
     outs = []

@@ -9,8 +9,8 @@ import itertools
 
 import pytest
 
-from meshrl.jobs.report import rl_step_line
 from meshrl.tests.workflows.fakes import FakeEngine, FakeRewards, decode, prompts
+from meshrl.trainer.report import rl_step_line
 from meshrl.utils.errors import UserError
 from meshrl.workflows import RolloutRunner, StalenessController, group_episode_fn
 from meshrl.workflows import runner as runner_lib

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from meshrl.jobs.rl_console import await_batch, filtered_note
+from meshrl.trainer.rl_console import await_batch, filtered_note
 from meshrl.utils import interrupt
 from meshrl.workflows.watch import Window
 
