@@ -103,6 +103,17 @@ class RLTrainBatch(TrainBatch):
         return out
 
 
+@flax.struct.dataclass
+class PreferenceBatch(TrainBatch):
+    """A preference (DPO-family) step's batch: one row per completion, the pairs adjacent --
+    row ``2 i`` the chosen completion of pair ``i``, row ``2 i + 1`` the rejected one, both
+    with the same prompt -- so any even split of the rows (data shards, processes) keeps every
+    pair together. ``loss_mask`` marks the completion's tokens; ``ref_logprobs`` (set on the
+    device before the step by ``trainer.preference_ref``; ``None`` for losses without a
+    reference) the frozen reference's log p(target), 0 off the mask."""
+
+    ref_logprobs: Any = _field(np.float32, default=None)
+
 
 def field_dtype(cls: type[TrainBatch], name: str) -> Any:
     return next(f.metadata["dtype"] for f in dataclasses.fields(cls) if f.name == name)

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from meshrl.configs.compile_schema import CompileConfig
 from meshrl.configs.cross_section import validate_config
+from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
 from meshrl.configs.fields import (
@@ -41,6 +42,7 @@ class Job(str, enum.Enum):
     EXPORT = "export"  # write a run's checkpoint or weight version as a HF checkpoint
     EVALUATE = "evaluate"  # evaluate each weight version an RL run publishes, as it appears
     COMPILE = "compile"  # compile compile.job's programs for a TPU topology or the local devices
+    DPO = "dpo"  # preference training (DPO, IPO, SimPO) on (chosen, rejected) pairs
 
 
 MESH_AXES = ("data", "tensor", "context", "expert", "expert_tensor")
@@ -358,7 +360,7 @@ SECTIONS: dict[str, type[Section]] = {
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
                 DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig, EvaluateConfig,
-                CompileConfig)
+                CompileConfig, DPOConfig)
 }
 
 
@@ -384,6 +386,7 @@ class Config:
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)

@@ -8,7 +8,14 @@ from meshrl.datasets.pipeline import (
     make_sft_iterator,
     merge_row_states,
 )
+from meshrl.datasets.preference import (
+    PreferenceIterator,
+    eval_pair_batches,
+    load_pairs,
+    tokenize_pairs,
+)
 from meshrl.datasets.sources import DatasetError
 
-__all__ = ["DatasetError", "PromptIterator", "SFTIterator", "eval_examples",
-           "make_prompt_iterator", "make_sft_iterator", "merge_row_states"]
+__all__ = ["DatasetError", "PreferenceIterator", "PromptIterator", "SFTIterator",
+           "eval_examples", "eval_pair_batches", "load_pairs", "make_prompt_iterator",
+           "make_sft_iterator", "merge_row_states", "tokenize_pairs"]

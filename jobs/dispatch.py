@@ -48,6 +48,7 @@ register(Job.RL, "meshrl.jobs.rl:run")
 register(Job.EXPORT, "meshrl.jobs.export:run")
 register(Job.EVALUATE, "meshrl.jobs.evaluate:run")
 register(Job.COMPILE, "meshrl.jobs.compile:run")
+register(Job.DPO, "meshrl.jobs.dpo:run")
 
 
 class _KnownNoise(logging.Filter):
@@ -187,7 +188,7 @@ def run(config: Config, workdir: str) -> None:
 # The lock file of each job that writes into the workdir. SFT and RL write the same checkpoints
 # (RL's warm start included), so they share one; the evaluator and the sampler write files of
 # their own and may run beside training. Export only reads the workdir.
-_LOCKS: dict[Job, str] = {Job.SFT: ".meshrl.lock", Job.RL: ".meshrl.lock",
+_LOCKS: dict[Job, str] = {Job.SFT: ".meshrl.lock", Job.RL: ".meshrl.lock", Job.DPO: ".meshrl.lock",
                           Job.SAMPLE: ".meshrl.sample.lock",
                           Job.EVALUATE: ".meshrl.evaluate.lock"}
 

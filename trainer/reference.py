@@ -78,6 +78,12 @@ def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch
     return ref_BxL
 
 
+def frozen_copy(params: Any, params_sh: Any) -> Any:
+    """A copy of ``params`` in buffers of its own on ``params_sh``: the caller's params become
+    the train state, which each step donates, so a frozen reference cannot share them."""
+    return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=params_sh)(params)
+
+
 class ReferencePolicy:
     """Frozen step-0 params and the per-step function that puts the KL into the batch."""
 
@@ -87,9 +93,7 @@ class ReferencePolicy:
         if not rl.kl_coef > 0.0:
             raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
         check_temperature(temperature)
-        # Own buffers: the caller's params become the train state, which each step donates.
-        self.params = jax.jit(lambda p: jax.tree.map(jnp.copy, p),
-                              out_shardings=params_sh)(params)
+        self.params = frozen_copy(params, params_sh)
         kl_fn = kl_lib.get(rl.kl_estimator)
         in_loss = rl.kl_where == "loss"
 

@@ -3,7 +3,6 @@ right) and loss, compiled once and reused by the periodic and the final evaluati
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -45,20 +44,36 @@ def eval_batches(examples: list[dict], seq_len: int, batch_size: int, pad_id: in
     return out
 
 
-def make_evaluator(forward_fn: ForwardFn, batches: list[dict[str, np.ndarray]], mesh: Mesh,
-                   fsdp: bool) -> Callable[[Any], dict[str, float]]:
-    """``params -> metrics``: teacher-forced token accuracy, exact match (every answer token
-    right) and loss over ``batches``; compiled once, reused by periodic and final evals.
-    A token is right when its target's logit is the row maximum (ties count as right); the
-    logits come in float32 chunks when ``forward_fn`` returns a ``Hidden``."""
+Counts = Callable[[Any, dict[str, jax.Array]], jax.Array]  # (params, batch) -> [K] sums
+
+
+def counting_evaluator(counts: Counts, batches: list[dict[str, np.ndarray]], mesh: Mesh,
+                       fsdp: bool, report: Callable[[np.ndarray], dict[str, float]]
+                       ) -> Callable[[Any], dict[str, float]]:
+    """``params -> report(sum over batches of counts(params, batch))``: the batches placed
+    once on the trainer's batch sharding, ``counts`` compiled once (replicated output), so
+    periodic and final evaluations reuse both. No batches: ``{}``."""
     if not batches:
         return lambda params: {}
     B, L = batches[0]["input_ids"].shape
     sh = logical_to_sharding(("batch", "length"), mesh, rules_for("train", fsdp), (B, L))
     placed = [{k: jax.make_array_from_process_local_data(sh, v) for k, v in b.items()}
               for b in batches]
+    jitted = jax.jit(counts, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
-    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    def evaluate(params: Any) -> dict[str, float]:
+        return report(sum(np.asarray(jax.device_get(jitted(params, b)), np.float64)
+                          for b in placed))
+
+    return evaluate
+
+
+def make_evaluator(forward_fn: ForwardFn, batches: list[dict[str, np.ndarray]], mesh: Mesh,
+                   fsdp: bool) -> Callable[[Any], dict[str, float]]:
+    """``params -> metrics``: teacher-forced token accuracy, exact match (every answer token
+    right) and loss over ``batches``. A token is right when its target's logit is the row
+    maximum (ties count as right); the logits come in float32 chunks when ``forward_fn``
+    returns a ``Hidden``."""
     def counts(params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         out = forward_fn(params, batch["input_ids"], batch["positions"], batch["segment_ids"])
         stats = token_stats(out, batch["targets"], correct=True)
@@ -70,12 +85,11 @@ def make_evaluator(forward_fn: ForwardFn, batches: list[dict[str, np.ndarray]], 
                           (-stats.logprobs_BxL * mask_BxL).sum(), exact_B.sum(),
                           has_B.sum()])
 
-    def evaluate(params: Any) -> dict[str, float]:
-        total = sum(np.asarray(jax.device_get(counts(params, b)), np.float64) for b in placed)
+    def report(total: np.ndarray) -> dict[str, float]:
         right, tokens, nll, exact, seqs = total
         return {"eval_token_accuracy": float(right / max(tokens, 1)),
                 "eval_exact_match": float(exact / max(seqs, 1)),
                 "eval_loss": float(nll / max(tokens, 1)),
                 "eval_sequences": float(seqs)}
 
-    return evaluate
+    return counting_evaluator(counts, batches, mesh, fsdp, report)

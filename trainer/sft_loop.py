@@ -47,8 +47,8 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
     batch_type = type(engine.batch_sh)
     clock.start()
     for step in range(engine.start_step + 1, cfg.steps + 1):
-        host = batch_type.from_mapping(next(it))
-        batch = put_batch(host, engine.batch_sh.like(host))
+        rows = batch_type.from_mapping(next(it))
+        batch = put_batch(rows, engine.batch_sh.like(rows))
         log(engine.dispatch(step, batch, prepare))
         save = every and step % every == 0 and step != cfg.steps
         if save:

@@ -9,9 +9,10 @@ import functools
 
 from jax.sharding import Mesh
 
-from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
+from meshrl.algorithms.batch import PreferenceBatch, RLTrainBatch, TrainBatch
 from meshrl.algorithms.losses import LossFn, get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
+from meshrl.algorithms.preference import NEEDS_REFERENCE, make_preference_loss_fn
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
@@ -79,3 +80,26 @@ def rl_spec(config: Config, mesh: Mesh) -> StepSpec:
                                     microbatches=t.microbatches),
         row_buckets=buckets, metric_prefix="train/", what="RL loss",
         updates_per_step=updates_per_step(config.rl))
+
+
+def dpo_spec(config: Config, mesh: Mesh) -> StepSpec:
+    """Preference training: ``PreferenceBatch``es of ``trainer.batch_size`` rows (``batch_size
+    / 2`` (chosen, rejected) pairs in adjacent rows, see ``PreferenceBatch``) x
+    ``trainer.seq_len``, with ``ref_logprobs`` when ``dpo.loss`` reads the reference; the loss
+    of ``dpo.loss`` averaged over pairs. Strided microbatches would split the pairs, so the
+    step takes the whole batch (``trainer.microbatches`` must be 1)."""
+    t, d = config.trainer, config.dpo
+    if t.batch_size % 2:
+        raise ConfigError(f"trainer.batch_size = {t.batch_size}: job = 'dpo' needs an even "
+                          f"batch size (each pair is two rows)")
+    if t.microbatches != 1:
+        raise ConfigError(f"trainer.microbatches = {t.microbatches}: job = 'dpo' needs 1 "
+                          f"(strided microbatches would split the (chosen, rejected) row pairs)")
+    optional = ("ref_logprobs",) if d.loss in NEEDS_REFERENCE else ()
+    return StepSpec(
+        loss_fn=make_preference_loss_fn(d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
+                                        gamma=d.simpo_gamma),
+        batch_sh=batch_shardings(mesh, rules_for("train", config.mesh.fsdp), t.batch_size,
+                                 t.seq_len, PreferenceBatch, *optional),
+        make_step=make_train_step, row_buckets=None, metric_prefix="", what="preference loss",
+        updates_per_step=1)

@@ -1,0 +1,94 @@
+"""The preference job (DPO, IPO, SimPO): ``python main.py --config configs/dpo.py --workdir W``.
+
+Wires the tokenizer, the preference pairs (``dpo.path`` or the synthetic task), the model and
+the frozen reference into the SFT loop (``trainer.sft_loop``, the
+reference scoring each batch before its step), evaluates held-out preference accuracy before and
+after, and writes ``<workdir>/summary.json``. Design and formulas: docs/dpo.md.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import jax
+
+from meshrl.algorithms.preference import NEEDS_REFERENCE
+from meshrl.configs.schema import Config
+from meshrl.datasets import PreferenceIterator, eval_pair_batches, load_pairs, tokenize_pairs
+from meshrl.mesh import create_mesh
+from meshrl.models import load, param_count
+from meshrl.models.load import with_weights
+from meshrl.trainer.engine import Trainee, TrainEngine
+from meshrl.trainer.preference_eval import make_preference_evaluator
+from meshrl.trainer.preference_ref import PreferenceReference
+from meshrl.trainer.sft_loop import periodic_eval, run_sft, sft_summary
+from meshrl.trainer.spec import dpo_spec
+from meshrl.trainer.stop import stop_hook
+from meshrl.utils import log, paths
+
+_log = log.get_logger("trainer.dpo")
+
+
+def _pairs(config: Config, tokenizer: Any, held_out: bool) -> list[dict]:
+    pairs = load_pairs(config.dpo, config.data, held_out)
+    if not pairs:
+        return []
+    return tokenize_pairs(pairs, tokenizer, config.trainer.seq_len, config.data.on_overlong)
+
+
+def run(config: Config, workdir: str) -> dict[str, Any]:
+    """Train on preference pairs, evaluate before/after, write ``summary.json``; returns the
+    summary. Distributed start-up is ``jobs.dispatch``'s."""
+    mesh = create_mesh(config.mesh)
+    t = config.trainer
+    # The tokenizer and the data first: a bad file fails before any weights are read.
+    skeleton = load(config, mesh, "train", abstract=True)
+    tokenizer = skeleton.tokenizer
+    data = PreferenceIterator(_pairs(config, tokenizer, held_out=False),
+                              pairs_per_step=t.batch_size // 2, seq_len=t.seq_len,
+                              pad_id=tokenizer.pad_id, seed=t.seed,
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
+    held_out = eval_pair_batches(_pairs(config, tokenizer, held_out=True), t.batch_size,
+                                 t.seq_len, tokenizer.pad_id)
+    trainee = Trainee.of(with_weights(skeleton, t.seed), config)
+    n_params = param_count(skeleton.arch)
+    _log.info("%s: %.2fM params, mesh %s, %d steps of %d pairs x %d tokens", config.dpo.loss,
+              n_params / 1e6, dict(mesh.shape), t.steps, t.batch_size // 2, t.seq_len)
+    evaluate = make_preference_evaluator(trainee.forward, held_out, mesh, config.mesh.fsdp)
+    engine = TrainEngine(config, workdir, mesh, trainee, dpo_spec(config, mesh))
+    t0 = time.perf_counter()
+    try:
+        # The reference is the policy the run started from: the model as loaded (a resumed
+        # run loads it the same way: model.hf_path, or the random init of trainer.seed).
+        params = trainee.params
+        before = evaluate(params)
+        reference = None
+        if config.dpo.loss in NEEDS_REFERENCE:
+            reference = PreferenceReference(trainee.forward, params, engine.state_sh.params,
+                                            mesh, engine.batch_sh, microbatches=t.microbatches)
+        engine.start(params, data=data)
+        del params
+        history = run_sft(engine, hooks=[periodic_eval(evaluate), stop_hook],
+                          prepare=None if reference is None else reference.apply)
+        wall = time.perf_counter() - t0
+        after = evaluate(engine.params)
+        if after:
+            engine.metrics.write(t.steps, after)
+        summary = sft_summary(engine, history, after, wall, n_params)
+    finally:
+        engine.close()
+    summary.update({"loss_name": config.dpo.loss,
+                    **{f"{k}_before": v for k, v in before.items()},
+                    **{k: history[-1][k] for k in ("reward_margin", "reward_accuracy")
+                       if history}})
+    _log.info("params_checksum %.17g", summary["params_checksum"])  # every process: must agree
+    if jax.process_index() == 0:
+        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
+                                json.dumps(summary, indent=2))
+        _log.info("held-out preference accuracy %.3f -> %.3f",
+                  before.get("eval_preference_accuracy", float("nan")),
+                  after.get("eval_preference_accuracy", float("nan")))
+    return summary
