@@ -1,6 +1,4 @@
-"""The ``compile`` section of the schema: what ``job = compile`` lowers and for which devices.
-
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
+"""The ``compile`` section: what ``job = compile`` lowers and for which devices.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The ``dpo`` section of the schema: the preference (DPO-family) job, ``job = dpo``.
 
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
 The losses are ``algorithms/preference.py``'s; docs/dpo.md has their formulas and sources.
 """
 

@@ -1,6 +1,5 @@
 """The ``evaluate`` section of the schema: how ``job = evaluate`` watches an RL run's weights.
 
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
 What it generates (held-out set, samples per prompt, temperature, new tokens) is the RL job's
 own evaluation: ``data.eval_*``, ``rollout.group_size``, ``sampler.*``; not repeated here.
 """

@@ -1,6 +1,4 @@
 """The ``export`` section of the schema: which of a run's weights ``job = export`` writes where.
-
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
 """
 
 from __future__ import annotations

@@ -1,13 +1,20 @@
-"""The ``rl`` config section: the RL job's algorithm (advantages, policy loss, KL), packing,
-placement and SFT warm start. Re-exported by ``meshrl.configs.schema``; cross-section rules
-(with ``rollout``, ``sampler``, ``model``) live in ``configs/cross_section.py``."""
+"""The RL sections: the algorithm (``rl``: advantages, policy loss, KL, rollout correction,
+packing, placement, SFT warm start), the rollout runner (``rollout``) and the rewards
+(``reward``). Cross-section rules (with ``sampler``, ``model``) live in
+``configs/cross_section.py``."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Literal
 
-from meshrl.configs.fields import ConfigError, Section, at_least, field, greater_than
+from meshrl.configs.fields import (
+    ConfigError,
+    Section,
+    at_least,
+    field,
+    greater_than,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,3 +132,54 @@ class RLConfig(Section):
             raise ConfigError(f"rl.overlong_max_len = {self.overlong_max_len}: must be > "
                               f"rl.overlong_buffer = {self.overlong_buffer} when the overlong "
                               f"penalty is on")
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig(Section):
+    _section = "rollout"
+    group_size: int = field(4, "Samples per prompt (a GRPO group).", at_least(1))
+    prompts_per_step: int = field(8, "Prompts (groups) per optimizer step.", at_least(1))
+    max_staleness: int = field(1, "Oldest allowed weight-version lag; 0 is synchronous RL.",
+                               at_least(0))
+    filter_equal_groups: bool = field(True, "Drop groups whose rewards are all equal (counted).")
+    max_turns: int = field(1, "Model turns per episode; > 1 runs a multi-turn environment.",
+                           at_least(1))
+    max_failed_groups: int = field(64, "Groups in a row (as they finish) that raise, none "
+                                       "succeeding in between, before the run stops with the last "
+                                       "error; fast failures outpace slow successes, so keep it "
+                                       "well above (max_staleness + 1) x prompts_per_step. A "
+                                       "broken reward pool stops the run at once.", at_least(1))
+    max_filtered_in_a_row: int = field(
+        256, "Groups in a row, as they finish, whose samples all got the same reward before the "
+             "run stops with one line naming the reward's answer format (the newest checkpoint "
+             "kept); with filter_equal_groups off, the run stops when the first this many scored "
+             "groups all got one and the same reward. 0: never stop.", at_least(0))
+    status_every_s: float = field(30.0, "While the trainer waits for a batch, log the filtered, "
+                                        "kept and in-flight groups this often, in seconds.",
+                                  greater_than(0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig(Section):
+    _section = "reward"
+    names: tuple[str, ...] = field(("math",), "Registered reward functions to combine.")
+    weights: tuple[float, ...] = field((1.0,), "Weight of each reward in names.")
+    timeout_s: float = field(5.0, "Per-call timeout; a timeout gives reward 0 and is counted.",
+                             at_least(0.001))
+    num_workers: int = field(2, "Reward process-pool size.", at_least(1))
+    format_template: str = field("<think>...</think><answer>...</answer>",
+                                 "Template of the 'format' reward; '...' is any non-blank text.")
+    deadline_s: float = field(60.0, "A scoring call's pairs still queued this long after it was "
+                                    "submitted score 0, counted in reward/deadline_zeros (bounds "
+                                    "what bad completions add to a step); 0: no deadline.",
+                              at_least(0.0))
+    worker_memory_mb: int = field(4096, "Address-space limit (RLIMIT_AS) of each reward worker, "
+                                        "MiB; a reward needing more scores a counted 0. 0: no "
+                                        "limit.",
+                                  ("must be 0 (no limit) or >= 256 (a worker needs ~100 MiB to "
+                                   "start)", lambda v: v == 0 or v >= 256))
+
+    def validate(self) -> None:
+        if len(self.names) != len(self.weights):
+            raise ConfigError(f"reward.weights = {self.weights}: needs one weight per name in "
+                              f"reward.names = {self.names}")

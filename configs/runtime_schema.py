@@ -1,6 +1,4 @@
-"""The ``runtime`` section of the schema: process-wide JAX settings every job applies first.
-
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
+"""The ``runtime`` section: process-wide JAX settings every job applies first.
 """
 
 from __future__ import annotations

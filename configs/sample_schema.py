@@ -1,6 +1,4 @@
-"""The ``sample`` section of the schema: which weights the sample job generates with.
-
-Kept out of ``schema.py`` (re-exported there) so that file stays short; ``SECTIONS`` lists it.
+"""The ``sample`` section: which weights the sample job generates with, and its output.
 """
 
 from __future__ import annotations

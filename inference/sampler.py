@@ -1,19 +1,10 @@
 """The sampler: static KV cache, bucketed prefill, chunked windowed decode, continuous batching.
 
-Device state is one ``SlotState`` (per-slot token, position, flags, sampling settings) plus the
-``slots x max_len`` KV cache. Host code only decides *which* compiled variant runs next (prompt
-bucket, insert-batch bucket, cache window) from host-side lengths it already knows, and reads
-each round's outputs (admission prefills and one chunk) in one device->host transfer per
-``decode_chunk`` steps, one round late: the next round is already dispatched (``step``).
-
-Decode cost follows the attended length: the model's cache path attends over every entry of the
-cache it is given, so each chunk runs on a window ``[0, W)`` of the cache, W the smallest window
-bucket covering every position the chunk can reach. Buckets are 2^n and 1.5 * 2^n, so at most
-~1.5x of the attended length is wasted. When a few long sequences would set a long window for
-every slot, they decode in a call of their own on the lowest slots (``_plan_chunk``; the
-cost model is in ``schedule``). ``generate`` admits the longest token budgets first.
-The device programs live in ``programs``, the buckets they are compiled for in ``shapes``,
-applying read-back outputs to completions in ``readback``.
+Device state is one ``SlotState`` plus the ``slots x max_len`` KV cache; host code only picks
+which compiled variant runs next and reads each round's outputs in one transfer per
+``decode_chunk`` steps, one round late. The design (cache windows, splits, overlap
+scheduling) is in docs/sampler.md; the programs live in ``programs``, their buckets in
+``shapes``, the read-back in ``readback``.
 """
 
 from __future__ import annotations
@@ -188,13 +179,10 @@ class Sampler:
 
     def generate(self, requests: Sequence[Request], *, longest_first: bool = True
                  ) -> list[Completion]:
-        """Run requests to completion with continuous batching; results in request order.
-
-        All requests are validated before any is queued. With ``longest_first`` they are
-        admitted longest token budget first (ties in request order): the whole set is known,
-        and a long request admitted late would decode on its own after the rest finish
-        (longest processing time first). Otherwise, and always for ``submit``, first come,
-        first served."""
+        """Run requests to completion with continuous batching; results in request order. All
+        are validated before any is queued. ``longest_first``: admitted longest token budget
+        first (ties in request order; a long request admitted late would decode alone after
+        the rest); otherwise, as always for ``submit``, first come, first served."""
         for r in requests:
             self.validate(r)
         order = list(range(len(requests)))
@@ -209,14 +197,10 @@ class Sampler:
 
     def step(self) -> list[Completion]:
         """One scheduling round: refresh stale caches, refill free slots, dispatch one decode
-        chunk, then read back the *previous* round.
-
-        Overlap scheduling: the host reads and bookkeeps round k while the device computes
-        round k + 1, so the device does not idle on host work between chunks. Round k + 1 is
-        planned before round k's tokens are known: its cache window allows for the tokens in
-        flight, a slot certain to hit its length limit in round k is left out, and a slot that
-        stops on a stop id in round k decodes one chunk as an inactive row (it emits nothing).
-        """
+        chunk, then read back the *previous* round (docs/sampler.md). Round k + 1 is planned
+        before round k's tokens are known: its window allows for the tokens in flight, a slot
+        certain to hit its length limit is left out, and one that stops on a stop id decodes
+        one more chunk as an inactive row (it emits nothing)."""
         with self._lock:
             if self.params is None:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
@@ -335,13 +319,9 @@ class Sampler:
             self._swap_slots(pairs)
 
     def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
-        """(lo, rows, window) of each decode call of the next chunk.
-
-        Few live sequences: one call on the smallest row bucket holding them, packed low. Else
-        the live sequences, ranked longest first, may split into slot ranges that decode over
-        their own windows (``schedule.plan_windows``); each range's members are swapped into
-        it first.
-        """
+        """(lo, rows, window) of each decode call of the next chunk: few live sequences, one
+        call on the smallest row bucket holding them, packed low; else ranges of the ranking
+        by length over their own windows (``schedule.plan_windows``, docs/sampler.md)."""
         S = self.cfg.slots
         pos = {s: self._pos(s) for s in live}
         rows = bucket_for(len(live), self.row_buckets)

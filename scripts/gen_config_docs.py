@@ -19,7 +19,7 @@ def render() -> str:
     lines = [
         "# Config reference",
         "",
-        "Generated from `configs/schema.py` by `python scripts/gen_config_docs.py`; do not edit.",
+        "Generated from the schema (`configs/*_schema.py`, `configs/schema.py`) by `python scripts/gen_config_docs.py`; do not edit.",
         "Override any field on the command line: `--config.<section>.<field>=<value>`.",
         "",
         "## job",

@@ -53,6 +53,9 @@ def test_dpo_job_raises_held_out_preference_accuracy_and_writes_summary(tmp_path
     assert summary["eval_pairs"] == 64.0 and 0.0 <= summary["reward_accuracy"] <= 1.0
 
 
+# Slow: each loss's math is checked against numpy in tests/algorithms/test_preference.py and
+# the DPO run above covers the job; these rerun the job per loss.
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ipo", "simpo"])
 def test_other_losses_train_and_report_reward_metrics(tmp_path, loss):
     summary = job.run(_config(**{"dpo.loss": loss, "trainer.steps": 3}), str(tmp_path))
@@ -60,6 +63,7 @@ def test_other_losses_train_and_report_reward_metrics(tmp_path, loss):
     assert {"reward_margin", "reward_accuracy"} <= set(summary)
 
 
+@pytest.mark.slow  # two job runs; the engine's resume itself is covered by tests/trainer
 def test_dpo_resume_keeps_the_starting_policy_as_reference(tmp_path):
     first = job.run(_config(**{"trainer.steps": 2}), str(tmp_path))
     resumed = job.run(_config(**{"trainer.steps": 4}), str(tmp_path))
