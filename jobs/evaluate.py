@@ -50,6 +50,7 @@ from meshrl.models import load
 from meshrl.rewards import RewardPool
 from meshrl.trainer.curves import read_metrics
 from meshrl.trainer.metrics import MetricsWriter
+from meshrl.trainer.rl_loop import publishes_at
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
@@ -72,12 +73,8 @@ class RunEndedError(UserError, RuntimeError):
 
 
 def rl_versions(config: Config) -> list[int]:
-    """The versions a fresh RL run of ``config`` publishes: ``jobs/rl.py`` publishes after step
-    ``s`` when ``s % checkpoint.publish_every == 0``, at every checkpoint and at the last step."""
-    steps, every = config.trainer.steps, config.checkpoint.every_steps
-    return [s for s in range(1, steps + 1)
-            if s % config.checkpoint.publish_every == 0 or (every and s % every == 0)
-            or s == steps]
+    """The versions a fresh RL run of ``config`` publishes (``trainer.rl_loop.publishes_at``)."""
+    return [s for s in range(1, config.trainer.steps + 1) if publishes_at(config, s)]
 
 
 def final_version(config: Config) -> int | None:

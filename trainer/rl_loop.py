@@ -57,6 +57,19 @@ def check_versions(batch: RLTrainBatch, version: int, max_staleness: int) -> np.
     return lags
 
 
+def saves_at(config: Config, step: int) -> bool:
+    """Whether the RL loop checkpoints after ``step``: every ``checkpoint.every_steps`` steps
+    and at the last one."""
+    every = config.checkpoint.every_steps
+    return bool(every and step % every == 0) or step == config.trainer.steps
+
+
+def publishes_at(config: Config, step: int) -> bool:
+    """Whether the RL loop publishes weight version ``step`` under ``<workdir>/weights``: every
+    ``checkpoint.publish_every`` steps and at every checkpoint."""
+    return step % config.checkpoint.publish_every == 0 or saves_at(config, step)
+
+
 def rollout_stats(batch: RLTrainBatch, lags: np.ndarray, samples: int) -> dict[str, float]:
     """The step's rollout metrics, from host data only."""
     rewards = batch.sample_rewards()
@@ -261,13 +274,11 @@ class RLLoop:
     async def _between_steps(self, step: int, sampler: AsyncSampler, runner: Any) -> None:
         """Publish, evaluate, checkpoint and honour a stop request on their cadence."""
         c, t = self.config, self.config.trainer
-        every = c.checkpoint.every_steps
-        is_ckpt = (every and step % every == 0) or step == t.steps
-        if step % c.checkpoint.publish_every == 0 or is_ckpt:
+        if publishes_at(c, step):
             await asyncio.to_thread(self.engine.publish, step)
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
             await self.aeval(sampler, step)
-        if is_ckpt:
+        if saves_at(c, step):
             self.save(step, runner)
         if interrupt.requested() and step != t.steps:
             stop_at(self, step, runner)
