@@ -78,7 +78,9 @@ def _interrupted(line: str) -> None:
 
 if __name__ == "__main__":
     from meshrl.configs.overrides import check_config_file, check_override_keys
+    from meshrl.configs.renames import rename_argv
 
+    sys.argv = [sys.argv[0], *rename_argv(sys.argv[1:])]  # deprecated keys, one warning each
     problem = check_config_file(sys.argv[1:]) or check_override_keys(sys.argv[1:])
     if problem:
         sys.exit(f"error: {problem}")

@@ -20,6 +20,7 @@ from meshrl.configs.schema import (
     DistributedConfig,
     EvaluateConfig,
     ExportConfig,
+    GenerateConfig,
     Job,
     LoggingConfig,
     MeshConfig,
@@ -28,7 +29,6 @@ from meshrl.configs.schema import (
     RewardConfig,
     RolloutConfig,
     RuntimeConfig,
-    SampleConfig,
     SamplerConfig,
     TrainerConfig,
 )
@@ -36,6 +36,6 @@ from meshrl.configs.schema import (
 __all__ = [
     "DCN_DATA_AXIS", "MESH_AXES", "CheckpointConfig", "CompileConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig", "RewardConfig",
-    "RolloutConfig", "RuntimeConfig", "SampleConfig", "SamplerConfig", "TrainerConfig", "base_config",
+    "RolloutConfig", "RuntimeConfig", "GenerateConfig", "SamplerConfig", "TrainerConfig", "base_config",
     "from_config_dict", "load_config_file", "to_config_dict",
 ]

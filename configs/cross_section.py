@@ -27,7 +27,7 @@ class ConfigSections(Protocol):
     rollout: Any
     rl: Any
     data: Any
-    sample: Any
+    generate: Any
 
 
 def _unused_mesh_axes(config: ConfigSections) -> None:
@@ -60,6 +60,18 @@ def check_moe_mesh(num_experts: int, moe_width: int, *, expert: int, expert_tens
     if moe_width % expert_tensor:
         raise ConfigError(f"mesh.expert_tensor = {expert_tensor}: must divide the expert FFN "
                           f"width model.moe_intermediate_size = {moe_width}")
+
+
+def _microbatches(config: ConfigSections, job: str) -> None:
+    """trainer.microbatches must divide the SFT-shaped batch the job trains on: RL's warm start
+    when it has one (RL's own batch is checked in ``_rl``)."""
+    if job == "rl" and (config.model.hf_path or config.rl.warm_start_steps == 0):
+        return
+    name, value = (("rl.warm_start_batch_size", config.rl.warm_start_batch_size) if job == "rl"
+                   else ("trainer.batch_size", config.trainer.batch_size))
+    if value % config.trainer.microbatches:
+        raise ConfigError(f"trainer.microbatches = {config.trainer.microbatches}: must divide "
+                          f"{name} = {value}")
 
 
 def _rl(config: ConfigSections) -> None:
@@ -95,15 +107,15 @@ def _rl(config: ConfigSections) -> None:
                           f">= data.max_prompt_len = {config.data.max_prompt_len}")
 
 
-def _sample(config: ConfigSections) -> None:
-    source, hf_path = config.sample.source, config.model.hf_path
+def _generate(config: ConfigSections) -> None:
+    source, hf_path = config.generate.source, config.model.hf_path
     if source == "hf_path" and not hf_path:
-        raise ConfigError("sample.source = 'hf_path': model.hf_path is empty: set it to a local "
-                          "Hugging Face checkpoint directory, or pick another sample.source "
+        raise ConfigError("generate.source = 'hf_path': model.hf_path is empty: set it to a local "
+                          "Hugging Face checkpoint directory, or pick another generate.source "
                           "(random, checkpoint, version)")
     if source == "random" and hf_path:
-        raise ConfigError(f"sample.source = 'random': model.hf_path = {hf_path!r} would be "
-                          f"ignored: set sample.source = 'hf_path' to sample from it, or clear "
+        raise ConfigError(f"generate.source = 'random': model.hf_path = {hf_path!r} would be "
+                          f"ignored: set generate.source = 'hf_path' to sample from it, or clear "
                           f"model.hf_path")
 
 
@@ -124,7 +136,8 @@ def validate_config(config: ConfigSections) -> None:
     _unused_mesh_axes(config)
     _context(config)
     job = getattr(config.job, "value", config.job)  # a Job, or its string before coercion
+    _microbatches(config, job)
     if job == "rl":
         _rl(config)
-    elif job == "sample":
-        _sample(config)
+    elif job == "generate":
+        _generate(config)

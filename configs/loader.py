@@ -17,6 +17,7 @@ from typing import Any
 import ml_collections
 
 from meshrl.configs.fields import ConfigError, unknown_key_error
+from meshrl.configs.renames import rename_values
 from meshrl.configs.schema import SECTIONS, Config, Job
 
 
@@ -34,7 +35,8 @@ def base_config(job: Job | str = Job.SFT) -> ml_collections.ConfigDict:
 def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
     """Validate ``cfg`` against the schema and return the frozen ``Config``; any broken rule
     that needs only the config (cross-section ones included) raises ``ConfigError``."""
-    values = cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else dict(cfg)
+    values = rename_values(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict)
+                           else dict(cfg))
     top = ["job", *SECTIONS]
     for key in values:
         if key not in top:

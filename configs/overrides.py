@@ -14,6 +14,7 @@ import pathlib
 from collections.abc import Sequence
 
 from meshrl.configs.fields import closest
+from meshrl.configs.renames import SECTIONS as RENAMED
 from meshrl.configs.schema import SECTIONS
 
 
@@ -27,7 +28,7 @@ def check_override_keys(argv: Sequence[str], flag: str = "config") -> str | None
         parts = path.split(".")
         if parts == ["job"]:
             continue
-        section = parts[0]
+        section = parts[0] = RENAMED.get(parts[0], parts[0])
         if section not in SECTIONS:
             options = ["job", *SECTIONS]
             return (f"unknown config key '{path}': no section '{section}'; did you mean "

@@ -63,7 +63,7 @@ def check_input_paths(config: Config) -> None:
     """Raise ``ConfigError`` naming every input path that does not hold what the job reads:
     ``model.hf_path`` (a directory with config.json and *.safetensors), ``model.tokenizer``
     unless ``'char'`` (a directory with tokenizer.json) and, for file sources, ``data.path``
-    and ``data.eval_path`` when held-out examples are read (files). The sample job's weights
+    and ``data.eval_path`` when held-out examples are read (files). The generate job's weights
     read from the workdir are checked where that job resolves them."""
     data = config.data
     files = {"data.path": data.path, "data.eval_path": data.eval_path if data.eval_examples else ""}

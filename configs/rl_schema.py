@@ -102,6 +102,9 @@ class RLConfig(Section):
     warm_start_steps: int = field(-1, "SFT warm-start steps before RL when model.hf_path is empty; "
                                       "-1: as many as trainer.steps, 0: no warm start. Must stay "
                                       "-1 or 0 with model.hf_path.", at_least(-1))
+    warm_start_batch_size: int = field(8, "Sequences per step of the SFT warm start; the RL "
+                                          "batch itself is rollout.prompts_per_step x "
+                                          "rollout.group_size.", at_least(1))
     warm_start_lr: float = field(1e-3, "Peak learning rate of the SFT warm start (always AdamW); "
                                        "RL itself runs at trainer.learning_rate.",
                                  greater_than(0.0))

@@ -1,5 +1,5 @@
 """The ``sampler`` section: how the sampler (``inference/``) generates, for RL rollouts, RL
-evaluation and the sample job: slots, cache length, buckets, sampling settings."""
+evaluation and the generate job: slots, cache length, buckets, sampling settings."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ turns it into the frozen ``Config`` below and validates it (each section in its
 The sections live by subsystem: ``mesh_schema`` (mesh, distributed), ``model_schema``,
 ``train_schema`` (optimizer, trainer, checkpoint, logging), ``sampler_schema``, ``rl_schema``
 (rl, rollout, reward), ``data_schema``, ``runtime_schema``, and one module per job's own
-section (``sample``, ``export``, ``evaluate``, ``compile``, ``dpo``). Every section is a frozen
+section (``generate``, ``export``, ``evaluate``, ``compile``, ``dpo``). Every section is a frozen
 dataclass whose fields are ordered: required, common optional, rare optional, internal; each
 field carries its documentation and constraint in ``metadata``, from which
 ``scripts/gen_config_docs.py`` renders ``docs/config.md``.
@@ -25,11 +25,11 @@ from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
 from meshrl.configs.fields import ConfigError, Section
+from meshrl.configs.generate_schema import GenerateConfig
 from meshrl.configs.mesh_schema import DCN_DATA_AXIS, MESH_AXES, DistributedConfig, MeshConfig
 from meshrl.configs.model_schema import DType, ModelConfig
 from meshrl.configs.rl_schema import RewardConfig, RLConfig, RolloutConfig
 from meshrl.configs.runtime_schema import RuntimeConfig
-from meshrl.configs.sample_schema import SampleConfig
 from meshrl.configs.sampler_schema import SamplerConfig
 from meshrl.configs.train_schema import (
     CheckpointConfig,
@@ -42,8 +42,8 @@ from meshrl.configs.train_schema import (
 __all__ = [
     "DCN_DATA_AXIS", "MESH_AXES", "SECTIONS", "CheckpointConfig", "CompileConfig", "Config",
     "ConfigError", "DPOConfig", "DType", "DataConfig", "DistributedConfig", "EvaluateConfig",
-    "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig", "OptimizerConfig",
-    "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig", "SampleConfig",
+    "ExportConfig", "GenerateConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "OptimizerConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig",
     "SamplerConfig", "Section", "TrainerConfig",
 ]
 
@@ -53,7 +53,7 @@ class Job(str, enum.Enum):
 
     SFT = "sft"  # supervised fine-tuning with masked next-token cross-entropy
     RL = "rl"  # asynchronous RL (GRPO/PPO family) with an in-process sampler (rl.placement)
-    SAMPLE = "sample"  # generate completions for prompts from a file
+    GENERATE = "generate"  # sample completions for prompts from a file
     EXPORT = "export"  # write a run's checkpoint or weight version as a HF checkpoint
     EVALUATE = "evaluate"  # evaluate each weight version an RL run publishes, as it appears
     COMPILE = "compile"  # compile compile.job's programs for a TPU topology or the local devices
@@ -64,7 +64,7 @@ SECTIONS: dict[str, type[Section]] = {
     cls._section: cls
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
-                DistributedConfig, RuntimeConfig, SampleConfig, ExportConfig, EvaluateConfig,
+                DistributedConfig, RuntimeConfig, GenerateConfig, ExportConfig, EvaluateConfig,
                 CompileConfig, DPOConfig)
 }
 
@@ -87,7 +87,7 @@ class Config:
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
-    sample: SampleConfig = dataclasses.field(default_factory=SampleConfig)
+    generate: GenerateConfig = dataclasses.field(default_factory=GenerateConfig)
     export: ExportConfig = dataclasses.field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)

@@ -38,11 +38,13 @@ class TrainerConfig(Section):
     _section = "trainer"
     learning_rate: float = field(1e-3, "Peak learning rate.", at_least(0.0))
     steps: int = field(100, "Optimizer steps to run.", at_least(0))
-    batch_size: int = field(8, "Global sequences per optimizer step.", at_least(1))
+    batch_size: int = field(8, "Global sequences per optimizer step of job = sft, dpo; job = rl "
+                                "reads rollout.* and rl.warm_start_batch_size instead and needs "
+                                "the default.", at_least(1))
     seq_len: int = field(128, "Training sequence length (tokens).", at_least(2))
     seed: int = field(0, "Seed of params init, dropout-free RNG stream and data order.")
     microbatches: int = field(1, "Gradient-accumulation microbatches per step; must divide "
-                                 "batch_size.", at_least(1))
+                                 "the step's batch.", at_least(1))
     log_every: int = field(10, "Steps between metric writes (and RL console step lines); a "
                                "run's first step is written too.",
                            at_least(1))
@@ -57,10 +59,6 @@ class TrainerConfig(Section):
               "each chunk's logits instead of keeping them. 0: all at once (full [B, L, V] "
               "float32 logits). See docs/memory.md.", at_least(0))
 
-    def validate(self) -> None:
-        if self.batch_size % self.microbatches:
-            raise ConfigError(f"trainer.microbatches = {self.microbatches}: must divide "
-                              f"trainer.batch_size = {self.batch_size}")
 
 
 @dataclasses.dataclass(frozen=True)

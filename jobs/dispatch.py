@@ -7,7 +7,7 @@ cross-section rules; here: ``preflight`` -- input paths, the effective model and
 data without a chat model -- then distributed start-up, the meshes with their device count, the
 split placement included) and returns the text a user checks, the model section as the run
 will build it. ``run`` makes the same checks (``preflight``), then checks the workdir and takes its lock (``utils/workdir.py``; one run per workdir
-and writing job: SFT and RL share a lock, sample and evaluate have their own, export takes none),
+and writing job: SFT and RL share a lock, generate and evaluate have their own, export takes none),
 then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
 """
 
@@ -43,7 +43,7 @@ def register(job: Job, target: str) -> None:
 
 
 register(Job.SFT, "meshrl.jobs.sft:run")
-register(Job.SAMPLE, "meshrl.jobs.sample:run")
+register(Job.GENERATE, "meshrl.jobs.generate:run")
 register(Job.RL, "meshrl.jobs.rl:run")
 register(Job.EXPORT, "meshrl.jobs.export:run")
 register(Job.EVALUATE, "meshrl.jobs.evaluate:run")
@@ -171,7 +171,7 @@ def run(config: Config, workdir: str) -> None:
         raise NotImplementedError(f"job = {config.job.value!r} has no runner in this build; "
                                   f"available: {known}")
     module, fn = _JOBS[config.job].split(":")
-    # Every job, sample and export included, joins the multi-controller runtime the same way.
+    # Every job, generate and export included, joins the multi-controller runtime the same way.
     initialize_distributed(config.distributed)
     log.set_process_index(jax.process_index())
     if cache is not None:  # logged once the record can carry this process's index
@@ -189,7 +189,7 @@ def run(config: Config, workdir: str) -> None:
 # (RL's warm start included), so they share one; the evaluator and the sampler write files of
 # their own and may run beside training. Export only reads the workdir.
 _LOCKS: dict[Job, str] = {Job.SFT: ".meshrl.lock", Job.RL: ".meshrl.lock", Job.DPO: ".meshrl.lock",
-                          Job.SAMPLE: ".meshrl.sample.lock",
+                          Job.GENERATE: ".meshrl.generate.lock",
                           Job.EVALUATE: ".meshrl.evaluate.lock"}
 
 

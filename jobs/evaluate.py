@@ -30,7 +30,6 @@ Contract:
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from typing import Any
@@ -43,7 +42,6 @@ from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples
 from meshrl.inference.async_sampler import AsyncSampler
 from meshrl.inference.sampler import Sampler
-from meshrl.inference.weights import WeightMismatchError, published_versions
 from meshrl.jobs import weights_source
 from meshrl.mesh import create_mesh
 from meshrl.models import load
@@ -54,22 +52,20 @@ from meshrl.trainer.rl_loop import publishes_at
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
-from meshrl.utils.errors import UserError
-from meshrl.workflows.evaluate import aevaluate
+from meshrl.workflows.version_eval import (
+    ACCURACY,
+    EvaluateTimeoutError,
+    RunEndedError,
+    VersionEvaluator,
+    awatch,
+    final_version,
+    run_ended,
+)
 
 __all__ = ["EvaluateTimeoutError", "RunEndedError", "evaluated_versions", "final_version",
            "rl_versions", "run", "run_ended"]
 
 log = log_lib.get_logger("evaluate")
-ACCURACY = "eval/greedy_accuracy"
-
-
-class EvaluateTimeoutError(UserError, TimeoutError):
-    """No new weight version and no end of the run for ``evaluate.timeout_s`` seconds."""
-
-
-class RunEndedError(UserError, RuntimeError):
-    """The RL run ended without publishing its final weight version."""
 
 
 def rl_versions(config: Config) -> list[int]:
@@ -77,123 +73,27 @@ def rl_versions(config: Config) -> list[int]:
     return [s for s in range(1, config.trainer.steps + 1) if publishes_at(config, s)]
 
 
-def final_version(config: Config) -> int | None:
-    """The run's last weight version, ``trainer.steps``; None when the run publishes none."""
-    return config.trainer.steps or None
-
-
-def run_ended(workdir: paths.PathLike, config: Config) -> bool:
-    """Whether the RL run of ``config`` in ``workdir`` finished: its ``summary.json`` (written
-    after its last publication) records ``steps = trainer.steps``. The summary of an earlier,
-    shorter run in the same workdir (``trainer.steps`` raised since) does not count."""
-    path = paths.as_path(workdir) / "summary.json"
-    try:
-        summary = json.loads(path.read_text())
-    except (OSError, ValueError):  # absent, or being written
-        return False
-    return summary.get("job") == "rl" and summary.get("steps") == config.trainer.steps
-
-
 def evaluated_versions(eval_dir: epath.Path) -> dict[int, dict[str, float]]:
     """The versions ``<eval_dir>/metrics.jsonl`` holds an evaluation of, with their metrics."""
     return {v: m for v, m in read_metrics(eval_dir / "metrics.jsonl").items() if ACCURACY in m}
 
 
-class _Evaluator:
-    """The held-out set, tokenizer, reward pool and one sampler (behind the async engine) that
-    takes each version in turn."""
-
-    def __init__(self, config: Config, workdir: epath.Path) -> None:
-        self.config, self.workdir = config, workdir
-        # The model of this config (not the run's saved one): weights that do not fit it are an
-        # error naming the version, never a silent switch of architecture.
-        target = load(config, create_mesh(config.mesh), "sample", abstract=True)
-        self.tokenizer = target.tokenizer
-        self.examples = eval_examples(config.data, self.tokenizer)
-        if not self.examples:
-            d = config.data
-            raise ConfigError(f"data.eval_examples = {d.eval_examples}, data.eval_path = "
-                              f"{d.eval_path!r}: the held-out set is empty: the evaluate job "
-                              f"needs held-out examples (set data.eval_path for file sources)")
-        sampler = Sampler(target.arch, config.sampler, target.mesh, workdir=str(workdir),
-                          rules=target.rules)
-        self.engine = AsyncSampler(sampler)
-        self.pool = RewardPool.from_config(config.reward)
-
-    def load(self, version: int) -> bool:
-        """Put ``version`` on the sampler; False if it vanished (a resumed RL run replaces the
-        versions after its checkpoint: it comes back under the same number; or the run's
-        ``checkpoint.keep_versions`` retired it: it is then no longer listed)."""
-        # TODO(meshrl): a version a resumed RL run replaces after it was evaluated keeps the
-        # old weights' metrics; the trainer publishes no marker that would tell them apart.
-        try:
-            self.engine.load_weights(version)
-        except WeightMismatchError as e:
-            raise weights_source.mismatch_error(self.workdir, version, "this config", e) from None
-        except FileNotFoundError as e:
-            log.warning("weight version %d vanished while loading (%s); listing the versions "
-                        "again", version, e)
-            return False
-        return True
-
-    async def evaluate(self, version: int) -> dict[str, float]:
-        c = self.config
-        t0 = time.perf_counter()
-        out = await aevaluate(self.engine, self.pool, self.examples, version=version,
-                              decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id,
-                              max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
-                              temperature=c.sampler.temperature, seed=c.trainer.seed)
-        return {**out, "perf/eval_s": time.perf_counter() - t0}
-
-    def close(self) -> None:
-        self.engine.shutdown()
-        self.pool.close()
-
-
-def _timeout_error(config: Config, workdir: epath.Path, done: dict[int, Any]
-                   ) -> EvaluateTimeoutError:
-    t = config.evaluate.timeout_s
-    return EvaluateTimeoutError(
-        f"evaluate.timeout_s = {t}: no new weight version under {workdir / 'weights'} and no "
-        f"end of the RL run ({workdir / 'summary.json'}) for {t:g} s; evaluated "
-        f"{sorted(done)}, waiting for the final version {final_version(config)} "
-        f"(trainer.steps): is the RL job running with this --workdir and config? Raise "
-        f"evaluate.timeout_s, or set it to 0 to wait forever")
-
-
-async def _watch(ev: _Evaluator, writer: MetricsWriter, done: dict[int, dict[str, float]]
-                 ) -> str:
-    """Evaluate versions as they appear until the end rule holds; returns which one held:
-    ``"final_version"`` (evaluated) or ``"run_ended"`` (a run that publishes none ended)."""
-    config, workdir = ev.config, ev.workdir
-    final, timeout = final_version(config), config.evaluate.timeout_s
-    last = time.monotonic()
-    while True:
-        # The end marker before the listing: a run that had ended has published everything.
-        ended = run_ended(workdir, config)
-        for version in [v for v in published_versions(workdir) if v not in done]:
-            if not await asyncio.to_thread(ev.load, version):
-                continue
-            done[version] = await ev.evaluate(version)
-            writer.write(version, done[version])
-            log.info("version %d: %s", version,
-                     ", ".join(f"{k} {v:.3f}" for k, v in done[version].items()))
-            last = time.monotonic()
-        if final is not None and final in done:
-            return "final_version"
-        if ended:
-            if final is not None:
-                raise RunEndedError(
-                    f"{workdir / 'summary.json'}: the RL run ended with trainer.steps = "
-                    f"{config.trainer.steps}, but its final version {final} is not under "
-                    f"{workdir / 'weights'} (published: {published_versions(workdir)}): were "
-                    f"its weights deleted? Nothing more will be published to evaluate")
-            return "run_ended"
-        waited = time.monotonic() - last
-        if timeout and waited > timeout:
-            raise _timeout_error(config, workdir, done)
-        wait = config.evaluate.poll_s
-        await asyncio.sleep(min(wait, timeout - waited) if timeout else wait)
+def _evaluator(config: Config, workdir: epath.Path) -> VersionEvaluator:
+    # The model of this config (not the run's saved one): weights that do not fit it are an
+    # error naming the version, never a silent switch of architecture.
+    target = load(config, create_mesh(config.mesh), "sample", abstract=True)
+    examples = eval_examples(config.data, target.tokenizer)
+    if not examples:
+        d = config.data
+        raise ConfigError(f"data.eval_examples = {d.eval_examples}, data.eval_path = "
+                          f"{d.eval_path!r}: the held-out set is empty: the evaluate job "
+                          f"needs held-out examples (set data.eval_path for file sources)")
+    sampler = Sampler(target.arch, config.sampler, target.mesh, workdir=str(workdir),
+                      rules=target.rules)
+    return VersionEvaluator(
+        config, workdir, AsyncSampler(sampler), RewardPool.from_config(config.reward), examples,
+        target.tokenizer,
+        lambda v, e: weights_source.mismatch_error(workdir, v, "this config", e))
 
 
 def _summary(config: Config, done: dict[int, dict[str, float]], reason: str,
@@ -219,14 +119,14 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     if done:
         log.info("already evaluated versions %s (%s): skipping them", sorted(done),
                  eval_dir / "metrics.jsonl")
-    ev = _Evaluator(config, root)
+    ev = _evaluator(config, root)
     writer = MetricsWriter(eval_dir, tensorboard=config.logging.tensorboard,
                            process_index=jax.process_index(),
                            resume_step=max(done) if done else None)
     try:
         log.info("watching %s for weight versions up to %s (trainer.steps)", root / "weights",
                  final_version(config))
-        reason = run_sync(_watch(ev, writer, done))
+        reason = run_sync(awatch(ev, writer.write, done))
     finally:
         writer.close()
         ev.close()

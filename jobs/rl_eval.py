@@ -14,19 +14,13 @@ from meshrl.datasets import eval_examples
 from meshrl.inference.sampler import Request
 from meshrl.inference.weights import published_versions, weights_dir
 from meshrl.jobs import weights_source
-from meshrl.jobs.sample import make_sampler, resolve_source
+from meshrl.jobs.generate import make_sampler, resolve_source
 from meshrl.mesh import create_mesh
 from meshrl.rewards import RewardPool
-
-# Re-exported for jobs.evaluate until it imports them from their homes.
-from meshrl.trainer.curves import read_metrics  # noqa: F401, E402
 from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 from meshrl.workflows.episode import reward_fields
-from meshrl.workflows.evaluate import (
-    aevaluate,  # noqa: F401, E402
-    check_versions,
-)
+from meshrl.workflows.evaluate import check_versions
 
 log = get_logger("rl")
 
@@ -37,8 +31,8 @@ def sample_versions(config: Config, workdir: paths.PathLike,
     RL job's evaluation reads them) under each published weight version of the run in
     ``workdir`` (``versions``; None: all of them), scored by ``reward.*``: one record per version
     and prompt, versions ascending, with ``version``, ``prompt``, ``completion``, ``tokens``,
-    ``reward`` and ``finish_reason``. Weights, model and tokenizer are loaded as the sample job
-    loads ``sample.source = 'version'``; no held-out prompts gives no records. A version not
+    ``reward`` and ``finish_reason``. Weights, model and tokenizer are loaded as the generate job
+    loads ``generate.source = 'version'``; no held-out prompts gives no records. A version not
     published is a ``ConfigError`` listing the published ones."""
     published = published_versions(workdir)
     wanted = published if versions is None else sorted(set(versions))
@@ -47,9 +41,9 @@ def sample_versions(config: Config, workdir: paths.PathLike,
         raise ConfigError(f"versions = {unknown}: not published under "
                           f"{weights_dir(workdir, 0).parent} (published: {published}): pick "
                           f"some of them, or None for all")
-    # sample.version = -1 when nothing is published: resolve_source then names the problem.
-    cfg = dataclasses.replace(config, sample=dataclasses.replace(
-        config.sample, source="version", version=wanted[0] if wanted else -1))
+    # generate.version = -1 when nothing is published: resolve_source then names the problem.
+    cfg = dataclasses.replace(config, generate=dataclasses.replace(
+        config.generate, source="version", version=wanted[0] if wanted else -1))
     src = resolve_source(cfg, workdir)
     target = weights_source.skeleton(cfg, src, create_mesh(config.mesh), "sample")
     tokenizer = target.tokenizer

@@ -33,15 +33,18 @@ def warm_start_steps(config: Config) -> int:
 
 
 def warm_start_config(config: Config, steps: int) -> Config:
-    """The SFT config of the warm start: ``steps`` steps of AdamW at peak rate
-    ``rl.warm_start_lr``, no held-out evaluation, no Weights & Biases run (the RL run is the
-    one a user follows there; the warm start's curves stay in <workdir>/sft) and no profiler
-    trace (``logging.profile_steps`` names RL steps); every other field as in ``config``."""
+    """The SFT config of the warm start: ``steps`` steps of ``rl.warm_start_batch_size``
+    sequences with AdamW at peak rate ``rl.warm_start_lr``, no held-out evaluation, no Weights &
+    Biases run (the RL run is the one a user follows there; the warm start's curves stay in
+    <workdir>/sft) and no profiler trace (``logging.profile_steps`` names RL steps); every other
+    field as in ``config``.
+    """
     t = config.trainer
     return dataclasses.replace(
         config, job=Job.SFT,
         trainer=dataclasses.replace(t, steps=steps, eval_every=0,
-                                    learning_rate=config.rl.warm_start_lr),
+                                    learning_rate=config.rl.warm_start_lr,
+                                    batch_size=config.rl.warm_start_batch_size),
         optimizer=dataclasses.replace(config.optimizer, name="adamw"),
         logging=dataclasses.replace(config.logging, wandb_project="", profile_steps=()))
 
@@ -50,8 +53,8 @@ def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trai
                    tokenizer: Any, steps: int) -> Any:
     """``steps`` of SFT under ``<workdir>/sft`` (resumable; a finished one is only restored);
     returns the final params."""
-    t = config.trainer
     sft = warm_start_config(config, steps)
+    t = sft.trainer
     data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                              seed=t.seed, process_index=jax.process_index(),
                              process_count=jax.process_count(), pack=config.data.pack)

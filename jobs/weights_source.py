@@ -43,7 +43,7 @@ NEWEST = -1
 @dataclasses.dataclass(frozen=True)
 class Wording:
     """How a job's error lines name its choice: ``source`` what chose the kind
-    (``"sample.source = 'version'"``), ``step`` / ``version`` the fields holding a step or
+    (``"generate.source = 'version'"``), ``step`` / ``version`` the fields holding a step or
     version (``"export.step"``; empty for a job that always takes the newest step),
     ``instead`` the other choice a line offers."""
 

@@ -70,7 +70,7 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: pathlib.Path) -> None:
 
 
 def read_metrics(path: pathlib.Path) -> dict[int, dict[str, float]]:
-    """``metrics.jsonl`` merged per step, newest value last. As ``jobs.rl_eval.read_metrics``,
+    """``metrics.jsonl`` merged per step, newest value last. As ``trainer.curves.read_metrics``,
     which cannot be imported here without JAX and the model code."""
     by_step: dict[int, dict[str, float]] = {}
     if path.is_file():

@@ -11,8 +11,7 @@ dropped.
 from __future__ import annotations
 
 import dataclasses
-import json
-import pathlib
+from typing import Any
 
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -21,7 +20,7 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
 from meshrl.models.decoder import Decoder, create_model
-from meshrl.models.hf import load_hf_checkpoint, load_hf_config
+from meshrl.models.hf import load_hf_checkpoint, load_hf_config, read_hf_config
 from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec, tokenizer_for
 from meshrl.utils.log import get_logger
 
@@ -33,17 +32,17 @@ RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention", "remat", "scan_la
 _NOT_ARCH = (*RUNTIME_FIELDS, "hf_path")
 
 
-def resolve_model_config(model: ModelConfig) -> ModelConfig:
+def resolve_model_config(model: ModelConfig, hf: dict[str, Any] | None = None) -> ModelConfig:
     """The config ``build_model(model)`` builds: ``model`` itself when ``model.hf_path`` is
     empty, else the architecture of ``<hf_path>/config.json`` with ``model``'s runtime fields.
 
-    Reads only config.json. Raises ``MissingFileError`` / ``CheckpointError`` (no or unreadable
+    Reads only config.json (not at all when ``hf`` holds its dict). Raises ``MissingFileError`` / ``CheckpointError`` (no or unreadable
     config.json) and ``ConfigError`` (an unsupported architecture), each naming the file.
     """
     if not model.hf_path:
         return model
     runtime = {name: getattr(model, name) for name in RUNTIME_FIELDS}
-    resolved = load_hf_config(model.hf_path, **runtime)
+    resolved = load_hf_config(model.hf_path, hf, **runtime)
     default = ModelConfig()
     ignored = [f"model.{f.name} = {getattr(model, f.name)!r} (checkpoint: "
                f"{getattr(resolved, f.name)!r})"
@@ -75,14 +74,12 @@ def effective_model(model: ModelConfig) -> EffectiveModel:
     functions the jobs call (``resolve_model_config``, ``tokenizer_for``), so a dry run that
     passes this and prints it shows, and has checked, what the run will use. Reads config.json
     and the tokenizer files, never the weights."""
-    resolved = resolve_model_config(model)
+    hf = read_hf_config(model.hf_path) if model.hf_path else None  # the one read
+    resolved = resolve_model_config(model, hf)
     tokenizer = tokenizer_for(model, resolved.vocab_size)
     from_checkpoint = tuple(f.name for f in dataclasses.fields(ModelConfig)
                             if model.hf_path and f.name not in _NOT_ARCH)
-    stored = None
-    if model.hf_path:  # resolve_model_config has read and checked this file
-        hf = json.loads((pathlib.Path(model.hf_path) / "config.json").read_text())
-        stored = hf.get("dtype") or hf.get("torch_dtype")
+    stored = (hf.get("dtype") or hf.get("torch_dtype")) if hf is not None else None
     return EffectiveModel(resolved, from_checkpoint, resolve_tokenizer_spec(model), tokenizer,
                           stored)
 

@@ -199,7 +199,8 @@ def hf_config_from_model(cfg: ModelConfig) -> dict[str, Any]:
     return out
 
 
-def load_hf_config(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
+def read_hf_config(path: str | pathlib.Path) -> dict[str, Any]:
+    """``<path>/config.json`` as a dict; a missing or unreadable file raises the error naming it."""
     file = pathlib.Path(path) / "config.json"
     if not file.is_file():
         raise MissingFileError(f"{file}: not found: a Hugging Face checkpoint directory needs "
@@ -209,6 +210,14 @@ def load_hf_config(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
     except ValueError as e:
         raise CheckpointError(f"{file}: not valid JSON ({e}): restore the file from the "
                               f"model's original release") from None
+    return hf
+
+
+def load_hf_config(path: str | pathlib.Path, hf: dict[str, Any] | None = None,
+                   **overrides: Any) -> ModelConfig:
+    """The ModelConfig of ``<path>/config.json`` (``hf``: its already-read dict)."""
+    file = pathlib.Path(path) / "config.json"
+    hf = read_hf_config(path) if hf is None else hf
     try:
         return model_config_from_hf(hf, hf_path=str(path), **overrides)
     except KeyError as e:

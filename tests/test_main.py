@@ -57,3 +57,11 @@ def test_bad_config_exits_nonzero_with_message(args, expected):
     assert out.returncode != 0
     assert expected in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_deprecated_sample_job_and_section_still_run_with_one_warning_each():
+    out = _main("--dry_run", "--config.job=sample", "--config.sample.source=random")
+    assert out.returncode == 0, out.stderr
+    assert "job = generate" in out.stdout and "generate.source = 'random'" in out.stdout
+    assert "job = sample is deprecated" in out.stderr
+    assert "sample.source is deprecated" in out.stderr and "use generate.source" in out.stderr

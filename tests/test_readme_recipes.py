@@ -46,7 +46,7 @@ def placeholders(tmp_path_factory) -> dict[str, str]:
 
 
 def test_readme_has_the_issue_recipes():
-    assert set(recipes()) == {"sft", "rl", "sample", "export", "sweep"}
+    assert set(recipes()) == {"sft", "rl", "generate", "export", "sweep"}
 
 
 def test_each_recipe_lists_its_cpu_rehearsal():
@@ -54,7 +54,7 @@ def test_each_recipe_lists_its_cpu_rehearsal():
     # export and sampling, SFT and its export.
     expected = {"sft": ["configs/sft_chat.py", "configs/sft_chat.py:cpu"],
                 "rl": ["configs/rl_gsm8k.py", "configs/rl_gsm8k.py:cpu"],
-                "sample": ["configs/sample.py", "configs/rl_gsm8k.py",
+                "generate": ["configs/generate.py", "configs/rl_gsm8k.py",
                            "configs/rl_gsm8k.py:cpu"],
                 "export": ["configs/rl_gsm8k.py", "configs/rl_gsm8k.py:cpu"]}
     for name, configs in expected.items():

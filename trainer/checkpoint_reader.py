@@ -2,7 +2,7 @@
 params (with the weight version) alone of its ``TrainState``, never the optimizer state.
 
 Same layout and integrity check as ``checkpoint.Checkpointer`` (the one writer), but it never
-writes, renames or deletes: a run may be saving next to the reader (the sample job reading a
+writes, renames or deletes: a run may be saving next to the reader (the generate job reading a
 live RL run). A step that fails ``verify_step_dir`` is skipped and logged, not quarantined; the
 run's own resume deals with it.
 """

@@ -37,3 +37,12 @@ def sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def process_block(n: int) -> range:
+    """This process's contiguous block of ``n`` items (the first ``n % count`` processes take
+    one more), so the processes' results concatenate in item order."""
+    count, index = jax.process_count(), jax.process_index()
+    base, extra = divmod(n, count)
+    start = index * base + min(index, extra)
+    return range(start, start + base + (index < extra))

@@ -10,8 +10,9 @@ metrics, summaries, the evaluator) goes through these. Tested on local paths onl
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 from etils import epath
 
@@ -59,3 +60,21 @@ def remove_tree(path: epath.Path) -> None:
         path.rmtree()
     except FileNotFoundError:
         pass
+
+
+def first_free(path: epath.Path, overwrite: bool) -> epath.Path:
+    """``path``, or with ``overwrite`` False and ``path`` present the first absent
+    ``<stem>-<n><suffix>`` (n = 1, 2, ...): an earlier output is never lost to a rerun."""
+    n, out = 0, path
+    while not overwrite and out.exists():
+        n += 1
+        out = path.with_name(f"{path.stem}-{n}{path.suffix}")
+    return out
+
+
+def is_jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+        return True
+    except TypeError:
+        return False

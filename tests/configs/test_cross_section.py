@@ -33,7 +33,11 @@ CROSS_SECTION_ERRORS = [
     ("sft", {"model.arch": "mixtral", "model.num_experts": 8, "model.intermediate_size": 6,
              "mesh.expert_tensor": 4, "mesh.data": 2},
      "mesh.expert_tensor = 4: must divide the expert FFN width model.moe_intermediate_size = 6"),
-    ("rl", {"trainer.batch_size": 24, "trainer.microbatches": 3},
+    ("sft", {"trainer.batch_size": 6, "trainer.microbatches": 4},
+     "trainer.microbatches = 4: must divide trainer.batch_size = 6"),
+    ("rl", {"rl.warm_start_batch_size": 6, "trainer.microbatches": 4},
+     "trainer.microbatches = 4: must divide rl.warm_start_batch_size = 6"),
+    ("rl", {"rl.warm_start_batch_size": 24, "trainer.microbatches": 3},
      "trainer.microbatches = 3: must divide rollout.prompts_per_step * rollout.group_size = 32"),
     ("rl", {"rl.ppo_minibatches": 3},
      "rl.ppo_minibatches = 3: rl.ppo_minibatches * trainer.microbatches = 3 must divide "
@@ -48,15 +52,15 @@ CROSS_SECTION_ERRORS = [
      "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
     ("rl", {"data.max_prompt_len": 200},
      "sampler.prompt_buckets = (32, 64, 128): the largest must be >= data.max_prompt_len = 200"),
-    ("sample", {"sample.source": "hf_path"}, "sample.source = 'hf_path': model.hf_path is empty"),
-    ("sample", {"sample.source": "random", "model.hf_path": "/ckpt"},
-     "sample.source = 'random': model.hf_path = '/ckpt' would be ignored"),
+    ("generate", {"generate.source": "hf_path"}, "generate.source = 'hf_path': model.hf_path is empty"),
+    ("generate", {"generate.source": "random", "model.hf_path": "/ckpt"},
+     "generate.source = 'random': model.hf_path = '/ckpt' would be ignored"),
 ]
 
 
 def _cfg(job: str, overrides: dict):
     cfg = base_config(job)
-    cfg.sample.source = "random"  # the sample job's default source needs model.hf_path
+    cfg.generate.source = "random"  # the generate job's default source needs model.hf_path
     for key, value in overrides.items():
         section, name = key.split(".")
         cfg[section][name] = value

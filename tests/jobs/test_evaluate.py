@@ -24,6 +24,8 @@ from meshrl.jobs import evaluate
 from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.curves import read_metrics
+from meshrl.workflows import version_eval
+from meshrl.workflows.version_eval import VersionEvaluator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
@@ -53,13 +55,13 @@ def workdir(rl_run, tmp_path) -> pathlib.Path:
 
 def _count_evaluations(monkeypatch) -> list[int]:
     seen: list[int] = []
-    original = evaluate._Evaluator.evaluate
+    original = VersionEvaluator.evaluate
 
     async def counting(self, version):
         seen.append(version)
         return await original(self, version)
 
-    monkeypatch.setattr(evaluate._Evaluator, "evaluate", counting)
+    monkeypatch.setattr(VersionEvaluator, "evaluate", counting)
     return seen
 
 
@@ -111,7 +113,7 @@ def test_versions_appearing_one_by_one_are_each_evaluated_as_they_appear(workdir
     def appearing(path):  # one more published version at each listing, from none
         listings.append(real[:len(listings)])
         return listings[-1]
-    monkeypatch.setattr(evaluate, "published_versions", appearing)
+    monkeypatch.setattr(version_eval, "published_versions", appearing)
     seen = _count_evaluations(monkeypatch)
 
     summary = evaluate.run(_eval_config(), str(workdir))

@@ -1,7 +1,7 @@
 """Complete, quiet outputs of the sample and export jobs, on real_model's tiny Qwen2 (BPE
 tokenizer, ChatML template) edited so that greedy decoding emits EOS at once: the export's
 config.json carries the tokenizer's EOS and transformers' generate stops there without a
-generation_config.json; the export folder has the user's umask; the sample job names its weight
+generation_config.json; the export folder has the user's umask; the generate job names its weight
 source and version, keeps an earlier samples.jsonl, and prints no TPU or Orbax notice."""
 
 from __future__ import annotations
@@ -17,16 +17,17 @@ import sys
 import pytest
 
 from meshrl.configs import from_config_dict
-from meshrl.configs import sample as sample_config
+from meshrl.configs import generate as generate_config
 from meshrl.configs import sft_chat as sft_chat_config
 from meshrl.inference.weights import publish_weights
 from meshrl.jobs import dispatch
-from meshrl.jobs import sample as sample_job
+from meshrl.jobs import generate as generate_job
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import build_model, split_model
 from meshrl.models.tokenizer import HFTokenizer
 from meshrl.tests.jobs import real_model
 from meshrl.tests.xla import cpu_env
+from meshrl.utils.paths import first_free
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VERSION = 3
@@ -107,18 +108,18 @@ def test_sample_output_path_keeps_an_earlier_file_unless_overwrite(tmp_path):
     (tmp_path / "samples.jsonl").write_text("earlier\n")
     (tmp_path / "samples-1.jsonl").write_text("earlier too\n")
 
-    assert sample_job.output_path(tmp_path, False) == tmp_path / "samples-2.jsonl"
-    assert sample_job.output_path(tmp_path, True) == tmp_path / "samples.jsonl"
-    assert sample_job.output_path(tmp_path / "new", False) == tmp_path / "new" / "samples.jsonl"
+    assert first_free(tmp_path / "samples.jsonl", False) == tmp_path / "samples-2.jsonl"
+    assert first_free(tmp_path / "samples.jsonl", True) == tmp_path / "samples.jsonl"
+    assert first_free(tmp_path / "new" / "samples.jsonl", False) == tmp_path / "new" / "samples.jsonl"
 
 
 def test_sample_job_keeps_earlier_samples_and_names_its_weight_source(tmp_path, caplog):
-    cfg = sample_config.get_config()
+    cfg = generate_config.get_config()
     cfg.data.num_examples = 2
     (tmp_path / "samples.jsonl").write_text("earlier\n")
 
     with caplog.at_level(logging.INFO):
-        sample_job.run(from_config_dict(cfg), str(tmp_path))
+        generate_job.run(from_config_dict(cfg), str(tmp_path))
 
     assert (tmp_path / "samples.jsonl").read_text() == "earlier\n"
     assert len((tmp_path / "samples-1.jsonl").read_text().splitlines()) == 2
@@ -132,8 +133,8 @@ def test_sample_run_of_a_version_names_it_and_prints_no_tpu_or_orbax_notice(run,
     env = cpu_env(8)
     env.pop("JAX_PLATFORMS")  # let JAX probe every backend, as on a user's machine
     args = [f"--config.model.hf_path={run['hf']}", f"--config.data.path={run['chat']}",
-            f"--config.data.eval_path={run['chat']}", "--config.job=sample",
-            "--config.sample.source=version", "--config.sampler.max_new_tokens=4"]
+            f"--config.data.eval_path={run['chat']}", "--config.job=generate",
+            "--config.generate.source=version", "--config.sampler.max_new_tokens=4"]
 
     proc = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
                            str(ROOT / "configs" / "sft_chat.py") + ":tiny",

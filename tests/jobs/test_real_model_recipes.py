@@ -184,11 +184,11 @@ def test_sft_chat_recipe_from_the_rl_export_trains_and_exports_for_transformers(
     assert np.isfinite(float(loss))
 
 
-@pytest.mark.slow  # ~15 s; the sample job itself runs in the default suite (tests/jobs)
+@pytest.mark.slow  # ~15 s; the generate job itself runs in the default suite (tests/jobs)
 def test_rl_cpu_run_samples_from_its_newest_version_as_the_readme_says(rl_run, files):
     workdir, _ = rl_run
-    out = _main("rl_gsm8k.py:cpu", workdir, "--config.job=sample",
-                "--config.sample.source=version", f"--config.model.hf_path={files['hf']}",
+    out = _main("rl_gsm8k.py:cpu", workdir, "--config.job=generate",
+                "--config.generate.source=version", f"--config.model.hf_path={files['hf']}",
                 f"--config.data.path={files['train']}",
                 f"--config.data.eval_path={files['test']}")
     rows = [json.loads(x) for x in (workdir / "samples.jsonl").read_text().splitlines()]

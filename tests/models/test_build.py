@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from meshrl.configs import sample as sample_config
+from meshrl.configs import generate as generate_config
 from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import ModelConfig
 from meshrl.jobs import dispatch
-from meshrl.jobs import sample as sample_job
+from meshrl.jobs import generate as generate_job
 from meshrl.jobs.weights_source import load_source
 from meshrl.mesh import create_mesh
 from meshrl.models import build_model, load, resolve_model_config
@@ -77,24 +77,41 @@ def test_load_of_an_rl_config_builds_the_model_with_model_runtime_fields(llama_d
 
     loaded = load(config, mesh, role)
 
-    # loaded.arch is what a job hands its sampler (rollouts, evaluation, the sample job).
+    # loaded.arch is what a job hands its sampler (rollouts, evaluation, the generate job).
     _assert_runtime(loaded.arch)
     _assert_runtime(nnx.merge(loaded.graphdef, loaded.params).cfg)
 
 
-def test_sample_job_builds_the_hf_path_model_with_model_runtime_fields(llama_dir, tmp_path):
-    cfg = sample_config.get_config()
-    cfg.sample.source = "hf_path"
+def test_generate_job_builds_the_hf_path_model_with_model_runtime_fields(llama_dir, tmp_path):
+    cfg = generate_config.get_config()
+    cfg.generate.source = "hf_path"
     cfg.model.hf_path = str(llama_dir[0])
     for key, value in RUNTIME.items():
         setattr(cfg.model, key.split(".")[1], value)
     config = from_config_dict(cfg)
-    src = sample_job.resolve_source(config, tmp_path)
+    src = generate_job.resolve_source(config, tmp_path)
 
     loaded, _ = load_source(config, tmp_path, src, create_mesh(config.mesh), "sample")
 
     _assert_runtime(loaded.arch)
     _assert_runtime(nnx.merge(loaded.graphdef, loaded.params).cfg)
+
+
+def test_preflight_reads_the_checkpoint_config_json_once(llama_dir, monkeypatch):
+    from meshrl.models import hf
+
+    reads = []
+    original = hf.read_hf_config
+    monkeypatch.setattr(hf, "read_hf_config", lambda p: reads.append(p) or original(p))
+    import meshrl.models.build as build
+
+    monkeypatch.setattr(build, "read_hf_config", hf.read_hf_config)
+    config = tiny_rl_config(**{"model.hf_path": str(llama_dir[0]), "model.tokenizer": "char"})
+
+    effective = dispatch.preflight(config)
+
+    assert len(reads) == 1 and effective.config.hidden_size == TINY["hidden_size"]
+    assert effective.checkpoint_dtype == "float32"
 
 
 def _bad_dirs(root: pathlib.Path, llama: pathlib.Path) -> dict[str, pathlib.Path]:

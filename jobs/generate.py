@@ -1,15 +1,15 @@
-"""The ``sample`` job: completions for prompts, with the weights, tokenizer and prompt rendering
+"""The ``generate`` job: completions for prompts, with the weights, tokenizer and prompt rendering
 of training.
 
-  python main.py --config configs/sample.py --workdir /tmp/meshrl_sample
-  python main.py --config configs/sample.py --workdir /tmp/s --config.sample.source=hf_path \\
+  python main.py --config configs/generate.py --workdir /tmp/meshrl_sample
+  python main.py --config configs/generate.py --workdir /tmp/s --config.generate.source=hf_path \\
       --config.model.hf_path=/path/to/hf_model --config.data.source=jsonl \\
       --config.data.path=prompts.jsonl --config.data.prompt_field=prompt
-  python main.py --config configs/default.py --workdir RUN --config.job=sample \\
-      --config.sample.source=checkpoint    # or =version (--config.sample.version=V, -1 newest)
+  python main.py --config configs/default.py --workdir RUN --config.job=generate \\
+      --config.generate.source=checkpoint    # or =version (--config.generate.version=V, -1 newest)
 
 Contract:
-* Weights (``sample.source``): ``model.hf_path``; a random init of ``model.*``; the params of the
+* Weights (``generate.source``): ``model.hf_path``; a random init of ``model.*``; the params of the
   newest verified checkpoint of the run in ``--workdir`` (model and tokenizer from the config
   saved with it); or its published version ``<workdir>/weights/<V>``, resolved and loaded by
   ``jobs.weights_source`` as the export job's. A missing source is a ``ConfigError`` naming it.
@@ -22,7 +22,7 @@ Contract:
   min(data.max_prompt_len, the largest prompt bucket) follow ``data.on_overlong``; none left is a
   ``DatasetError``.
 * Output: ``<workdir>/samples.jsonl``; when one exists it is kept and the samples go to the first
-  free ``samples-<n>.jsonl``, unless ``sample.overwrite``. One record per prompt: its row's
+  free ``samples-<n>.jsonl``, unless ``generate.overwrite``. One record per prompt: its row's
   fields, ``prompt_text``, ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``,
   ``raw_logprobs``, ``versions``, ``finish_reason``.
 * Several processes: each loads the weights onto a sampler mesh over its own devices
@@ -30,7 +30,8 @@ Contract:
   contiguous block of the prompts with the seeds one process would use, and process 0 writes
   every record, in prompt order, after gathering them.
 
-This is ARCHITECTURE.md's ``jobs/sample``: like ``jobs/sft.py`` and ``jobs/rl.py`` it
+This is ARCHITECTURE.md's ``jobs/sample``, named ``generate`` so that the job and the
+``sampler.*`` settings cannot be confused. Like ``jobs/sft.py`` and ``jobs/rl.py`` it
 composes datasets, checkpoints and the sampler; nothing in ``inference/`` imports it.
 """
 
@@ -67,11 +68,12 @@ def prompt_limit(config: Config) -> int:
 
 
 def resolve_source(config: Config, workdir: paths.PathLike) -> weights_source.WeightSource:
-    """``sample.source`` (and ``sample.version``) checked to exist; loads no weights."""
-    kind = config.sample.source
-    words = weights_source.Wording(source=f"sample.source = {kind!r}", step="",
-                                   version="sample.version", instead="pick another sample.source")
-    return weights_source.resolve(config, workdir, kind, words, version=config.sample.version)
+    """``generate.source`` (and ``generate.version``) checked to exist; loads no weights."""
+    kind = config.generate.source
+    words = weights_source.Wording(source=f"generate.source = {kind!r}", step="",
+                                   version="generate.version",
+                                   instead="pick another generate.source")
+    return weights_source.resolve(config, workdir, kind, words, version=config.generate.version)
 
 
 def make_sampler(config: Config, loaded: LoadedModel, version: int,
@@ -80,15 +82,6 @@ def make_sampler(config: Config, loaded: LoadedModel, version: int,
     ``workdir`` it can also ``load_weights`` the run's other published versions."""
     return Sampler(loaded.arch, config.sampler, loaded.mesh, loaded.params, version=version,
                    rules=loaded.rules, workdir=None if workdir is None else str(workdir))
-
-
-def _process_share(n: int) -> range:
-    """This process's contiguous block of ``n`` prompts (the first ``n % count`` processes take
-    one more), so the processes' records concatenate in prompt order."""
-    count, index = jax.process_count(), jax.process_index()
-    base, extra = divmod(n, count)
-    start = index * base + min(index, extra)
-    return range(start, start + base + (index < extra))
 
 
 def _sampling_mesh(config: Config) -> Mesh:
@@ -100,7 +93,7 @@ def _sampling_mesh(config: Config) -> Mesh:
 
 def _record(ex: dict[str, Any], text: str, ids: list[int], out: Any, tokenizer: Tokenizer
             ) -> dict[str, Any]:
-    record = {k: v for k, v in ex.items() if _jsonable(v)}
+    record = {k: v for k, v in ex.items() if paths.is_jsonable(v)}
     record.update(prompt_text=text, prompt_ids=ids, completion=tokenizer.decode(out.tokens),
                   tokens=out.tokens, logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
                   versions=out.versions, finish_reason=out.finish_reason)
@@ -120,9 +113,9 @@ def run(config: Config, workdir: str) -> None:
     loaded, version = weights_source.fill(config, workdir, src, target)
     log.info("sampling from %s", src.describe(workdir, version))
     sampler = make_sampler(config, loaded, version)
-    share = _process_share(len(rows))
+    share = multihost.process_block(len(rows))
     # Chosen before the gather, so every process names the file process 0 writes after it.
-    path = output_path(workdir, config.sample.overwrite)
+    path = paths.first_free(paths.as_path(workdir) / "samples.jsonl", config.generate.overwrite)
 
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.
@@ -141,25 +134,5 @@ def run(config: Config, workdir: str) -> None:
              n_tokens, n_tokens / max(dt, 1e-9), dropped, path)
 
 
-def output_path(workdir: paths.PathLike, overwrite: bool) -> Any:
-    """``<workdir>/samples.jsonl``, or with ``overwrite`` False and that file present the first
-    absent ``samples-<n>.jsonl``: an earlier sample is never lost to a rerun."""
-    first = paths.as_path(workdir) / "samples.jsonl"
-    n = 0
-    path = first
-    while not overwrite and path.exists():
-        n += 1
-        path = first.with_name(f"samples-{n}.jsonl")
-    return path
-
-
-def _jsonable(v: Any) -> bool:
-    try:
-        json.dumps(v)
-        return True
-    except TypeError:
-        return False
-
-
-__all__ = ["encode_prompts", "make_sampler", "output_path", "prompt_limit", "read_prompts",
+__all__ = ["encode_prompts", "make_sampler", "prompt_limit", "read_prompts",
            "resolve_source", "run"]

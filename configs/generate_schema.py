@@ -1,4 +1,4 @@
-"""The ``sample`` section: which weights the sample job generates with, and its output.
+"""The ``generate`` section: which weights the generate job samples with, and its output.
 """
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ from meshrl.configs.fields import ConfigError, Section, at_least, field
 
 
 @dataclasses.dataclass(frozen=True)
-class SampleConfig(Section):
-    """The sample job (``job = sample``): where its weights come from. The run sources read the
+class GenerateConfig(Section):
+    """The generate job (``job = generate``): where its weights come from. The run sources read the
     run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl`` (never over an earlier
-    one unless ``sample.overwrite``)."""
+    one unless ``generate.overwrite``)."""
 
-    _section = "sample"
+    _section = "generate"
     source: Literal["hf_path", "random", "checkpoint", "version"] = field(
         "hf_path", "Weights to sample from: hf_path (the model.hf_path checkpoint), random (a "
                    "random init of model.*, for smoke tests), checkpoint (the params of the newest "
                    "verified checkpoint under <workdir>/checkpoints, with the model and tokenizer "
                    "of the run's saved config), version (the published weight version "
-                   "<workdir>/weights/<sample.version>, with the model and tokenizer of the run's "
+                   "<workdir>/weights/<generate.version>, with the model and tokenizer of the run's "
                    "newest checkpoint config, or of this config when the run has none).")
-    version: int = field(-1, "Weight version for sample.source = 'version'; -1: the newest "
+    version: int = field(-1, "Weight version for generate.source = 'version'; -1: the newest "
                              "published one. Must stay -1 with the other sources.", at_least(-1))
     overwrite: bool = field(False, "Replace an existing <workdir>/samples.jsonl; False: keep "
                                    "it and write the first free samples-<n>.jsonl (n = 1, 2, "
@@ -31,6 +31,6 @@ class SampleConfig(Section):
 
     def validate(self) -> None:
         if self.version != -1 and self.source != "version":
-            raise ConfigError(f"sample.version = {self.version}: only read with sample.source = "
-                              f"'version' (sample.source = {self.source!r}); set "
-                              f"sample.source = 'version' or leave sample.version at -1")
+            raise ConfigError(f"generate.version = {self.version}: only read with generate.source = "
+                              f"'version' (generate.source = {self.source!r}); set "
+                              f"generate.source = 'version' or leave generate.version at -1")

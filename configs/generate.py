@@ -1,13 +1,13 @@
-"""Sample job: generate completions for prompts with the sampler.
+"""Generate job: sample completions for prompts with the sampler.
 
-  python main.py --config configs/sample.py --workdir /tmp/meshrl_sample
-  python main.py --config configs/sample.py --workdir /tmp/meshrl_sample \\
-      --config.sample.source=hf_path --config.model.hf_path=/path/to/hf_model \\
+  python main.py --config configs/generate.py --workdir /tmp/meshrl_sample
+  python main.py --config configs/generate.py --workdir /tmp/meshrl_sample \\
+      --config.generate.source=hf_path --config.model.hf_path=/path/to/hf_model \\
       --config.data.source=jsonl --config.data.path=prompts.jsonl
 
-As is, it samples from a random tiny model with the char tokenizer (sample.source = 'random': runs
-anywhere). To sample from a training run, run its own config as the sample job on its workdir:
-``--config.job=sample --config.sample.source=checkpoint`` (or ``=version``).
+As is, it samples from a random tiny model with the char tokenizer (generate.source = 'random': runs
+anywhere). To sample from a training run, run its own config as the generate job on its workdir:
+``--config.job=generate --config.generate.source=checkpoint`` (or ``=version``).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from meshrl.configs.loader import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-    cfg = base_config("sample")
-    cfg.sample.source = "random"  # hf_path, checkpoint or version for trained weights
+    cfg = base_config("generate")
+    cfg.generate.source = "random"  # hf_path, checkpoint or version for trained weights
     cfg.model.vocab_size = 256  # the built-in char tokenizer's byte vocabulary
     cfg.model.hidden_size = 64  # a tiny random model when model.hf_path is empty
     cfg.model.intermediate_size = 172
@@ -33,5 +33,5 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg.sampler.temperature = 0.0  # greedy: reproducible output
     cfg.sampler.prompt_buckets = (16, 32, 64)
     if arg not in (None, ""):
-        raise ValueError(f"configs/sample.py: unknown variant {arg!r}")
+        raise ValueError(f"configs/generate.py: unknown variant {arg!r}")
     return cfg

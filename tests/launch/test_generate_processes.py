@@ -1,4 +1,4 @@
-"""The sample job on two processes (launch/local.py): each process samples its block of the
+"""The generate job on two processes (launch/local.py): each process samples its block of the
 prompts from a run's checkpoint on its own devices, and process 0 writes the records of one
 process, in prompt order."""
 
@@ -18,7 +18,7 @@ LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
 CONFIG = ["--config", str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
           "--config.mesh.data=-1", "--config.mesh.tensor=2", "--config.logging.progress_bar=false"]
 # Five prompts: the processes take blocks of 3 and 2.
-SAMPLE = ["--config.job=sample", "--config.sample.source=checkpoint",
+SAMPLE = ["--config.job=generate", "--config.generate.source=checkpoint",
           "--config.sampler.temperature=0.0", "--config.sampler.max_new_tokens=6",
           "--config.data.num_examples=5"]
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]

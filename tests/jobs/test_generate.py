@@ -1,4 +1,4 @@
-"""The sample job end to end: weights from hf_path / random / a run's checkpoint / a published
+"""The generate job end to end: weights from hf_path / random / a run's checkpoint / a published
 version, prompts rendered as in training, samples.jsonl out; every bad input is a clear error."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from meshrl.configs import sample as sample_config
+from meshrl.configs import generate as generate_config
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.loader import from_config_dict
 from meshrl.configs.schema import MeshConfig
@@ -21,7 +21,7 @@ from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
 from meshrl.inference.sampler import Request, Sampler
 from meshrl.inference.weights import publish_weights
-from meshrl.jobs import sample as job
+from meshrl.jobs import generate as job
 from meshrl.jobs.rl_eval import sample_versions
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
@@ -44,7 +44,7 @@ RUN_VERSIONS = (2, 7)  # published by the run fixture: 2 = its trained params, 7
 
 
 def _config(**data):
-    cfg = sample_config.get_config()
+    cfg = generate_config.get_config()
     cfg.sampler.max_new_tokens = 5
     for k, v in data.items():
         setattr(cfg.data, k, v)
@@ -121,7 +121,7 @@ def test_sample_job_loads_hf_checkpoint_and_samples_with_its_weights(tmp_path):
     ckpt = tmp_path / "hf"
     save_hf_checkpoint(create_model(dataclasses.replace(TINY, vocab_size=256), seed=3), ckpt)
     cfg = _config(num_examples=3)
-    cfg.sample.source = "hf_path"
+    cfg.generate.source = "hf_path"
     cfg.model.hf_path = str(ckpt)
     cfg.model.num_layers = 1  # ignored: the checkpoint's config.json wins
     cfg.model.tokenizer = "char"  # a byte-vocabulary checkpoint without tokenizer.json
@@ -139,7 +139,7 @@ def test_templated_prompt_ids_equal_the_rl_prompt_iterators(tmp_path, templated_
                           {"role": "user", "content": "what is 12 plus 34 ?"}], "answer": "46"}]
     cfg = _config(source="jsonl", path=str(_jsonl(tmp_path / "p.jsonl", rows)),
                   prompt_field="question")
-    cfg.sample.source = "hf_path"
+    cfg.generate.source = "hf_path"
     cfg.model.hf_path = str(templated_checkpoint)
     config = from_config_dict(cfg)
 
@@ -157,9 +157,9 @@ def test_templated_prompt_ids_equal_the_rl_prompt_iterators(tmp_path, templated_
 def _run_sample_config(workdir: pathlib.Path, source: str) -> ml_collections.ConfigDict:
     cfg = _config(source="jsonl", path=str(_jsonl(workdir / "p.jsonl",
                                                   [{"prompt": "1+1="}, {"prompt": "hi"}])))
-    cfg.sample.source = source
+    cfg.generate.source = source
     cfg.model.num_layers = 1  # ignored: the run's saved config defines the model
-    cfg.sample.overwrite = True  # the tests sample one run several times, reading samples.jsonl
+    cfg.generate.overwrite = True  # the tests sample one run several times, reading samples.jsonl
     return cfg
 
 
@@ -173,7 +173,7 @@ def direct_sampler(run_dir) -> Sampler:
 
 @pytest.mark.parametrize("source, expected_version", [
     ("checkpoint", 2),  # the state's weight version after 2 steps
-    ("version", RUN_VERSIONS[-1]),  # sample.version = -1: the newest published
+    ("version", RUN_VERSIONS[-1]),  # generate.version = -1: the newest published
 ])
 def test_greedy_samples_from_a_run_equal_a_sampler_on_its_params(run_dir, direct_sampler, source,
                                                                  expected_version):
@@ -220,7 +220,7 @@ def test_missing_tokenizer_is_an_error_in_sample_and_rl(tmp_path):
     ckpt = tmp_path / "hf"  # a subword-sized vocabulary with no tokenizer.json
     save_hf_checkpoint(create_model(dataclasses.replace(TINY, vocab_size=2048), seed=0), ckpt)
     cfg = _config(num_examples=1)
-    cfg.sample.source = "hf_path"
+    cfg.generate.source = "hf_path"
     cfg.model.hf_path = str(ckpt)
     config = from_config_dict(cfg)
     mesh = create_mesh(dataclasses.replace(config.mesh, data=1), jax.devices()[:1])
@@ -256,18 +256,18 @@ def test_malformed_jsonl_reports_the_files_line_number(tmp_path):
 
 
 @pytest.mark.parametrize("sample, model, match", [
-    ({"source": "checkpoint"}, {}, r"sample.source = 'checkpoint': no verified checkpoint under "),
-    ({"source": "version"}, {}, r"sample.source = 'version': no published weights under "),
-    ({"source": "hf_path"}, {}, r"sample.source = 'hf_path': model.hf_path is empty"),
+    ({"source": "checkpoint"}, {}, r"generate.source = 'checkpoint': no verified checkpoint under "),
+    ({"source": "version"}, {}, r"generate.source = 'version': no published weights under "),
+    ({"source": "hf_path"}, {}, r"generate.source = 'hf_path': model.hf_path is empty"),
     ({"source": "random"}, {"hf_path": "/ckpt"}, r"model.hf_path = '/ckpt' would be ignored"),
     ({}, {"tokenizer": "/no/such/dir"}, r"model.tokenizer = '/no/such/dir': no tokenizer.json"),
     ({"source": "checkpoint", "version": 3}, {},
-     r"sample.version = 3: only read with sample.source = 'version'"),
+     r"generate.version = 3: only read with generate.source = 'version'"),
 ])
 def test_missing_source_is_an_error_naming_it(tmp_path, sample, model, match):
     cfg = _config(num_examples=1)
     for k, v in sample.items():
-        setattr(cfg.sample, k, v)
+        setattr(cfg.generate, k, v)
     for k, v in model.items():
         setattr(cfg.model, k, v)
 
@@ -279,9 +279,9 @@ def test_missing_source_is_an_error_naming_it(tmp_path, sample, model, match):
 def test_unpublished_version_is_an_error_listing_the_published(run_dir, tmp_path):
     workdir, _, _ = run_dir
     cfg = _config(num_examples=1)
-    cfg.sample.source, cfg.sample.version = "version", 3
+    cfg.generate.source, cfg.generate.version = "version", 3
 
-    with pytest.raises(ConfigError, match=r"sample.version = 3: not published under .*"
+    with pytest.raises(ConfigError, match=r"generate.version = 3: not published under .*"
                                           r"\(published: \[2, 7\]\)"):
         job.run(from_config_dict(cfg), str(workdir))
 
