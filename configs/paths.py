@@ -59,6 +59,16 @@ def _data_problems(source: str, paths: dict[str, str]) -> list[str]:
     return out
 
 
+def _teacher_problems(config: Config) -> list[str]:
+    # What the directory holds (config.json or a verified checkpoint) is checked where the RL
+    # job loads the teacher (jobs/distill.py), before its warm start trains.
+    teacher = config.distill.teacher
+    if config.job != Job.RL or not teacher or os.path.isdir(teacher):
+        return []
+    return [f"distill.teacher = {teacher!r}: no such directory: point it at a Hugging Face "
+            f"checkpoint directory or a meshrl run's workdir"]
+
+
 def check_input_paths(config: Config) -> None:
     """Raise ``ConfigError`` naming every input path that does not hold what the job reads:
     ``model.hf_path`` (a directory with config.json and *.safetensors), ``model.tokenizer``
@@ -69,7 +79,7 @@ def check_input_paths(config: Config) -> None:
     files = {"data.path": data.path, "data.eval_path": data.eval_path if data.eval_examples else ""}
     problems = [*_model_problems(config.model.hf_path),
                 *_tokenizer_problems(config.model.tokenizer),
-                *_data_problems(data.source, files)]
+                *_data_problems(data.source, files), *_teacher_problems(config)]
     if problems:
         raise ConfigError("; ".join(problems))
 

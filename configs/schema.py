@@ -6,7 +6,8 @@ turns it into the frozen ``Config`` below and validates it (each section in its
 The sections live by subsystem: ``mesh_schema`` (mesh, distributed), ``model_schema``,
 ``train_schema`` (optimizer, trainer, checkpoint, logging), ``sampler_schema``, ``rl_schema``
 (rl, rollout, reward), ``data_schema``, ``runtime_schema``, and one module per job's own
-section (``generate``, ``export``, ``evaluate``, ``compile``, ``dpo``). Every section is a frozen
+section (``generate``, ``export``, ``evaluate``, ``compile``, ``dpo``) and ``distill_schema``
+(on-policy distillation in the RL job). Every section is a frozen
 dataclass whose fields are ordered: required, common optional, rare optional, internal; each
 field carries its documentation and constraint in ``metadata``, from which
 ``scripts/gen_config_docs.py`` renders ``docs/config.md``.
@@ -18,9 +19,11 @@ import dataclasses
 import enum
 from typing import Any
 
+from meshrl.configs.agent_schema import AgentConfig, check_agent
 from meshrl.configs.compile_schema import CompileConfig
 from meshrl.configs.cross_section import validate_config
 from meshrl.configs.data_schema import DataConfig
+from meshrl.configs.distill_schema import DistillConfig, check_distill
 from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
@@ -40,11 +43,12 @@ from meshrl.configs.train_schema import (
 
 # Re-exported: every section and constant is importable from here.
 __all__ = [
-    "DCN_DATA_AXIS", "MESH_AXES", "SECTIONS", "CheckpointConfig", "CompileConfig", "Config",
-    "ConfigError", "DPOConfig", "DType", "DataConfig", "DistributedConfig", "EvaluateConfig",
-    "ExportConfig", "GenerateConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "DCN_DATA_AXIS", "MESH_AXES", "SECTIONS", "AgentConfig", "CheckpointConfig",
+    "CompileConfig", "Config",
+    "ConfigError", "DPOConfig", "DType", "DataConfig", "DistillConfig", "DistributedConfig",
+    "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig",
-    "SamplerConfig", "Section", "TrainerConfig",
+    "GenerateConfig", "SamplerConfig", "Section", "TrainerConfig",
 ]
 
 
@@ -65,7 +69,7 @@ SECTIONS: dict[str, type[Section]] = {
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
                 DistributedConfig, RuntimeConfig, GenerateConfig, ExportConfig, EvaluateConfig,
-                CompileConfig, DPOConfig)
+                CompileConfig, DPOConfig, DistillConfig, AgentConfig)
 }
 
 
@@ -92,9 +96,13 @@ class Config:
     evaluate: EvaluateConfig = dataclasses.field(default_factory=EvaluateConfig)
     compile: CompileConfig = dataclasses.field(default_factory=CompileConfig)
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)
+        check_distill(self)  # distill's rules with rl, rollout, model (configs/distill_schema.py)
+        check_agent(self)  # agent's rules with rollout, sampler (configs/agent_schema.py)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"job": self.job.value}

@@ -48,7 +48,7 @@ from meshrl.configs.schema import Config
 from meshrl.datasets.prompts import encode_prompts, read_prompts
 from meshrl.inference.requests import buckets_up_to
 from meshrl.inference.sampler import Request, Sampler
-from meshrl.jobs import weights_source
+from meshrl.jobs import rl_agent, weights_source
 from meshrl.mesh import create_mesh
 from meshrl.mesh.placement import process_sampler_mesh
 from meshrl.models.load import LoadedModel
@@ -117,6 +117,10 @@ def run(config: Config, workdir: str) -> None:
     # Chosen before the gather, so every process names the file process 0 writes after it.
     path = paths.first_free(paths.as_path(workdir) / "samples.jsonl", config.generate.overwrite)
 
+    if config.agent.env:  # agent episodes instead of single completions: episodes.jsonl
+        rl_agent.generate_episodes(config, sampler, [rows[i] for i in share], share.start,
+                                   tokenizer, workdir)
+        return
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.
     outs = sampler.generate([Request(rows[i][2], seed=config.trainer.seed + i,

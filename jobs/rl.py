@@ -20,6 +20,8 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.inference.sampler import Sampler
+from meshrl.jobs import rl_agent
+from meshrl.jobs.distill import distill_report
 from meshrl.jobs.rl_setup import load_trainee, reference_and_params, sample_offset
 from meshrl.mesh import rules_for
 from meshrl.mesh.placement import create_meshes
@@ -86,12 +88,23 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     """Warm start (if needed), asynchronous RL, eval before/after, ``summary.json`` + plot.
     Distributed start-up is ``jobs.dispatch``'s."""
     t0 = time.perf_counter()
+    # agent.compare_without_tools: the same job without tools first, for the summary.
+    baseline = (rl_agent.run_baseline(config, workdir, run)
+                if config.agent.compare_without_tools else None)
+    config = rl_agent.with_traces(config, workdir)
     loop = build(config, workdir)
     try:
         summary = run_sync(loop.arun())  # asyncio.run, in a notebook cell too
+        if config.distill.enabled:  # the teacher's held-out accuracy beside the student's
+            summary["distill"] = distill_report(config, loop, summary)
     finally:
         loop.close()
     summary["wall_s"] = time.perf_counter() - t0
+    if baseline is not None:
+        summary.update(rl_agent.baseline_fields(baseline))
+        log.info("accuracy with tools %s (before RL %s), without tools %s",
+                 summary["accuracy_after"], summary["accuracy_before"],
+                 summary["accuracy_without_tools"])
     # Every process logs it: equal values show the processes ended with the same params.
     log.info("params_checksum %.17g", summary["params_checksum"])
     if jax.process_index() == 0:

@@ -1,5 +1,6 @@
 """Setup of the RL job: the trainee, the SFT warm start that gives RL a mediocre rather than a
-random policy (``docs/rl.md``), the KL reference and this process's place in the batch."""
+random policy (``docs/rl.md``), the KL reference or the distillation teacher
+(``docs/distill.md``) and this process's place in the batch."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ from typing import Any
 import jax
 from etils import epath
 
+from meshrl.configs.distill_schema import teacher_model
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import make_sft_iterator
+from meshrl.jobs.distill import check_vocab, load_teacher, teacher_source
 from meshrl.mesh import logical_to_sharding, rules_for
 from meshrl.models import load
 from meshrl.trainer.engine import Trainee, TrainEngine
@@ -50,18 +53,19 @@ def warm_start_config(config: Config, steps: int) -> Config:
 
 
 def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee,
-                   tokenizer: Any, steps: int) -> Any:
-    """``steps`` of SFT under ``<workdir>/sft`` (resumable; a finished one is only restored);
-    returns the final params."""
+                   tokenizer: Any, steps: int, subdir: str = "sft") -> Any:
+    """``steps`` of SFT under ``<workdir>/<subdir>`` (resumable; a finished one is only
+    restored); returns the final params. ``subdir`` "teacher": the distillation teacher."""
     sft = warm_start_config(config, steps)
     t = sft.trainer
     data = make_sft_iterator(config.data, tokenizer, batch_size=t.batch_size, seq_len=t.seq_len,
                              seed=t.seed, process_index=jax.process_index(),
                              process_count=jax.process_count(), pack=config.data.pack)
-    (workdir / "sft").mkdir(parents=True, exist_ok=True)
-    log.info("SFT warm start: %d steps of %d x %d tokens under %s", steps, t.batch_size,
-             t.seq_len, workdir / "sft")
-    engine = TrainEngine(sft, workdir / "sft", mesh, trainee, sft_spec(sft, mesh))
+    (workdir / subdir).mkdir(parents=True, exist_ok=True)
+    log.info("SFT %s: %d steps of %d x %d tokens under %s",
+             "warm start" if subdir == "sft" else subdir, steps, t.batch_size, t.seq_len,
+             workdir / subdir)
+    engine = TrainEngine(sft, workdir / subdir, mesh, trainee, sft_spec(sft, mesh))
     try:
         engine.start(data=data)
         run_sft(engine, hooks=[stop_hook])
@@ -92,6 +96,8 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
     KL needs the step-0 policy again, so it reruns the finished warm start, which restores its
     last checkpoint and trains nothing."""
     kl, restored = config.rl.kl_coef > 0.0, engine.restored
+    if config.distill.teacher:
+        teacher_source(config)  # a bad teacher path fails before the warm start trains
     trainee = engine.trainee
     params = trainee.params
     sft_steps = warm_start_steps(config) if restored is None or kl else 0
@@ -102,8 +108,40 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
                         "KL reference policy", sft_dir)
         params = run_warm_start(config, workdir, engine.mesh, dataclasses.replace(trainee),
                                 tokenizer, sft_steps)
-    reference = None if not kl else ReferencePolicy(
-        config.rl, trainee.forward, params, engine.state_sh.params, engine.mesh, engine.batch_sh,
-        samples=rl_batch_size(config), temperature=config.sampler.temperature,
-        group_size=config.rollout.group_size, microbatches=config.trainer.microbatches)
+    if config.distill.enabled:
+        reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer)
+    else:
+        reference = None if not kl else ReferencePolicy(
+            config.rl, trainee.forward, params, engine.state_sh.params, engine.mesh,
+            engine.batch_sh, samples=rl_batch_size(config),
+            temperature=config.sampler.temperature, group_size=config.rollout.group_size,
+            microbatches=config.trainer.microbatches)
     return reference, params, warm_start_steps(config) if restored is None else 0
+
+
+def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any
+                   ) -> ReferencePolicy:
+    """The distillation teacher on the trainer's mesh, in the reference's place: loaded from
+    ``distill.teacher`` (``jobs.distill``), or trained in this run first with
+    ``distill.teacher_steps`` SFT steps under ``<workdir>/teacher`` (a resumed run restores
+    it and trains nothing)."""
+    d = config.distill
+    if d.teacher_steps:
+        # The teacher's config is the student's with the teacher's model section; its warm
+        # start config (SFT at rl.warm_start_lr) is the teacher's training.
+        tcfg = dataclasses.replace(config, model=teacher_model(config.model, d))
+        loaded = load(tcfg, engine.mesh, "train")
+        check_vocab(config, loaded.arch.vocab_size, loaded.tokenizer.vocab_size,
+                    tokenizer.vocab_size)
+        trainee = Trainee.of(loaded, tcfg)
+        params = run_warm_start(tcfg, workdir, engine.mesh, trainee, tokenizer,
+                                d.teacher_steps, subdir="teacher")
+    else:
+        loaded = load_teacher(config, engine.mesh, tokenizer.vocab_size)
+        trainee = Trainee.of(loaded, config)
+        params = trainee.params
+    return ReferencePolicy(
+        config.rl, trainee.forward, params, trainee.params_shardings, engine.mesh,
+        engine.batch_sh, samples=rl_batch_size(config), temperature=config.sampler.temperature,
+        group_size=config.rollout.group_size, microbatches=config.trainer.microbatches,
+        distill=d, arch=loaded.arch)

@@ -19,6 +19,12 @@ jitted, sharded ``apply(batch)`` that runs once per RL step before the train ste
 * returns the token mean of KL(behaviour || ref) (``rl.kl_estimator``) as the metric
   ``kl_behaviour_ref``, in either mode.
 
+On-policy distillation (``distill.teacher``, docs/distill.md) uses the same path with a
+teacher in the reference's place: its own forward and params (another width or depth, the
+student's tokenizer), scoring the batch's targets the same way, and the batch's advantages replaced on
+the device by ``algorithms.distill.distill_advantages`` (log p_teacher - log p_behaviour per
+token, no group baseline), its metric ``distill_reverse_kl``.
+
 Cost: one more copy of the params (no optimizer state) on the trainer mesh, and one forward
 pass per step without activations kept for a backward pass.
 """
@@ -33,9 +39,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
+from meshrl.algorithms.distill import distill_advantages, reverse_kl
 from meshrl.algorithms.losses import check_temperature, token_logprobs
 from meshrl.algorithms.policy_loss import kl_reward_advantages
-from meshrl.configs.schema import RLConfig
+from meshrl.configs.schema import DistillConfig, RLConfig
 from meshrl.trainer.step import ForwardFn, merge_rows, split_rows
 
 
@@ -84,43 +91,81 @@ def frozen_copy(params: Any, params_sh: Any) -> Any:
     return jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=params_sh)(params)
 
 
+def _kl_apply(rl: RLConfig, forward_fn: ForwardFn, *, samples: int, temperature: float,
+              group_size: int, microbatches: int) -> Any:
+    """The KL reference's ``apply(params, batch) -> (batch, metrics)`` (module docstring)."""
+    kl_fn = kl_lib.get(rl.kl_estimator)
+    in_loss = rl.kl_where == "loss"
+
+    def apply(ref_params: Any, batch: RLTrainBatch) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
+        ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
+                                     microbatches=microbatches)
+        mask_BxL = batch.loss_mask.astype(jnp.float32)
+        behaviour_BxL = jnp.where(mask_BxL > 0, batch.behaviour_logprobs, 0.0)
+        kl_BxL = kl_fn(behaviour_BxL, ref_BxL) * mask_BxL
+        metrics = {"kl_behaviour_ref": kl_BxL.sum() / jnp.maximum(mask_BxL.sum(), 1.0)}
+        if in_loss:
+            return batch.replace(ref_logprobs=ref_BxL), metrics
+        # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
+        ids_BxL = batch.sample_ids
+        rewards_B = sample_values(batch.rewards, ids_BxL, samples)
+        adv_B = kl_reward_advantages(rl, rewards_B, batch.behaviour_logprobs, ref_BxL,
+                                     mask_BxL, group_size, sample_ids_BxL=ids_BxL)
+        advantages_BxL = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
+            batch.advantages.dtype)
+        return batch.replace(advantages=advantages_BxL), metrics
+
+    return apply
+
+
+def _distill_apply(distill: DistillConfig, forward_fn: ForwardFn, *, temperature: float,
+                   microbatches: int) -> Any:
+    """The teacher's ``apply(params, batch) -> (batch, metrics)``: the batch's advantages become
+    ``algorithms.distill.distill_advantages`` (per token: log p_teacher - log p_behaviour, plus
+    ``distill.reward_weight`` times the task advantages the batch brought), on the device."""
+    def apply(teacher_params: Any, batch: RLTrainBatch
+              ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
+        teacher_BxL = reference_logprobs(forward_fn, teacher_params, batch,
+                                         temperature=temperature, microbatches=microbatches)
+        mask_BxL = batch.loss_mask
+        adv_BxL = distill_advantages(teacher_BxL, batch.behaviour_logprobs, mask_BxL,
+                                     batch.advantages, distill.reward_weight)
+        metrics = {"distill_reverse_kl": reverse_kl(teacher_BxL, batch.behaviour_logprobs,
+                                                    mask_BxL)}
+        return batch.replace(advantages=adv_BxL.astype(batch.advantages.dtype)), metrics
+
+    return apply
+
+
 class ReferencePolicy:
-    """Frozen step-0 params and the per-step function that puts the KL into the batch."""
+    """Frozen params and the per-step function that puts their scores into the batch: the KL
+    reference (step-0 params, ``rl.kl_coef > 0``) or, with ``distill``, the distillation
+    teacher (its own forward, params and shardings, on the trainer's mesh; ``arch`` its
+    architecture, for evaluating it)."""
 
     def __init__(self, rl: RLConfig, forward_fn: ForwardFn, params: Any, params_sh: Any,
                  mesh: Mesh, batch_sh: RLTrainBatch, *, samples: int, temperature: float,
-                 group_size: int, microbatches: int = 1) -> None:
-        if not rl.kl_coef > 0.0:
-            raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
+                 group_size: int, microbatches: int = 1, distill: DistillConfig | None = None,
+                 arch: Any = None) -> None:
         check_temperature(temperature)
-        self.params = frozen_copy(params, params_sh)
-        kl_fn = kl_lib.get(rl.kl_estimator)
-        in_loss = rl.kl_where == "loss"
-
-        def apply(ref_params: Any, batch: RLTrainBatch
-                  ) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
-            ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
-                                         microbatches=microbatches)
-            mask_BxL = batch.loss_mask.astype(jnp.float32)
-            behaviour_BxL = jnp.where(mask_BxL > 0, batch.behaviour_logprobs, 0.0)
-            kl_BxL = kl_fn(behaviour_BxL, ref_BxL) * mask_BxL
-            metrics = {"kl_behaviour_ref": kl_BxL.sum() / jnp.maximum(mask_BxL.sum(), 1.0)}
-            if in_loss:
-                return batch.replace(ref_logprobs=ref_BxL), metrics
-            # Rows may be packed: each token finds its sample's reward by ``sample_ids``.
-            ids_BxL = batch.sample_ids
-            rewards_B = sample_values(batch.rewards, ids_BxL, samples)
-            adv_B = kl_reward_advantages(rl, rewards_B, batch.behaviour_logprobs, ref_BxL,
-                                         mask_BxL, group_size, sample_ids_BxL=ids_BxL)
-            advantages_BxL = (adv_B[jnp.maximum(ids_BxL, 0)] * mask_BxL).astype(
-                batch.advantages.dtype)
-            return batch.replace(advantages=advantages_BxL), metrics
-
+        if distill is not None:
+            # The teacher's params are its own (no train state donates them): no copy.
+            self.params = params
+            apply = _distill_apply(distill, forward_fn, temperature=temperature,
+                                   microbatches=microbatches)
+        else:
+            if not rl.kl_coef > 0.0:
+                raise ValueError(f"rl.kl_coef = {rl.kl_coef}: a reference policy needs > 0")
+            self.params = frozen_copy(params, params_sh)
+            apply = _kl_apply(rl, forward_fn, samples=samples, temperature=temperature,
+                              group_size=group_size, microbatches=microbatches)
+        self.arch = arch
         replicated = NamedSharding(mesh, PartitionSpec())
         in_sh = batch_sh.replace(ref_logprobs=None)
         self._apply = jax.jit(apply, in_shardings=(params_sh, in_sh),
                               out_shardings=(batch_sh, replicated))
 
     def apply(self, batch: RLTrainBatch) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
-        """(the train step's batch, ``{"kl_behaviour_ref": scalar}``); no host sync."""
+        """(the train step's batch, ``{"kl_behaviour_ref" or "distill_reverse_kl": scalar}``);
+        no host sync."""
         return self._apply(self.params, batch)

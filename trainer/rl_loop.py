@@ -32,7 +32,7 @@ from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
 from meshrl.workflows import make_rl_batch, make_runner, rows_needed
-from meshrl.workflows.evaluate import aevaluate
+from meshrl.workflows.setup import aevaluate_held_out
 from meshrl.workflows.watch import window_metrics
 
 log = log_lib.get_logger("rl")
@@ -169,11 +169,8 @@ class RLLoop:
         self.engine.precompile()
 
     async def aeval(self, sampler: AsyncSampler, version: int) -> dict[str, float]:
-        c = self.config
-        ev = await aevaluate(sampler, self.reward_pool, self.parts.examples, version=version,
-                             decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id,
-                             max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
-                             temperature=c.sampler.temperature, seed=c.trainer.seed)
+        ev = await aevaluate_held_out(self.config, sampler, self.reward_pool,
+                                      self.parts.examples, self.tokenizer, version=version)
         if ev:
             log.info("eval at version %d: %s", version,
                      ", ".join(f"{k} {v:.3f}" for k, v in ev.items()))
@@ -196,7 +193,7 @@ class RLLoop:
             c.rollout, prompts_per_step=c.rollout.prompts_per_step // jax.process_count()))
         runner = make_runner(local, rollout_sampler(sampler) if rollout_sampler else sampler,
                              self.reward_pool, self.prompts, self.tokenizer,
-                             version=self.start_step)
+                             version=self.start_step, workdir=str(self.workdir))
         if "runner" in self.counters:
             runner.load_state_dict(self.counters["runner"])
         train.open_progress(on_log=lambda step, record: log.info(

@@ -54,6 +54,14 @@ class Environment(Protocol):
     async def astep(self, item: dict, completion_text: str, turn: int) -> EnvStep: ...
 
 
+class AgentEpisode(Protocol):
+    """``workflows.agent.AgentSpec``: runs a token-in/token-out agent episode instead."""
+
+    async def arun(self, engine: SamplerClient, item: dict, *, reward_pool: RewardScorer,
+                   decode: Callable[[Sequence[int]], str], settings: EpisodeSettings,
+                   group_id: int = 0, sample_index: int = 0) -> Trajectory | None: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class EpisodeSettings:
     max_new_tokens: int | None = None  # per turn; None: the sampler's default
@@ -66,7 +74,7 @@ class EpisodeSettings:
     seed: int = 0
 
 
-def _seed(settings: EpisodeSettings, group_id: int, sample_index: int, turn: int) -> int:
+def episode_seed(settings: EpisodeSettings, group_id: int, sample_index: int, turn: int) -> int:
     # Distinct, reproducible sampler seeds per (group, sample, turn); ints hash deterministically.
     return hash((settings.seed, group_id, sample_index, turn)) & 0x7FFFFFFF
 
@@ -80,12 +88,19 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
                        decode: Callable[[Sequence[int]], str],
                        settings: EpisodeSettings = EpisodeSettings(),
                        env: Environment | None = None, group_id: int = 0,
-                       sample_index: int = 0) -> Trajectory | None:
+                       sample_index: int = 0,
+                       agent: AgentEpisode | None = None) -> Trajectory | None:
     """Run one episode for ``item`` (a prompt-iterator example with ``prompt_ids``, ``prompt``
     and reward fields). Without ``env`` it is single-turn RLVR: one completion, scored by the
     reward pool. With ``env`` the model and the environment alternate for up to
     ``settings.max_turns`` model turns; feedback tokens get loss mask 0 and version -1.
-    Returns None (reject) when the engine generated nothing or the environment rejects."""
+    Returns None (reject) when the engine generated nothing or the environment rejects.
+    With ``agent`` (``workflows.agent.AgentSpec``) the episode is an agent episode: the
+    environment API of ``workflows/environment.py``, observations rendered from the chat
+    template, ``episodes.jsonl``."""
+    if agent is not None:
+        return await agent.arun(engine, item, reward_pool=reward_pool, decode=decode,
+                                settings=settings, group_id=group_id, sample_index=sample_index)
     prompt_ids = list(item["prompt_ids"])
     completion_ids: list[int] = []
     logprobs: list[float] = []
@@ -104,7 +119,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         request = Request(prompt_ids=prompt_ids + completion_ids, max_new_tokens=max_new,
                           temperature=settings.temperature, top_k=settings.top_k,
                           top_p=settings.top_p, stop_ids=settings.stop_ids,
-                          seed=_seed(settings, group_id, sample_index, turn),
+                          seed=episode_seed(settings, group_id, sample_index, turn),
                           id=(group_id, sample_index, turn))
         out = await engine.agenerate(request)
         assert len(out.tokens) == len(out.logprobs) == len(out.versions), (

@@ -4,14 +4,18 @@ fields onto episode settings, the staleness controller, the runner and the batch
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.configs.schema import Config
 from meshrl.models.tokenizer import Tokenizer
+from meshrl.workflows.agent_eval import aevaluate_agent
+from meshrl.workflows.agent_setup import agent_spec
 from meshrl.workflows.batch import Trajectory, build_rl_batch
 from meshrl.workflows.episode import Environment, EpisodeSettings, RewardScorer, SamplerClient
+from meshrl.workflows.evaluate import aevaluate
 from meshrl.workflows.runner import RolloutRunner, group_episode_fn
 from meshrl.workflows.staleness import StalenessController
 from meshrl.workflows.watch import RolloutWatch
@@ -30,9 +34,11 @@ def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
 
 def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer,
                 prompts: Iterator[Any], tokenizer: Tokenizer, *,
-                env: Environment | None = None, version: int = 0) -> RolloutRunner:
+                env: Environment | None = None, version: int = 0,
+                workdir: str | None = None) -> RolloutRunner:
     """A runner whose controller admits ``rollout.prompts_per_step`` groups per version with
-    ``rollout.max_staleness``; call ``start()`` inside the event loop."""
+    ``rollout.max_staleness``; call ``start()`` inside the event loop. With ``agent.env`` its
+    episodes are agent episodes (``workflows/agent_setup.py``), logged under ``workdir``."""
     r = config.rollout
     counters: collections.Counter[str] = collections.Counter()
     watch = RolloutWatch(reward_names=config.reward.names, filter_equal=r.filter_equal_groups,
@@ -40,7 +46,8 @@ def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer
     group_fn = group_episode_fn(engine, group_size=r.group_size,
                                 filter_equal=r.filter_equal_groups, counters=counters, watch=watch,
                                 reward_pool=reward_pool, decode=tokenizer.decode,
-                                settings=episode_settings(config, tokenizer), env=env)
+                                settings=episode_settings(config, tokenizer), env=env,
+                                agent=agent_spec(config, tokenizer, workdir=workdir))
     controller = StalenessController(batch_size=r.prompts_per_step, max_staleness=r.max_staleness,
                                      version=version)
     return RolloutRunner(group_fn, prompts, controller, counters=counters,
@@ -61,3 +68,20 @@ def make_rl_batch(config: Config, groups: Sequence[Sequence[Trajectory]], pad_id
                           overlong_buffer=rl.overlong_buffer,
                           overlong_max_len=rl.overlong_max_len,
                           overlong_penalty=rl.overlong_penalty, rows=rows)
+
+
+async def aevaluate_held_out(config: Config, engine: Any, reward_pool: Any, examples: Any,
+                             tokenizer: Tokenizer, *, version: int,
+                             workdir: str | os.PathLike[str] | None = None) -> dict[str, float]:
+    """The RL job's held-out evaluation of ``version``: agent episodes when ``agent.env`` is
+    set (logged under ``workdir`` when given), else single-turn greedy accuracy and pass@k."""
+    c = config
+    agent = agent_spec(c, tokenizer, workdir=workdir, log=workdir is not None)
+    if agent is not None:
+        return await aevaluate_agent(engine, reward_pool, examples, version=version, spec=agent,
+                                     settings=episode_settings(c, tokenizer),
+                                     decode=tokenizer.decode, seed=c.trainer.seed)
+    return await aevaluate(engine, reward_pool, examples, version=version,
+                           decode=tokenizer.decode, eos_id=tokenizer.eos_id,
+                           max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
+                           temperature=c.sampler.temperature, seed=c.trainer.seed)

@@ -22,7 +22,7 @@ from meshrl.inference.weights import WeightMismatchError, published_versions
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.errors import UserError
-from meshrl.workflows.evaluate import aevaluate
+from meshrl.workflows.setup import aevaluate_held_out
 
 log = log_lib.get_logger("evaluate")
 ACCURACY = "eval/greedy_accuracy"
@@ -81,12 +81,11 @@ class VersionEvaluator:
         return True
 
     async def evaluate(self, version: int) -> dict[str, float]:
-        c = self.config
         t0 = time.perf_counter()
-        out = await aevaluate(self.engine, self.pool, self.examples, version=version,
-                              decode=self.tokenizer.decode, eos_id=self.tokenizer.eos_id,
-                              max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
-                              temperature=c.sampler.temperature, seed=c.trainer.seed)
+        # With agent.env its episodes go to <workdir>/eval/episodes.jsonl.
+        out = await aevaluate_held_out(self.config, self.engine, self.pool, self.examples,
+                                       self.tokenizer, version=version,
+                                       workdir=self.workdir / "eval")
         return {**out, "perf/eval_s": time.perf_counter() - t0}
 
     def close(self) -> None:

@@ -1,0 +1,141 @@
+"""On-policy distillation's teacher for the RL job (``distill.*``, docs/distill.md): where a
+loaded teacher comes from, and the teacher's line in the run's summary.
+
+A teacher path (``distill.teacher``) is a Hugging Face checkpoint directory (``config.json``
+beside the safetensors) or a meshrl run's workdir (its newest verified checkpoint, read with the
+model section that run saved: ``jobs.weights_source``). Either way it is loaded for the train
+role on the trainer's mesh (``models.load``), so it is sharded like the student, and it must
+share the student's vocabulary: it scores the student's token ids. A teacher trained in the run
+(``distill.teacher_steps``) is ``jobs.rl_setup``'s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from jax.sharding import Mesh
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.schema import Config
+from meshrl.inference.async_sampler import AsyncSampler
+from meshrl.inference.sampler import Sampler
+from meshrl.jobs import weights_source
+from meshrl.jobs.weights_source import WeightSource, Wording
+from meshrl.mesh import rules_for
+from meshrl.models.load import LoadedModel
+from meshrl.trainer.checkpoint_reader import CheckpointReader
+from meshrl.utils import log as log_lib
+from meshrl.utils import paths
+from meshrl.utils.aio import run_sync
+from meshrl.utils.params import process_local_copy
+from meshrl.workflows.evaluate import aevaluate
+
+log = log_lib.get_logger("rl")
+
+_WORDS = Wording(source="distill.teacher", step="", version="",
+                 instead="point distill.teacher at a Hugging Face checkpoint directory")
+
+
+def teacher_source(config: Config) -> WeightSource:
+    """The teacher of ``distill.teacher``, checked to exist (config files only, no weights):
+    a Hugging Face directory, else a meshrl run's newest checkpoint; anything else is one
+    ``ConfigError`` line naming the path and what it lacks."""
+    where = config.distill.teacher
+    path = paths.as_path(where)
+    if not path.is_dir():
+        raise ConfigError(f"distill.teacher = {where!r}: no such directory: point it at a "
+                          f"Hugging Face checkpoint directory or a meshrl run's workdir")
+    if (path / "config.json").is_file():
+        model = dataclasses.replace(config.model, hf_path=str(path))
+        if not (path / "tokenizer.json").is_file():
+            # It scores the student's ids: without a tokenizer of its own, the student's.
+            m = config.model
+            model = dataclasses.replace(model, tokenizer=(
+                m.tokenizer if m.tokenizer != "auto" else m.hf_path or "char"))
+        return WeightSource("hf_path", model)
+    if not (path / "checkpoints").is_dir():
+        raise ConfigError(f"distill.teacher = {where!r}: neither a Hugging Face checkpoint "
+                          f"(no config.json) nor a meshrl run (no checkpoints/ directory): "
+                          f"point it at one of them")
+    reader = CheckpointReader(path / "checkpoints")
+    try:
+        steps = reader.steps()
+    finally:
+        reader.close()
+    if not steps:
+        raise ConfigError(f"distill.teacher = {where!r}: no verified checkpoint under "
+                          f"{path / 'checkpoints'}: finish (or resume) the teacher's run, or "
+                          f"point distill.teacher at another run or a Hugging Face directory")
+    return weights_source.resolve(config, path, "checkpoint", _WORDS)
+
+
+def load_teacher(config: Config, mesh: Mesh, student_tokens: int) -> LoadedModel:
+    """The teacher of ``distill.teacher`` on ``mesh`` for the train role, its weights read;
+    a tokenizer other than the student's (``student_tokens`` tokens) is a ``ConfigError``
+    (``check_vocab``), raised before the weights are read."""
+    source = teacher_source(config)
+    skeleton = weights_source.skeleton(config, source, mesh, "train")
+    check_vocab(config, skeleton.arch.vocab_size, skeleton.tokenizer.vocab_size, student_tokens)
+    loaded, _ = weights_source.fill(config, config.distill.teacher, source, skeleton)
+    log.info("distillation teacher: %s (%d layers, hidden %d)", config.distill.teacher,
+             loaded.arch.num_layers, loaded.arch.hidden_size)
+    return loaded
+
+
+def check_vocab(config: Config, teacher_vocab: int, teacher_tokens: int, student_tokens: int
+                ) -> None:
+    """The teacher scores the student's token ids: its tokenizer must have as many tokens as
+    the student's (``teacher_tokens``, ``student_tokens``) and its model a row for each
+    (``teacher_vocab``; a padded vocabulary may be larger, as within a model family)."""
+    what = config.distill.teacher or "<workdir>/teacher"
+    if teacher_tokens != student_tokens:
+        raise ConfigError(f"distill.teacher = {what!r}: its tokenizer has {teacher_tokens} "
+                          f"tokens, the student's {student_tokens}: distillation scores the "
+                          f"student's token ids, so both need one tokenizer (pick a teacher of "
+                          f"the student's family)")
+    if teacher_vocab < student_tokens:
+        raise ConfigError(f"distill.teacher = {what!r}: its model has {teacher_vocab} "
+                          f"vocabulary rows, fewer than the student tokenizer's "
+                          f"{student_tokens} tokens: pick a teacher of the student's family")
+
+
+async def aevaluate_teacher(config: Config, teacher: Any, sampler_mesh: Mesh, loop: Any
+                            ) -> dict[str, float]:
+    """The teacher's held-out metrics, measured as the RL loop measures the student: the same
+    examples, reward pool, sampler settings and seed, on a sampler of its own."""
+    c = config
+    sampler = AsyncSampler(Sampler(teacher.arch, c.sampler, sampler_mesh,
+                                   process_local_copy(teacher.params), version=0,
+                                   rules=rules_for("sample")))
+    try:
+        return await aevaluate(sampler, loop.reward_pool, loop.parts.examples, version=0,
+                               decode=loop.tokenizer.decode, eos_id=loop.tokenizer.eos_id,
+                               max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
+                               temperature=c.sampler.temperature, seed=c.trainer.seed)
+    finally:
+        sampler.shutdown()
+
+
+def distill_report(config: Config, loop: Any, summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``distill`` entry of the RL job's ``summary.json`` (``distill_summary``), the
+    teacher evaluated now, after the loop, while its reward pool is still open."""
+    teacher_eval = run_sync(aevaluate_teacher(config, loop.reference, loop.sampler_mesh, loop))
+    report = distill_summary(teacher_eval, summary)
+    log.info("distillation: teacher %s, student %s -> %s", report["teacher_accuracy"],
+             report["student_accuracy_before"], report["student_accuracy_after"])
+    return report
+
+
+def distill_summary(teacher_eval: dict[str, float], summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``distill`` entry of ``summary.json``: teacher, student before and after (held-out
+    greedy accuracy), the gain and the share of the teacher-student gap it closed."""
+    teacher = teacher_eval.get("eval/greedy_accuracy")
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    out: dict[str, Any] = {"teacher_accuracy": teacher, "student_accuracy_before": before,
+                           "student_accuracy_after": after, "teacher_eval": teacher_eval}
+    if None not in (teacher, before, after):
+        out["student_gain"] = after - before
+        gap = teacher - before
+        out["gap_closed"] = (after - before) / gap if gap > 0 else None
+    return out

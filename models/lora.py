@@ -1,0 +1,151 @@
+"""LoRA over a decoder's param state: adapters, their merge into the base, the frozen base.
+
+The trainer's forward is a pure function of an ``nnx.State`` (``trainer.step.decoder_forward``),
+so LoRA is applied to that state rather than to the module graph: each targeted ``Projection``
+kernel ``W`` (shape ``lead + in + out``, ``lead`` the stacked ``layers`` axis if any) gets
+``A: lead + in + (r,)`` and ``B: lead + (r,) + out`` and the forward sees
+``W + alpha / r * A @ B``. ``A`` starts normal with std ``1 / sqrt(fan_in)``, ``B`` at zero, so
+step 0 is the base model. The frozen base can be stored quantised (``models/quant.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from meshrl.configs.fields import ConfigError
+from meshrl.configs.lora_schema import LoraConfig
+from meshrl.models import quant
+from meshrl.models.layers import Projection
+from meshrl.utils.params import path_name
+
+Adapters = dict[str, dict[str, jax.Array]]  # "layers/0/attn/q/kernel" -> {"a": A, "b": B}
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One projection kernel: its path, shape and how its axes split (lead, in, out)."""
+
+    path: str
+    shape: tuple[int, ...]
+    n_lead: int
+    n_in: int
+
+    @property
+    def n_out(self) -> int:
+        return len(self.shape) - self.n_lead - self.n_in
+
+    def a_shape(self, rank: int) -> tuple[int, ...]:
+        return self.shape[:self.n_lead + self.n_in] + (rank,)
+
+    def b_shape(self, rank: int) -> tuple[int, ...]:
+        return self.shape[:self.n_lead] + (rank,) + self.shape[self.n_lead + self.n_in:]
+
+
+def projections(graphdef: nnx.GraphDef, params: Any) -> list[Target]:
+    """Every ``Projection`` kernel of the decoder, in path order."""
+    model = nnx.merge(graphdef, params)
+    out = []
+    for path, module in nnx.iter_modules(model):
+        if isinstance(module, Projection):
+            axes = module.kernel.get_metadata()["logical_axes"]
+            lead = next((i for i, a in enumerate(axes) if a != "layers"), 0)
+            out.append(Target("/".join(map(str, path)) + "/kernel",
+                              tuple(module.kernel.shape), lead, module.n_in))
+    return sorted(out, key=lambda t: t.path)
+
+
+def select(targets: list[Target], regex: str) -> list[Target]:
+    """The targets whose path ``regex`` searches; none is a config error naming the paths."""
+    pattern = re.compile(regex)
+    chosen = [t for t in targets if pattern.search(t.path)]
+    if not chosen:
+        names = ", ".join(t.path for t in targets[:4])
+        raise ConfigError(f"lora.targets = {regex!r}: matches no projection; paths look like "
+                          f"{names}")
+    return chosen
+
+
+def init_adapters(targets: list[Target], rank: int, seed: int) -> Adapters:
+    """A ~ N(0, 1 / fan_in), B = 0 (float32: adapters are small and train in full precision)."""
+    keys = jax.random.split(jax.random.key(seed), len(targets))
+    out = {}
+    for key, t in zip(keys, targets):
+        fan_in = math.prod(t.shape[t.n_lead:t.n_lead + t.n_in])
+        a = jax.random.normal(key, t.a_shape(rank), jnp.float32) / math.sqrt(fan_in)
+        out[t.path] = {"a": a, "b": jnp.zeros(t.b_shape(rank), jnp.float32)}
+    return out
+
+
+def delta(t: Target, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``A @ B`` over the rank axis, in the kernel's shape (float32)."""
+    lead = t.shape[:t.n_lead]
+    a2 = a.reshape(lead + (-1, a.shape[-1]))
+    b2 = b.reshape(lead + (b.shape[t.n_lead], -1))
+    return jnp.matmul(a2.astype(jnp.float32), b2.astype(jnp.float32)).reshape(t.shape)
+
+
+def adapter_shardings(targets: list[Target], kernel_sh: dict[str, Any]) -> dict[str, Any]:
+    """A follows its kernel's lead and input axes, B its lead and output axes; the rank axis
+    is replicated (r is small and rarely divides a mesh axis)."""
+    out = {}
+    for t in targets:
+        sh = kernel_sh[t.path]
+        spec = tuple(sh.spec) + (None,) * (len(t.shape) - len(sh.spec))
+        lead, ins, outs = (spec[:t.n_lead], spec[t.n_lead:t.n_lead + t.n_in],
+                           spec[t.n_lead + t.n_in:])
+        out[t.path] = {"a": NamedSharding(sh.mesh, PartitionSpec(*lead, *ins, None)),
+                       "b": NamedSharding(sh.mesh, PartitionSpec(*lead, None, *outs))}
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Lora:
+    """A resolved LoRA setup: which kernels, the scale, how the frozen base is stored."""
+
+    targets: tuple[Target, ...]
+    scale: float
+    base_dtype: str
+    quantised: dict[str, int]  # paths stored as quant.QTensor in the frozen base -> n_lead
+
+    @classmethod
+    def of(cls, cfg: LoraConfig, graphdef: nnx.GraphDef, params: Any) -> Lora:
+        every = projections(graphdef, params)
+        chosen = select(every, cfg.targets)
+        quantise = cfg.base_dtype in quant.QUANT_DTYPES
+        q = {t.path: t.n_lead for t in every} if quantise else {}
+        return cls(tuple(chosen), cfg.alpha / cfg.rank, cfg.base_dtype, q)
+
+    def freeze(self, params: Any) -> dict[str, Any]:
+        """The frozen base: ``{path: array | QTensor}`` (a flat dict, so it can hold the
+        quantised kernels whose pytree differs from the param's)."""
+        flat = {path_name(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+        return {k: self._store(k, v) for k, v in flat.items()}
+
+    def _store(self, path: str, leaf: jax.Array) -> Any:
+        if path in self.quantised:
+            return quant.quantize(leaf, self.base_dtype, self.quantised[path])
+        if self.base_dtype == "bfloat16" and leaf.ndim >= 2:
+            return leaf.astype(jnp.bfloat16)
+        return leaf
+
+    def merged(self, treedef: Any, frozen: dict[str, Any], adapters: Adapters | None,
+               dtypes: dict[str, Any]) -> Any:
+        """The param state the base forward takes: dequantised base + scaled ``A @ B``, each
+        leaf in its original dtype (``dtypes``); ``adapters = None``: the base alone."""
+        by_path = {t.path: t for t in self.targets}
+        leaves = []
+        for path, stored in frozen.items():
+            w = quant.dequantize(stored) if isinstance(stored, quant.QTensor) else stored
+            if adapters is not None and path in by_path:
+                ad = adapters[path]
+                w = w.astype(jnp.float32) + self.scale * delta(by_path[path], ad["a"], ad["b"])
+            leaves.append(w.astype(dtypes[path]))
+        return jax.tree.unflatten(treedef, leaves)

@@ -1,0 +1,161 @@
+"""Hostile tool calls end as error outputs within their limits, leave nothing behind and never
+touch the calling process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import resource
+import tempfile
+import time
+
+import pytest
+
+from meshrl.rewards import sandbox as sandbox_lib
+from meshrl.rewards.sandbox import SandboxLimits, ToolSandbox
+from meshrl.rewards.tools import Tools, schema_errors
+
+LIMITS = SandboxLimits(wall_s=3.0, cpu_s=1, memory_mb=256, output_bytes=2000)
+
+
+@pytest.fixture
+def tool_tmp(tmp_path, monkeypatch):
+    """Every temporary directory the sandbox makes lands in ``tmp_path/tools``."""
+    root = tmp_path / "tools"
+    root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(root))
+    return root
+
+
+def run_python(code: str, limits: SandboxLimits = LIMITS):
+    async def go():
+        async with Tools(["python"], limits) as tools:
+            t0 = time.monotonic()
+            out = await tools.acall("python", {"code": code})
+            return out, time.monotonic() - t0, tools.metrics()
+    return asyncio.run(go())
+
+
+def assert_clean(root) -> None:
+    assert list(root.iterdir()) == [], list(root.iterdir())
+
+
+def test_python_tool_prints_its_answer_and_may_use_its_own_directory(tool_tmp):
+    out, _, _ = run_python("open('a.txt', 'w').write('hi')\nprint(open('a.txt').read(), 6 * 7)")
+    assert out.ok and out.text == "hi 42\n"
+    assert_clean(tool_tmp)
+
+
+@pytest.mark.parametrize("code,error,needle", [
+    ("while True:\n    pass", "crashed", "CPU or memory limit"),
+    ("import os\nos.fork()", "tool_error", "os.fork is not allowed"),
+    ("import subprocess\nsubprocess.run(['true'])", "tool_error", "not allowed"),
+    ("x = bytearray(8 << 30)", "tool_error", "MemoryError"),
+    ("import socket\nsocket.create_connection(('127.0.0.1', 22))", "tool_error", "not allowed"),
+    ("print(open('/etc/hostname').read())", "tool_error", "outside the tool's directory"),
+    ("open('../escape.txt', 'w').write('x')", "tool_error", "outside the tool's directory"),
+    ("import os\nos.remove('/tmp')", "tool_error", "outside the tool's directory"),
+    ("while True:\n    print('x' * 100000)", "output_limit", "more than 2000 bytes"),
+    ("import ctypes", "tool_error", "not allowed"),
+])
+def test_hostile_python_ends_as_an_error_output_and_leaves_nothing(tool_tmp, code, error,
+                                                                   needle):
+    before = resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_CPU)
+    out, took, metrics = run_python(code)
+    assert not out.ok and out.error == error, out
+    assert needle in out.text and out.text.startswith("error: ")
+    assert took < LIMITS.wall_s + 1.0
+    assert metrics["tools/errors"] == 1.0
+    assert_clean(tool_tmp)
+    assert not (tool_tmp.parent / "escape.txt").exists()
+    # the calling process keeps its own limits
+    assert (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_CPU)) \
+        == before
+
+
+def test_sleeping_tool_is_stopped_at_its_wall_clock_and_its_process_group_is_gone(
+        tool_tmp, monkeypatch):
+    started = []
+
+    async def spy(limits):
+        started.append(await real_start(limits))
+        return started[-1]
+    real_start = sandbox_lib._start
+    monkeypatch.setattr(sandbox_lib, "_start", spy)
+
+    async def go():
+        sandbox = ToolSandbox(SandboxLimits(wall_s=0.5, cpu_s=5))
+        return await sandbox.arun("python", {"code": "import time\ntime.sleep(30)"},
+                                  fresh=True), sandbox
+    t0 = time.monotonic()
+    out, sandbox = asyncio.run(go())
+    assert out.error == "timeout" and time.monotonic() - t0 < 3.0
+    assert sandbox.counters["timeouts"] == 1
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started[0].proc.pid, 0)
+    assert_clean(tool_tmp)
+
+
+def test_calculator_is_exact_and_bad_expressions_are_errors_not_crashes(tool_tmp):
+    async def go():
+        async with Tools(["calculator"], LIMITS) as tools:
+            return [await tools.acall("calculator", {"expression": e})
+                    for e in ("123456 * 789", "7 / 2", "__import__('os')", "9**9**9")]
+    exact, frac, hostile, huge = asyncio.run(go())
+    assert exact.ok and exact.text == str(123456 * 789)
+    assert frac.ok and frac.text == "3.5"
+    assert not hostile.ok and hostile.error == "tool_error"
+    assert not huge.ok and huge.error == "tool_error"
+    assert_clean(tool_tmp)
+
+
+def test_calls_with_bad_arguments_or_unknown_tools_are_rejected_before_running(tool_tmp):
+    async def go():
+        async with Tools(["calculator"], LIMITS) as tools:
+            return (await tools.acall("calculator", {"expr": "1+1"}),
+                    await tools.acall("python", {"code": "print(1)"}),
+                    await tools.acall("calculator", "1+1"), tools.sandbox.counters["calls"])
+    missing, unknown, not_object, calls = asyncio.run(go())
+    assert missing.error == "invalid" and "missing 'expression'" in missing.text
+    assert "unknown field 'expr'" in missing.text
+    assert unknown.error == "invalid" and "unknown tool 'python'" in unknown.text
+    assert not_object.error == "invalid" and "type object" in not_object.text
+    assert calls == 0
+
+
+def test_schema_errors_check_types_enums_and_lengths():
+    schema = {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": 0}, "mode": {"enum": ["a", "b"]},
+        "s": {"type": "string", "maxLength": 3}}, "required": ["n"]}
+    assert schema_errors(schema, {"n": 1, "mode": "a", "s": "abc"}) == []
+    errors = schema_errors(schema, {"n": True, "mode": "c", "s": "abcd"})
+    assert len(errors) == 3, errors
+    assert schema_errors(schema, {"n": -1}) == ["arguments.n must be minimum 0, got -1"]
+
+
+def test_unknown_tool_names_fail_at_construction():
+    with pytest.raises(ValueError, match="unknown; built-in tools are"):
+        Tools(["shell"])
+
+
+def test_a_crashed_shared_calculator_is_replaced_on_the_next_call(tool_tmp):
+    async def go():
+        async with Tools(["calculator"], LIMITS) as tools:
+            first = await tools.acall("calculator", {"expression": "1+1"})
+            os.killpg(tools.sandbox._shared.proc.pid, 9)
+            await tools.sandbox._shared.proc.wait()
+            return first, await tools.acall("calculator", {"expression": "2+2"})
+    first, second = asyncio.run(go())
+    assert first.text == "2" and second.ok and second.text == "4"
+    assert_clean(tool_tmp)
+
+
+def test_a_child_whose_parent_is_gone_removes_its_own_directory(tool_tmp):
+    async def go():
+        child = await sandbox_lib._start(LIMITS)
+        child.proc.stdin.close()  # what the child sees when its parent dies
+        await asyncio.wait_for(child.proc.wait(), 5)
+        return child
+    child = asyncio.run(go())
+    assert child.proc.returncode == 0
+    assert_clean(tool_tmp)

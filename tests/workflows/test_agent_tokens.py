@@ -1,0 +1,176 @@
+"""Agent episodes are token in, token out: the trainer's batch holds exactly the sampler's ids,
+observations are rendered incrementally from the real chat template (equal to rendering the
+whole conversation where the template allows), never trained on, and versions and the
+staleness bound hold across turns."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from meshrl.models.tokenizer import CharTokenizer
+from meshrl.rewards.tools import Tools
+from meshrl.tests.workflows.agent_fakes import (
+    DRIFTING_TEMPLATE,
+    ConstRewards,
+    ScriptedSampler,
+    qwen_tokenizer,
+)
+from meshrl.workflows import EpisodeSettings, arun_episode, arun_group, build_rl_batch
+from meshrl.workflows.agent import AgentSpec, EpisodeLog
+from meshrl.workflows.environment import FunctionEnv, tool_env_factory
+from meshrl.workflows.render import TemplateDriftError, TurnRenderer
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123*456"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return qwen_tokenizer(tmp_path_factory.mktemp("qwen"))
+
+
+def messages_prompt(tok) -> tuple[list[dict], dict]:
+    messages = [{"role": "user", "content": "What is 123*456?"}]
+    ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return messages, {"prompt": "What is 123*456?", "prompt_ids": ids, "answer": "56088"}
+
+
+async def _episode_with_tools(tok, sampler, *, max_staleness=None, log=None, max_len=None):
+    _, item = messages_prompt(tok)
+    settings = EpisodeSettings(max_turns=4, stop_ids=(tok.eos_id,), max_total_len=max_len)
+    async with Tools(["calculator"]) as tools:
+        spec = AgentSpec(tool_env_factory(tools), TurnRenderer(tok),
+                         max_staleness=max_staleness, log=log)
+        traj = await arun_episode(sampler, item, reward_pool=ConstRewards(), decode=tok.decode,
+                                  settings=settings, agent=spec)
+    return traj, spec, item
+
+
+def two_turns(tok) -> list[list[int]]:
+    return [tok.encode(CALL) + [tok.eos_id], tok.encode("The answer is 56088.") + [tok.eos_id]]
+
+
+def test_trainer_batch_holds_exactly_the_sampler_ids_across_a_weight_handoff(tok, tmp_path):
+    def handoff(turn):  # the trainer publishes version 1 between the two turns
+        sampler.version += 1
+    sampler = ScriptedSampler(two_turns(tok), after_turn=handoff)
+    log = EpisodeLog(tmp_path / "episodes.jsonl")
+    traj, _, item = asyncio.run(_episode_with_tools(tok, sampler, log=log))
+
+    context = traj.prompt_ids + traj.completion_ids
+    last = sampler.completions[-1]
+    assert context == list(last.request.prompt_ids) + last.tokens  # no re-tokenization
+    batch = build_rl_batch([[traj]], length_buckets=(len(context),), advantage=None)
+    assert [int(x) for x in batch.input_ids[0]] == context
+    assert [int(x) for x in batch.targets[0, :-1]] == context[1:]
+    # Each target the model sampled has mask 1, its logprob and its turn's version;
+    # every observation token has mask 0 and version -1.
+    turn1, turn2 = sampler.completions
+    p, n1 = len(item["prompt_ids"]), len(turn1.tokens)
+    obs = len(turn2.request.prompt_ids) - p - n1
+    end = p - 1 + len(traj.completion_ids)  # the last column's target is padding
+    mask = batch.loss_mask[0, p - 1:end]
+    assert list(mask) == [1] * n1 + [0] * obs + [1] * len(turn2.tokens)
+    assert list(batch.versions[0, p - 1:end]) == [0] * n1 + [-1] * obs + [1] * len(
+        turn2.tokens)
+    np.testing.assert_allclose(batch.behaviour_logprobs[0, p - 1:p - 1 + n1], turn1.logprobs,
+                               rtol=1e-6, atol=1e-6)
+    assert traj.oldest_version == 0
+    record = json.loads((tmp_path / "episodes.jsonl").read_text())
+    assert record["tool_calls"] == [{"name": "calculator", "arguments": {
+        "expression": "123*456"}, "ok": True, "output": "56088"}]
+    assert [t["versions"] for t in record["turns"] if t["role"] == "assistant"] == [[0], [1]]
+
+
+def test_incremental_rendering_equals_rendering_the_whole_conversation(tok):
+    sampler = ScriptedSampler(two_turns(tok))
+    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
+    messages, _ = messages_prompt(tok)
+    messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "56088"},
+                 {"role": "assistant", "content": "The answer is 56088."}]
+    whole = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
+    context = traj.prompt_ids + traj.completion_ids
+    # The whole rendering also closes the last turn after the EOS the model stopped on.
+    assert whole[:len(context)] == context and tok.decode(whole[len(context):]) == "\n"
+
+
+def test_tool_messages_in_a_row_render_as_the_template_groups_them(tok):
+    renderer = TurnRenderer(tok)
+    ids = renderer.observation_ids([{"role": "tool", "content": "1"},
+                                    {"role": "tool", "content": "2"}], stopped_on_eos=True)
+    base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    new = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    before = tok.apply_chat_template(base, add_generation_prompt=False)
+    after = tok.apply_chat_template(base + new, add_generation_prompt=True)
+    # stopped on EOS: the ids start after the EOS the model sampled ("\n" in ChatML)
+    assert tok.encode(before)[:-1] + ids == tok.encode(after)
+
+
+def test_sampled_ids_are_kept_even_when_they_are_not_the_canonical_tokenization(tok):
+    text = "56088"
+    odd = [i for ch in text for i in tok.encode(ch)] + [tok.eos_id]  # one id per digit
+    sampler = ScriptedSampler([tok.encode(CALL) + [tok.eos_id], odd])
+    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
+    assert traj.completion_ids[-len(odd):] == odd
+
+
+def test_a_turn_that_went_stale_stops_the_episode_and_rejects_it(tok):
+    def handoff(turn):
+        sampler.version += 2  # two versions pass during the first turn
+    sampler = ScriptedSampler(two_turns(tok), after_turn=handoff)
+    traj, spec, _ = asyncio.run(_episode_with_tools(tok, sampler, max_staleness=1))
+    assert traj is None and spec.counters["stale_episodes"] == 1
+    assert len(sampler.requests) == 1  # no turn was spent on a sample that cannot train
+
+
+def test_total_token_budget_ends_the_episode_with_length(tok):
+    sampler = ScriptedSampler(two_turns(tok))
+    _, item = messages_prompt(tok)
+    limit = len(item["prompt_ids"]) + len(two_turns(tok)[0]) + 3  # no room for the answer
+    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler, max_len=limit))
+    assert traj.finish_reason == "length" and len(traj) <= limit
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(tmp_path):
+    drifting = qwen_tokenizer(tmp_path / "drift", DRIFTING_TEMPLATE)
+    with pytest.raises(TemplateDriftError, match="renders earlier turns differently"):
+        TurnRenderer(drifting)  # at construction: before a job samples anything
+
+
+def test_plain_tokenizer_keeps_its_eos_between_turns_and_masks_tool_responses():
+    tok = CharTokenizer()
+    item = {"prompt": "12*34=", "prompt_ids": [tok.bos_id] + tok.encode("12*34="),
+            "answer": "408"}
+    env = FunctionEnv(lambda ex, action, turn: ("408", None, turn >= 1))
+    sampler = ScriptedSampler([tok.encode("calc") + [tok.eos_id],
+                               tok.encode("408") + [tok.eos_id]])
+    spec = AgentSpec(lambda: env, TurnRenderer(tok))
+    rewards = ConstRewards(1.0)
+    traj = asyncio.run(arun_episode(sampler, item, reward_pool=rewards, decode=tok.decode,
+                                    settings=EpisodeSettings(max_turns=3,
+                                                             stop_ids=(tok.eos_id,)),
+                                    agent=spec))
+    observation = tok.encode("408\n")  # a user observation: its text and a newline
+    assert traj.completion_ids == (tok.encode("calc") + [tok.eos_id] + observation
+                                   + tok.encode("408") + [tok.eos_id])
+    assert traj.loss_mask == [1] * 5 + [0] * len(observation) + [1] * 4
+    assert rewards.seen == ["408"]  # the pool scores the final turn only
+
+
+def test_groups_of_agent_episodes_share_one_environment_factory_per_sample(tok):
+    made = collections.Counter()
+
+    def factory():
+        made["envs"] += 1
+        return FunctionEnv(lambda ex, action, turn: (None, 1.0 if turn == 0 else 0.0, True))
+    sampler = ScriptedSampler([tok.encode("hi") + [tok.eos_id]])
+    _, item = messages_prompt(tok)
+    group = asyncio.run(arun_group(
+        sampler, item, group_size=3, group_id=5, filter_equal=False, reward_pool=ConstRewards(),
+        decode=tok.decode, settings=EpisodeSettings(stop_ids=(tok.eos_id,)),
+        agent=AgentSpec(factory, TurnRenderer(tok))))
+    assert made["envs"] == 3 and [t.reward for t in group] == [1.0, 1.0, 1.0]
