@@ -4,6 +4,7 @@ asynchronous GRPO raises its held-out accuracy. Runs on a laptop CPU in a few mi
   python main.py --config configs/default.py --workdir /tmp/meshrl
   python main.py --config configs/default.py:smoke --workdir /tmp/meshrl_smoke   # < 1 minute
   python main.py --config configs/default.py:moe --workdir /tmp/meshrl_moe  # MoE decoder
+  python main.py --config configs/default.py:lora --workdir /tmp/meshrl_lora  # LoRA RL
 
 The warm start (``<workdir>/sft``, ``rl.warm_start_steps`` SFT steps at the constant rate
 ``rl.warm_start_lr``, see ``jobs/rl.py``) is deliberately short, so RL starts from a
@@ -83,7 +84,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         cfg.rollout.filter_equal_groups = False  # an untrained policy: keep every group
         cfg.sampler.slots = 32
         cfg.logging.progress_bar = False
-    if arg not in (None, "", "smoke", "moe", "moe_smoke"):
+    if arg == "lora":
+        # RL through rank-16 adapters on every projection (docs/lora.md): the base is frozen,
+        # so the adapters take a 10x higher rate than full fine-tuning's.
+        cfg.lora.rank = 16
+        cfg.lora.alpha = 32.0
+        cfg.trainer.learning_rate = 5e-4
+    if arg not in (None, "", "smoke", "moe", "moe_smoke", "lora"):
         raise ValueError(f"configs/default.py: unknown variant {arg!r}; known: 'smoke', 'moe', "
-                         f"'moe_smoke'")
+                         f"'moe_smoke', 'lora'")
     return cfg

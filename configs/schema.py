@@ -29,6 +29,7 @@ from meshrl.configs.evaluate_schema import EvaluateConfig
 from meshrl.configs.export_schema import ExportConfig
 from meshrl.configs.fields import ConfigError, Section
 from meshrl.configs.generate_schema import GenerateConfig
+from meshrl.configs.lora_schema import LoraConfig
 from meshrl.configs.mesh_schema import DCN_DATA_AXIS, MESH_AXES, DistributedConfig, MeshConfig
 from meshrl.configs.model_schema import DType, ModelConfig
 from meshrl.configs.rl_schema import RewardConfig, RLConfig, RolloutConfig
@@ -46,7 +47,7 @@ __all__ = [
     "DCN_DATA_AXIS", "MESH_AXES", "SECTIONS", "AgentConfig", "CheckpointConfig",
     "CompileConfig", "Config",
     "ConfigError", "DPOConfig", "DType", "DataConfig", "DistillConfig", "DistributedConfig",
-    "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "MeshConfig", "ModelConfig",
+    "EvaluateConfig", "ExportConfig", "Job", "LoggingConfig", "LoraConfig", "MeshConfig", "ModelConfig",
     "OptimizerConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RuntimeConfig",
     "GenerateConfig", "SamplerConfig", "Section", "TrainerConfig",
 ]
@@ -69,7 +70,7 @@ SECTIONS: dict[str, type[Section]] = {
     for cls in (MeshConfig, ModelConfig, OptimizerConfig, TrainerConfig, SamplerConfig,
                 RolloutConfig, RLConfig, RewardConfig, DataConfig, CheckpointConfig, LoggingConfig,
                 DistributedConfig, RuntimeConfig, GenerateConfig, ExportConfig, EvaluateConfig,
-                CompileConfig, DPOConfig, DistillConfig, AgentConfig)
+                CompileConfig, DPOConfig, DistillConfig, AgentConfig, LoraConfig)
 }
 
 
@@ -98,6 +99,7 @@ class Config:
     dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
     agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         validate_config(self)  # the rules that span sections (configs/cross_section.py)

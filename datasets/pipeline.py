@@ -279,9 +279,16 @@ class PromptIterator(_StreamIterator):
     ``prompt_text`` (as fed to the model), ``answer`` and the reward fields."""
 
     def __next__(self) -> list[dict]:
-        batch = [self._take(r) for r in range(self.local_batch_size)]
+        batch = [self._take_with_id(r) for r in range(self.local_batch_size)]
         self._batches += 1
         return batch
+
+    def _take_with_id(self, r: int) -> dict:
+        """Row ``r``'s next example with its stable id: ``prompt_index`` (the dataset index)
+        and ``epoch``, which the RL loop records per trained prompt (``trained_prompts.jsonl``)."""
+        self._peek(r)  # past any drops, so the cursor is at the example taken
+        epoch, i = divmod(int(self._cursor[r]) * self.rows + self._my_rows[r], self._num_examples)
+        return {**self._take(r), "prompt_index": int(self._order(epoch)[i]), "epoch": epoch}
 
 
 class SFTIterator(_StreamIterator):

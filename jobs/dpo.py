@@ -67,7 +67,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         before = evaluate(params)
         reference = None
         if config.dpo.loss in NEEDS_REFERENCE:
-            reference = PreferenceReference(trainee.forward, params, engine.state_sh.params,
+            reference = PreferenceReference(trainee.forward, params, engine.params_sh,
                                             mesh, engine.batch_sh, microbatches=t.microbatches)
         engine.start(params, data=data)
         del params

@@ -40,7 +40,8 @@ def warm_start_config(config: Config, steps: int) -> Config:
     sequences with AdamW at peak rate ``rl.warm_start_lr``, no held-out evaluation, no Weights &
     Biases run (the RL run is the one a user follows there; the warm start's curves stay in
     <workdir>/sft) and no profiler trace (``logging.profile_steps`` names RL steps); every other
-    field as in ``config``.
+    field as in ``config``; with LoRA the warm start trains the full model (``lora.rank = 0``):
+    RL then adapts it, as it would adapt a pretrained checkpoint.
     """
     t = config.trainer
     return dataclasses.replace(
@@ -49,7 +50,8 @@ def warm_start_config(config: Config, steps: int) -> Config:
                                     learning_rate=config.rl.warm_start_lr,
                                     batch_size=config.rl.warm_start_batch_size),
         optimizer=dataclasses.replace(config.optimizer, name="adamw"),
-        logging=dataclasses.replace(config.logging, wandb_project="", profile_steps=()))
+        logging=dataclasses.replace(config.logging, wandb_project="", profile_steps=()),
+        lora=dataclasses.replace(config.lora, rank=0))
 
 
 def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trainee,
@@ -112,7 +114,7 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
         reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer)
     else:
         reference = None if not kl else ReferencePolicy(
-            config.rl, trainee.forward, params, engine.state_sh.params, engine.mesh,
+            config.rl, trainee.forward, params, engine.params_sh, engine.mesh,
             engine.batch_sh, samples=rl_batch_size(config),
             temperature=config.sampler.temperature, group_size=config.rollout.group_size,
             microbatches=config.trainer.microbatches)

@@ -96,6 +96,14 @@ def _checkpoint(reader: CheckpointReader, step: int, words: Wording) -> WeightSo
         raise ConfigError(f"{words.step} = {step}: no verified checkpoint of that step under "
                           f"{reader.directory} (verified: {steps}): pick one of them, or -1 for "
                           f"the newest")
+    rank = (reader.config(chosen).get("lora") or {}).get("rank", 0)
+    if rank:
+        # The train state of a LoRA run holds the adapters only; its merged weights are the
+        # versions it publishes.
+        raise ConfigError(f"{words.source}: checkpoint step {chosen} under {reader.directory} "
+                          f"holds LoRA adapters (lora.rank = {rank}), not the model's weights "
+                          f"(the run publishes its merged weights as versions): "
+                          f"{words.instead}")
     return WeightSource("checkpoint", _run_model(reader, chosen), step=chosen)
 
 

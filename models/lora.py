@@ -149,3 +149,58 @@ class Lora:
                 w = w.astype(jnp.float32) + self.scale * delta(by_path[path], ad["a"], ad["b"])
             leaves.append(w.astype(dtypes[path]))
         return jax.tree.unflatten(treedef, leaves)
+
+
+class LoraSetup:
+    """LoRA bound to one placed base: shardings of the frozen base and the adapters, and the
+    jitted programs that build them and merge them back into a full param state."""
+
+    def __init__(self, cfg: LoraConfig, graphdef: nnx.GraphDef, params: Any,
+                 params_sh: Any) -> None:
+        self.cfg, self.lora = cfg, Lora.of(cfg, graphdef, params)
+        flat = jax.tree_util.tree_flatten_with_path(params)[0]
+        self.treedef = jax.tree.structure(params)
+        self.dtypes = {path_name(p): leaf.dtype for p, leaf in flat}
+        self.params_sh = params_sh  # one sharding per leaf of ``params``
+        kernel_sh = {path_name(p): sh for p, sh in
+                     jax.tree_util.tree_flatten_with_path(params_sh)[0]}
+        self.adapter_sh = adapter_shardings(list(self.lora.targets), kernel_sh)
+        abstract = jax.eval_shape(self.lora.freeze, params)
+        self.frozen_sh = {k: _frozen_sharding(v, kernel_sh[k]) for k, v in abstract.items()}
+
+    def abstract_adapters(self) -> Adapters:
+        return jax.eval_shape(self._init)
+
+    def _init(self) -> Adapters:
+        return init_adapters(list(self.lora.targets), self.cfg.rank, self.cfg.seed)
+
+    def adapters(self) -> Adapters:
+        """Fresh adapters, placed."""
+        return jax.jit(self._init, out_shardings=self.adapter_sh)()
+
+    def freeze(self, params: Any) -> dict[str, Any]:
+        """The frozen (possibly quantised) base of ``params``, placed like the kernels."""
+        return jax.jit(self.lora.freeze, out_shardings=self.frozen_sh)(params)
+
+    def merged(self, frozen: dict[str, Any], adapters: Adapters | None) -> Any:
+        """The full param state (base + adapters) in the base's placement."""
+        fn = lambda f, a: self.lora.merged(self.treedef, f, a, self.dtypes)  # noqa: E731
+        return jax.jit(fn, out_shardings=self.params_sh)(frozen, adapters)
+
+    def forward(self, base_forward: Any, frozen: dict[str, Any]) -> Any:
+        """``forward(adapters, ...)``: ``base_forward`` on the merged state. ``frozen`` is a
+        traced argument of the step (never a closed-over constant: jit would embed it)."""
+        def fwd(adapters: Adapters, *args: Any) -> Any:
+            base = jax.lax.stop_gradient(frozen)
+            return base_forward(self.lora.merged(self.treedef, base, adapters, self.dtypes),
+                                *args)
+        return fwd
+
+
+def _frozen_sharding(abstract: Any, kernel_sh: NamedSharding) -> Any:
+    """A plain leaf keeps its param's sharding; a QTensor's codes do too, its (small) scales
+    are replicated."""
+    if isinstance(abstract, quant.QTensor):
+        rep = NamedSharding(kernel_sh.mesh, PartitionSpec())
+        return dataclasses.replace(abstract, codes=kernel_sh, scale=rep)
+    return kernel_sh

@@ -28,6 +28,7 @@ from meshrl.algorithms.batch import TrainBatch
 from meshrl.configs.schema import Config
 from meshrl.inference.weights import publish_version
 from meshrl.models import LoadedModel, flops_per_token
+from meshrl.models.lora import LoraSetup
 from meshrl.trainer.checkpoint import Checkpointer, Restored
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
@@ -80,14 +81,20 @@ class Trainee:
     params: Any  # already placed with ``params_shardings``
     params_shardings: Any  # a prefix of ``params`` (e.g. one sharding per nnx Variable)
     flops_per_token: float  # training FLOPs per token (6N + attention)
+    # With LoRA the state trains ``lora``'s adapters over a frozen copy of ``params``; ``forward``
+    # and ``params`` stay the full model's (what a reference or an evaluation runs).
+    lora: LoraSetup | None = None
 
     @classmethod
     def of(cls, loaded: LoadedModel, config: Config) -> Trainee:
         """The trainee of a model loaded for the train role (``models.load``)."""
         t = config.trainer
+        lora = (LoraSetup(config.lora, loaded.graphdef, loaded.params,
+                          expand_prefix(loaded.shardings, loaded.params))
+                if config.lora.rank > 0 else None)
         return cls(forward=decoder_forward(loaded.graphdef, t.logits_chunk),
                    params=loaded.params, params_shardings=loaded.shardings,
-                   flops_per_token=flops_per_token(loaded.arch, t.seq_len))
+                   flops_per_token=flops_per_token(loaded.arch, t.seq_len), lora=lora)
 
 
 
@@ -146,8 +153,14 @@ class TrainEngine:
         self.spec = spec
         self.tx, self.schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
                                                 spec.updates_per_step)
-        params_sh = expand_prefix(trainee.params_shardings, trainee.params)
-        self.state_sh = state_shardings(params_sh, self.tx, mesh, trainee.params)
+        # A trainee may carry LoRA that this engine's config turns off (e.g. a full warm start).
+        self.lora = trainee.lora if config.lora.rank > 0 else None
+        self._frozen: list[jax.Array] | None = None
+        self.params_sh = expand_prefix(trainee.params_shardings, trainee.params)  # full params
+        # With LoRA the state's params are the adapters alone: no base grads or moments.
+        trained = (trainee.params if self.lora is None else self.lora.abstract_adapters())
+        self.state_sh = state_shardings(
+            self.params_sh if self.lora is None else self.lora.adapter_sh, self.tx, mesh, trained)
         self.batch_sh = spec.batch_sh
         # Armed during the restore (a hung read or collective), then from the loop to finish().
         d = config.distributed
@@ -157,7 +170,7 @@ class TrainEngine:
         try:
             self.checkpointer = Checkpointer(self.workdir / "checkpoints", config.checkpoint,
                                              process_index=jax.process_index())
-            target = abstract_state(self.state_sh, trainee.params, self.tx, t.seed)
+            target = abstract_state(self.state_sh, trained, self.tx, t.seed)
             try:
                 self.restored: Restored | None = self.checkpointer.restore_latest(target)
             except BaseException:
@@ -166,13 +179,16 @@ class TrainEngine:
         finally:
             self.watchdog.stop()
         self.start_step = 0 if self.restored is None else int(self.restored.counters["step"])
-        step_fn = spec.make_step(trainee.forward, spec.loss_fn, self.tx, self.schedule)
+        step_fn = (spec.make_step(trainee.forward, spec.loss_fn, self.tx, self.schedule)
+                   if self.lora is None else self._lora_step(trainee.forward, spec))
         # The step runs on the state's leaves; ``state`` is a view built when read.
         self._treedef = jax.tree.structure(self.state_sh)
         self._params_def, self._params_at = _params_slice(self.state_sh)
         self._leaves: list[jax.Array] | None = None
         self._view: TrainState | None = None
-        jitted = jit_leaf_step(step_fn, self.state_sh, self.batch_sh, mesh)
+        state_sh = (self.state_sh if self.lora is None
+                    else (self.state_sh, self.lora.frozen_sh))
+        jitted = jit_leaf_step(step_fn, state_sh, self.batch_sh, mesh)
         self.step_fn: Callable[[list[jax.Array], TrainBatch], tuple[list[jax.Array], Any]] = (
             jitted if spec.row_buckets is None
             else BucketedStep(jitted, self.batch_sh, t.seq_len, spec.row_buckets))
@@ -192,8 +208,11 @@ class TrainEngine:
         """The restored state, else a fresh one from ``params`` (default: the trainee's),
         jitted onto the state shardings. A restored run sets ``data``'s iterator state."""
         self.data = data
+        params = self.trainee.params if params is None else params
+        if self.lora is not None:  # the base to adapt; fresh adapters unless restored
+            self._frozen = jax.tree.leaves(self.lora.freeze(params))
+            params = self.lora.adapters()
         if self.restored is None:
-            params = self.trainee.params if params is None else params
             seed = self.config.trainer.seed
             self.state = jax.jit(lambda p: init_state(p, self.tx, seed),
                                  out_shardings=self.state_sh)(params)
@@ -215,7 +234,14 @@ class TrainEngine:
     @property
     def params(self) -> Any:
         """``state.params`` without building the rest of the state (what a weight handoff
-        reads every RL step)."""
+        reads every RL step); with LoRA the full params, base and adapters merged."""
+        if self.lora is not None and self._leaves is not None:
+            return self.lora.merged(self._frozen_tree(), self.trained_params)
+        return self.trained_params
+
+    @property
+    def trained_params(self) -> Any:
+        """The params the step trains (with LoRA: the adapters)."""
         if self._view is not None:
             return self._view.params
         if self._leaves is None:
@@ -235,7 +261,7 @@ class TrainEngine:
         it (a plain step compiles at its first dispatch)."""
         assert self._leaves is not None, "precompile() needs start()"
         if isinstance(self.step_fn, BucketedStep):
-            self.step_fn.precompile(self._leaves)
+            self.step_fn.precompile(self._step_leaves())
 
     def open_progress(self, on_log: Callable[[int, dict[str, float]], None] | None = None
                       ) -> None:
@@ -262,7 +288,10 @@ class TrainEngine:
             extra: dict[str, jax.Array] = {}
             if prepare is not None:
                 batch, extra = prepare(batch)
-            self._leaves, metrics = self.step_fn(self._leaves, batch)
+            leaves, metrics = self.step_fn(self._step_leaves(), batch)
+            self._leaves = leaves[:len(self._leaves)]
+            if self._frozen is not None:  # donated in and aliased out, unchanged
+                self._frozen = leaves[len(self._leaves):]
             self._view = None
         self.profile.after(step, self._leaves)
         previous = self.read()
@@ -317,6 +346,25 @@ class TrainEngine:
         self.watchdog.launched(f"checkpoint save of step {step}")
         self.checkpointer.save(step, self.state, data_state, self.config.to_dict(),
                                {**(counters or {}), "step": step})
+
+    def _step_leaves(self) -> list[jax.Array]:
+        """The step's input: the state's leaves, then (LoRA) the frozen base's."""
+        assert self._leaves is not None
+        return self._leaves if self._frozen is None else self._leaves + self._frozen
+
+    def _frozen_tree(self) -> Any:
+        return jax.tree.unflatten(jax.tree.structure(self.lora.frozen_sh), self._frozen)
+
+    def _lora_step(self, base_forward: ForwardFn, spec: StepSpec) -> Callable:
+        """``step((state, frozen), batch)``: the spec's step over the adapters, its forward
+        merging them into the frozen base passed alongside (a traced argument, not a
+        constant), which comes back unchanged."""
+        def lora_step(ext: tuple[TrainState, Any], batch: Any) -> tuple[Any, Any]:
+            state, frozen = ext
+            fwd = self.lora.forward(base_forward, frozen)
+            new, metrics = spec.make_step(fwd, spec.loss_fn, self.tx, self.schedule)(state, batch)
+            return (new, frozen), metrics
+        return lora_step
 
     def publish(self, version: int) -> None:
         """Orbax weight version ``<workdir>/weights/<version>`` (replacing a killed run's

@@ -32,6 +32,7 @@ from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
 from meshrl.workflows import make_rl_batch, make_runner, rows_needed
+from meshrl.workflows.rollout_state import TrainedPromptsLog
 from meshrl.workflows.setup import aevaluate_held_out
 from meshrl.workflows.watch import window_metrics
 
@@ -178,9 +179,17 @@ class RLLoop:
         return ev
 
     def save(self, step: int, runner: Any) -> None:
-        """Checkpoint: train state, prompt iterator, runner counters (version, staleness)."""
-        self.engine.save(step, {"prompts": self.prompts.get_state()},
-                         {**self.counters, "runner": runner.state_dict()})
+        """Checkpoint: train state, prompt iterator, runner counters (version, staleness) and,
+        on one process, the rollout state (untrained groups and prompts; docs/rl.md "Resume")
+        with the iterator state that goes with it."""
+        if not runner.track_prompts_state:
+            self.engine.save(step, {"prompts": self.prompts.get_state()},
+                             {**self.counters, "runner": runner.state_dict()})
+            return
+        rollout = runner.rollout_state()
+        prompts = rollout.pop("prompts")
+        self.engine.save(step, {"prompts": prompts},
+                         {**self.counters, "runner": runner.state_dict(), "rollout": rollout})
 
     async def arun(self, rollout_sampler: Callable[[AsyncSampler], Any] | None = None
                    ) -> dict[str, Any]:
@@ -194,8 +203,17 @@ class RLLoop:
         runner = make_runner(local, rollout_sampler(sampler) if rollout_sampler else sampler,
                              self.reward_pool, self.prompts, self.tokenizer,
                              version=self.start_step, workdir=str(self.workdir))
+        # One process: the checkpoint keeps the untrained rollout work, and each step's
+        # prompts are recorded (several processes each read their own rows: not yet).
+        single = jax.process_count() == 1
+        runner.track_prompts_state = single
         if "runner" in self.counters:
             runner.load_state_dict(self.counters["runner"])
+        if single and "rollout" in self.counters:
+            runner.load_rollout_state(self.counters["rollout"])
+        trained_log = TrainedPromptsLog(self.workdir) if single else None
+        if trained_log is not None:
+            trained_log.resume(self.start_step)
         train.open_progress(on_log=lambda step, record: log.info(
             rl_step_line(step, t.steps, record, train.progress.eta(step))))
         clock = StepClock(0.0, 0.0, int(self.mesh.devices.size), prefix="perf/")
@@ -208,6 +226,9 @@ class RLLoop:
             clock.start()
             for step in range(self.start_step + 1, t.steps + 1):
                 await self._step(step, sampler, runner, clock, totals)
+                taken, skipped = runner.take_record()
+                if trained_log is not None:
+                    trained_log.append(step, taken, skipped)
                 await self._between_steps(step, sampler, runner)
             if t.steps == self.start_step and not train.checkpointer.all_steps():
                 self.save(t.steps, runner)

@@ -10,6 +10,9 @@ on a cause that fails every group: a ``UserError`` from a group (a broken reward
 ``get_batch`` raises a ``UserError`` naming the cause. So does a reward that scores every sample
 alike (``watch.RolloutWatch``); while the trainer waits, a line every ``status_every_s`` says what
 the rollout is doing.
+
+A group dropped as stale at hand-over has its prompt generated again, never skipped; the work not
+yet trained on is saved and restored with ``rollout_state`` (``workflows.rollout_state``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 from meshrl.workflows.episode import SamplerClient, arun_group
+from meshrl.workflows.rollout_state import decode_group, encode_group, encode_item
 from meshrl.workflows.staleness import StalenessController
 from meshrl.workflows.watch import RolloutWatch, waiting_line
 
@@ -88,9 +92,12 @@ class RolloutRunner:
                  controller: StalenessController, *, first_group_id: int = 0,
                  counters: collections.Counter[str] | None = None,
                  max_failed_groups: int = 64, watch: RolloutWatch | None = None,
-                 status_every_s: float = 30.0) -> None:
+                 status_every_s: float = 30.0, track_prompts_state: bool = False) -> None:
         self.group_fn, self.prompts, self.controller = group_fn, prompts, controller
         self.max_failed_groups = max_failed_groups
+        # ``prompts.get_state()`` after each read (for ``rollout_state``); off for iterators
+        # without one.
+        self.track_prompts_state = track_prompts_state
         self.watch, self.status_every_s = watch, status_every_s
         self._failed_in_row = 0
         # Share one Counter with group_episode_fn so filtering counts reach metrics/state_dict.
@@ -107,13 +114,25 @@ class RolloutRunner:
         self._filler: asyncio.Task | None = None
         self._exhausted = False
         self._error: BaseException | None = None
+        # Rollout state (``rollout_state``): every started group's item until the trainer takes
+        # it, the finished ones' groups, and the prompts that ended untrained since the last
+        # ``take_record``. ``_prompts_state`` is the iterator's state after the last whole
+        # read, so it always agrees with the items the runner holds.
+        self._open: dict[int, dict] = {}
+        self._finished: dict[int, Group] = {}
+        self._skipped: list[tuple[dict, str]] = []
+        self._taken: list[dict] = []
+        self._prompts_state: Any = None
 
     def start(self) -> None:
         if self._filler is None:
+            if self.track_prompts_state and self._prompts_state is None:
+                self._prompts_state = self.prompts.get_state()  # before any read starts
             self._filler = asyncio.get_running_loop().create_task(self._fill())
 
-    def _read(self, n: int) -> list[Any]:
-        """Up to ``n`` items' worth of the iterator's batches (fewer only at its end)."""
+    def _read(self, n: int) -> tuple[list[Any], Any]:
+        """(up to ``n`` items' worth of the iterator's batches (fewer only at its end), the
+        iterator's state after them when tracked)."""
         out, got = [], 0
         while got < n:
             batch = next(self.prompts, None)
@@ -121,7 +140,7 @@ class RolloutRunner:
                 break
             out.append(batch)
             got += 1 if isinstance(batch, dict) else len(batch)
-        return out
+        return out, self.prompts.get_state() if self.track_prompts_state else None
 
     async def _next_items(self, n: int) -> list[dict]:
         """The next ``n`` items (fewer only at the end of the prompts)."""
@@ -129,8 +148,11 @@ class RolloutRunner:
             # A file-backed iterator may read from disk: keep that off the event loop, and read
             # all ``n`` in one worker-thread call, so the episodes of a whole batch reach the
             # sampler together (one thread hop per prompt let it start on the first group).
-            for batch in await asyncio.to_thread(self._read, n - len(self._items)):
+            batches, state = await asyncio.to_thread(self._read, n - len(self._items))
+            for batch in batches:
                 self._items.extend([batch] if isinstance(batch, dict) else batch)
+            if self.track_prompts_state:  # with the items, on the loop: a save sees both
+                self._prompts_state = state
         return [self._items.popleft() for _ in range(min(n, len(self._items)))]
 
     async def _fill(self) -> None:
@@ -142,6 +164,7 @@ class RolloutRunner:
                     items = await self._next_items(want)
                     for item in items:
                         self.controller.on_submit()
+                        self._open[self._next_group_id] = item
                         task = asyncio.create_task(self._run_group(item, self._next_group_id))
                         self._next_group_id += 1
                         self._tasks.add(task)
@@ -184,8 +207,12 @@ class RolloutRunner:
                 self._end_stream(self.watch.error)
         if group is None:
             self.controller.on_reject()
+            item = self._open.pop(group_id, None)
+            if item is not None:
+                self._skipped.append((item, "errored" if self._failed_in_row else "filtered"))
         else:
             self.controller.on_accept()
+            self._finished[group_id] = group
             self._put(group)
         self._wake.set()
 
@@ -230,9 +257,26 @@ class RolloutRunner:
         out: list[Group] = []
         ticker = asyncio.get_running_loop().create_task(self._report_waiting(version, out))
         try:
-            return await self._gather(out)
+            groups = await self._gather(out)
+        except asyncio.CancelledError:
+            self._hand_back(out)
+            raise
         finally:
             ticker.cancel()
+        # Taken only now: a get_batch cancelled half-way (a stop request) handed its groups
+        # back, and the rollout state a checkpoint then saves still holds them.
+        for group in groups:
+            gid = group[0].group_id
+            self._finished.pop(gid, None)
+            if (item := self._open.pop(gid, None)) is not None:
+                self._taken.append(item)
+        return groups
+
+    def _hand_back(self, out: list[Group]) -> None:
+        """Undo the consumption of a cancelled ``get_batch``'s groups: back in the queue."""
+        for group in out:
+            self.controller.unconsume(group)
+            self._put(group)
 
     async def _report_waiting(self, version: int, out: list[Group]) -> None:
         """Every ``status_every_s`` while a batch is awaited: what the rollout has done."""
@@ -262,8 +306,43 @@ class RolloutRunner:
             if self.controller.consume(group):
                 out.append(group)
             else:
+                gid = group[0].group_id
+                self._finished.pop(gid, None)
+                if (item := self._open.pop(gid, None)) is not None:  # generated again
+                    self._items.appendleft(item)
+                    self.counters["requeued_stale_groups"] += 1
                 self._wake.set()  # the dropped group's slot is free again
         return out
+
+    def take_record(self) -> tuple[list[dict], list[tuple[dict, str]]]:
+        """(the items of the groups handed over since the last call, the items whose groups
+        ended untrained since then with the reason); both cleared."""
+        taken, skipped = self._taken, self._skipped
+        self._taken, self._skipped = [], []
+        return taken, skipped
+
+    def rollout_state(self) -> dict[str, Any]:
+        """The untrained work (see ``workflows.rollout_state``) and the prompt iterator's
+        state that goes with it; call between ``take_record`` and the next ``get_batch``."""
+        started = sorted(self._open)
+        return {"prompts": self._prompts_state,
+                "finished": [encode_group(self._open[g], self._finished[g])
+                             for g in started if g in self._finished],
+                "pending": [encode_item(self._open[g]) for g in started
+                            if g not in self._finished] + [encode_item(i) for i in self._items],
+                "skipped": [[encode_item(i), why] for i, why in self._skipped]}
+
+    def load_rollout_state(self, state: dict[str, Any]) -> None:
+        """Restore ``rollout_state()``'s untrained work (before ``start``); the controller's
+        state must be loaded first."""
+        for entry in state["finished"]:
+            item, group = decode_group(entry)
+            gid = group[0].group_id
+            self._open[gid], self._finished[gid] = item, group
+            self.controller.accepted += 1
+            self._put(group)
+        self._items.extend(state["pending"])
+        self._skipped = [(i, why) for i, why in state["skipped"]]
 
     async def stop(self) -> None:
         """Cancel the filler and every running group (they count as rejected)."""

@@ -93,10 +93,20 @@ class StalenessController:
             self.staleness_hist[self.version - t.oldest_version] += 1
         return True
 
+    def unconsume(self, group: Sequence[Trajectory]) -> None:
+        """Undo ``consume`` of a group handed back untrained (its batch was abandoned)."""
+        self.consumed -= 1
+        for t in group:
+            lag = self.version - t.oldest_version
+            self.staleness_hist[lag] -= 1
+            if not self.staleness_hist[lag]:
+                del self.staleness_hist[lag]
+
     def state_dict(self) -> dict[str, Any]:
-        """Counters for a checkpoint. Groups running or waiting are lost on restart, so the
-        saved ``accepted`` is the consumed count: after a restore at the same version the
-        capacity is the normal ``(max_staleness + 1) * batch_size`` ahead, never a burst."""
+        """Counters for a checkpoint. The saved ``accepted`` is the consumed count: groups
+        running or waiting are not counted (the runner's rollout state re-queues their prompts
+        and re-adds the finished groups it restores), so after a restore at the same version
+        the capacity is the normal ``(max_staleness + 1) * batch_size`` ahead, never a burst."""
         return {"version": self.version, "accepted": self.consumed, "consumed": self.consumed,
                 "rejected": self.rejected, "dropped_stale": self.dropped_stale,
                 "dropped_stale_samples": self.dropped_stale_samples,

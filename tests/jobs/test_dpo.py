@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -51,6 +52,11 @@ def test_dpo_job_raises_held_out_preference_accuracy_and_writes_summary(tmp_path
     assert gain >= 0.15, summary
     assert summary["final_loss"] < summary["first_loss"] and summary["loss_name"] == "dpo"
     assert summary["eval_pairs"] == 64.0 and 0.0 <= summary["reward_accuracy"] <= 1.0
+
+
+def test_dpo_with_lora_builds_its_reference_on_the_full_params_shardings(tmp_path):
+    summary = job.run(_config(**{"lora.rank": 4, "trainer.steps": 4}), str(tmp_path))
+    assert summary["steps"] == 4 and math.isfinite(summary["final_loss"])
 
 
 # Slow: each loss's math is checked against numpy in tests/algorithms/test_preference.py and

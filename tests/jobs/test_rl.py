@@ -240,12 +240,14 @@ def test_warm_start_sft_config_runs_adamw_at_rl_warm_start_lr():
 
     config = _rl_config(**{"rl.warm_start_lr": 3e-4, "trainer.learning_rate": 1e-6,
                            "trainer.eval_every": 5, "optimizer.name": "sgd",
-                           "optimizer.schedule": "constant", "rl.warm_start_batch_size": 24})
+                           "optimizer.schedule": "constant", "rl.warm_start_batch_size": 24,
+                           "lora.rank": 4})
 
     sft = warm_start_config(config, 12)
     _, schedule = make_optimizer(sft.optimizer, sft.trainer.learning_rate, sft.trainer.steps)
 
     assert sft.job == Job.SFT and sft.optimizer.name == "adamw"
     assert (sft.trainer.steps, sft.trainer.eval_every, sft.trainer.batch_size) == (12, 0, 24)
+    assert sft.lora.rank == 0  # the warm start trains the whole model; RL trains the adapters
     np.testing.assert_allclose(float(schedule(0)), 3e-4, rtol=1e-6, atol=0)
     assert (sft.model, sft.data, sft.mesh) == (config.model, config.data, config.mesh)

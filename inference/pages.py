@@ -1,0 +1,68 @@
+"""Host-side page allocator for the paged KV cache (``models.paged_attention``).
+
+Owns the page table ``[slots, pages_per_seq]`` (int32, -1 = no page) and a refcount per page.
+A slot gets pages as its sequence grows (``reserve``), never moves them, and returns them on
+``release``. A page listed by several slots (a shared prompt prefix, ``share``) is freed when
+its last holder releases it. A reservation that does not fit takes nothing and returns False,
+so the caller can keep the request waiting in arrival order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int, page_size: int, slots: int, pages_per_seq: int):
+        if min(num_pages, page_size, slots, pages_per_seq) < 1:
+            raise ValueError(f"page allocator: num_pages={num_pages}, page_size={page_size}, "
+                             f"slots={slots}, pages_per_seq={pages_per_seq}: all must be >= 1")
+        self.page_size = page_size
+        self.table = np.full((slots, pages_per_seq), -1, np.int32)
+        self.refs = np.zeros(num_pages, np.int32)
+        # Lowest page first: a fresh pool fills from the front, which keeps tests readable.
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_in_use(self) -> int:
+        return int((self.refs > 0).sum())
+
+    def held(self, slot: int) -> int:
+        return int((self.table[slot] >= 0).sum())
+
+    def reserve(self, slot: int, num_tokens: int) -> bool:
+        """Give ``slot`` enough pages for positions [0, num_tokens). All or nothing."""
+        need = -(-num_tokens // self.page_size)
+        if need > self.table.shape[1]:
+            raise ValueError(f"page allocator: {num_tokens} tokens need {need} pages: more than "
+                             f"pages_per_seq={self.table.shape[1]}")
+        have = self.held(slot)
+        if need - have > len(self._free):
+            return False
+        for i in range(have, need):
+            page = self._free.pop()
+            self.refs[page] = 1
+            self.table[slot, i] = page
+        return True
+
+    def share(self, src: int, dst: int, num_pages: int) -> None:
+        """List ``src``'s first ``num_pages`` pages as ``dst``'s first pages (read-only
+        prefix: only full pages, which no slot writes again, may be shared)."""
+        if self.held(dst):
+            raise ValueError(f"page allocator: slot {dst} already holds pages")
+        pages = self.table[src, :num_pages]
+        if (pages < 0).any():
+            raise ValueError(f"page allocator: slot {src} holds fewer than {num_pages} pages")
+        self.table[dst, :num_pages] = pages
+        self.refs[pages] += 1
+
+    def release(self, slot: int) -> None:
+        """Drop ``slot``'s references; pages nobody else lists return to the pool."""
+        pages = self.table[slot][self.table[slot] >= 0]
+        self.refs[pages] -= 1
+        self._free.extend(int(p) for p in pages[::-1] if self.refs[p] == 0)
+        self.table[slot] = -1

@@ -1,0 +1,140 @@
+"""The paged KV cache attention equals the dense cache attention on ragged lengths."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from meshrl.models import paged_attention as pa
+from meshrl.models.attention import _attend_cache
+
+B, N, K, H, S, M = 3, 4, 2, 8, 4, 5  # slots, q heads, kv heads (GQA 2), head dim, page, pages/seq
+P = B * M + 2
+
+
+def _setup(lengths, seed=0):
+    """Random k/v of each slot's positions, written into pages scattered out of order."""
+    rng = np.random.default_rng(seed)
+    T = M * S
+    k_BxTxKxH = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    v_BxTxKxH = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    table = rng.permutation(P)[:B * M].reshape(B, M).astype(np.int32)
+    cache = pa.PagedKVCache((jnp.zeros((P, S, K, H)),), (jnp.zeros((P, S, K, H)),))
+    pos_BxT = np.where(np.arange(T)[None] < np.asarray(lengths)[:, None], np.arange(T), -1)
+    cache = pa.write(cache, 0, jnp.asarray(k_BxTxKxH), jnp.asarray(v_BxTxKxH),
+                     jnp.asarray(pos_BxT, jnp.int32), jnp.asarray(table))
+    return cache, table, k_BxTxKxH, v_BxTxKxH
+
+
+def _dense(q, k_BxTxKxH, v_BxTxKxH, positions, lengths):
+    T = k_BxTxKxH.shape[1]
+    live = (np.arange(T)[None] < np.asarray(lengths)[:, None])[..., None, None]
+    k, v = np.where(live, k_BxTxKxH, 0.0), np.where(live, v_BxTxKxH, 0.0)
+    mask = np.arange(T)[None, None, :] <= np.asarray(positions)[:, :, None]
+    return _attend_cache(jnp.asarray(q), jnp.asarray(k.transpose(0, 2, 3, 1)),
+                         jnp.asarray(v.transpose(0, 2, 1, 3)), jnp.asarray(mask))
+
+
+@pytest.mark.parametrize("L", [1, 4])  # decode, chunked prefill
+def test_paged_equals_dense_on_ragged_lengths(L):
+    lengths = [5, 20, 11]
+    cache, table, k, v = _setup(lengths)
+    q = np.random.default_rng(1).standard_normal((B, L, N, H)).astype(np.float32)
+    positions = np.asarray(lengths)[:, None] - L + np.arange(L)[None]
+    got = jax.jit(pa.paged_attention)(q, cache.k[0], cache.v[0], jnp.asarray(table),
+                                      jnp.asarray(positions, jnp.int32))
+    want = _dense(q, k, v, positions, lengths)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_padding_positions_are_dropped_and_pages_stay_untouched():
+    cache, table, _, _ = _setup([3, 3, 3])
+    used = set(table[:, 0].tolist())
+    untouched = [p for p in range(P) if p not in used]
+    assert not np.asarray(cache.k[0])[untouched].any()
+
+
+def test_sliding_window_masks_old_positions():
+    lengths = [20, 20, 20]
+    cache, table, k, v = _setup(lengths)
+    q = np.random.default_rng(2).standard_normal((B, 1, N, H)).astype(np.float32)
+    positions = np.full((B, 1), 19, np.int32)
+    got = pa.paged_attention(q, cache.k[0], cache.v[0], jnp.asarray(table),
+                             jnp.asarray(positions), sliding_window=4)
+    # Only positions 16..19 are visible: equal to dense attention over that band.
+    want = _dense(q, k[:, 16:], v[:, 16:], positions - 16, [4] * B)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_shared_prefix_pages_are_read_by_every_slot():
+    cache, table, k, v = _setup([8, 8, 8])
+    shared = table.copy()
+    shared[1:, :2] = table[0, :2]  # slots 1, 2 reference slot 0's two full pages
+    q = np.random.default_rng(3).standard_normal((B, 1, N, H)).astype(np.float32)
+    positions = np.full((B, 1), 7, np.int32)
+    got = pa.paged_attention(q, cache.k[0], cache.v[0], jnp.asarray(shared),
+                             jnp.asarray(positions))
+    k0 = np.broadcast_to(k[:1], k.shape)
+    v0 = np.broadcast_to(v[:1], v.shape)
+    want = _dense(q, k0, v0, positions, [8] * B)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_pool_size_names_the_values():
+    class Cfg:
+        num_kv_heads, resolved_head_dim = K, H
+
+    with pytest.raises(ValueError, match="num_pages=0, page_size=4"):
+        pa.PagedKVCache.shape(Cfg, 0, 4)
+
+
+def test_equals_jax_ragged_paged_attention_reference():
+    """Same numbers as JAX's reference for its TPU ragged paged attention kernel (decode)."""
+    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+
+    lengths = [5, 20, 11]
+    cache, table, _, _ = _setup(lengths)
+    q = np.random.default_rng(4).standard_normal((B, 1, N, H)).astype(np.float32)
+    positions = np.asarray(lengths, np.int32)[:, None] - 1
+    got = pa.paged_attention(q, cache.k[0], cache.v[0], jnp.asarray(table),
+                             jnp.asarray(positions))
+    # The reference interleaves k and v on the head axis: [P, S, 2K, H].
+    kv = jnp.stack([cache.k[0], cache.v[0]], axis=3).reshape(P, S, 2 * K, H)
+    want = ref_ragged_paged_attention(
+        jnp.asarray(q[:, 0]), kv, jnp.asarray(lengths, jnp.int32), jnp.asarray(table),
+        jnp.arange(B + 1, dtype=jnp.int32), jnp.asarray([B], jnp.int32), sm_scale=H ** -0.5)
+    np.testing.assert_allclose(np.asarray(got[:, 0]), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.distributed
+def test_tensor_sharded_pool_matches_single_device():
+    from meshrl.configs.schema import MeshConfig
+    from meshrl.mesh import create_mesh, rules_for
+
+    mesh = create_mesh(MeshConfig(data=2, tensor=2), jax.devices()[:4])
+
+    class Cfg:
+        num_kv_heads, resolved_head_dim, num_layers = K, H, 1
+
+    sh = pa.PagedKVCache.shardings(Cfg, P, S, mesh, rules_for("sample"))
+    assert sh.k[0].shard_shape((P, S, K, H)) == (P, S, K // 2, H)  # kv heads over tensor
+    lengths = [5, 20, 11]
+    cache, table, _, _ = _setup(lengths)
+    q = np.random.default_rng(5).standard_normal((B, 1, N, H)).astype(np.float32)
+    positions = jnp.asarray(np.asarray(lengths, np.int32)[:, None] - 1)
+    want = pa.paged_attention(q, cache.k[0], cache.v[0], jnp.asarray(table), positions)
+    k, v = jax.device_put(cache.k[0], sh.k[0]), jax.device_put(cache.v[0], sh.v[0])
+    got = jax.jit(pa.paged_attention)(q, k, v, jnp.asarray(table), positions)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_positions_on_unassigned_pages_are_dropped():
+    """A table entry of -1 (no page yet, the allocator's empty mark) must not write page 0."""
+    cache = pa.PagedKVCache((jnp.zeros((P, S, K, H)),), (jnp.zeros((P, S, K, H)),))
+    table = np.full((1, M), -1, np.int32)
+    table[0, 0] = 3
+    ones = jnp.ones((1, 2 * S, K, H))
+    cache = pa.write(cache, 0, ones, ones, jnp.arange(2 * S, dtype=jnp.int32)[None],
+                     jnp.asarray(table))
+    written = np.asarray(cache.k[0]).any(axis=(1, 2, 3))
+    assert written.tolist() == [p == 3 for p in range(P)]
