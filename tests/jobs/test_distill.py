@@ -23,6 +23,12 @@ def _teacher_run_config():
                              "rl.warm_start_batch_size": 4, "rl.pack_sequences": False})
 
 
+# ~30 s of one distillation run shared by the module; the advantage math, the teacher's loading
+# at another width on a sharded mesh and the config rules run in the default suite
+# (tests/algorithms/test_distill.py, tests/jobs/test_distill_setup.py).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def distilled(tmp_path_factory):
     from meshrl.jobs import rl as rl_job
