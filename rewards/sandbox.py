@@ -1,7 +1,7 @@
 """Run tool calls outside the trainer process, under limits, and turn every failure into text.
 
 Each call runs in a child process (``rewards/sandbox_child.py``, started as ``python -I -S``:
-no site-packages, no environment variables but a minimal set) in a session of its own, with its
+no site-packages, no environment variables but a minimal set) in its own process group (setsid), with its
 working directory a fresh temporary directory. The child locks itself down before it reads a
 request (rlimits, a network namespace where the kernel allows one, an audit hook; see its
 docstring). This side enforces what the child cannot enforce on itself:

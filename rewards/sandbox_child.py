@@ -122,6 +122,8 @@ def python_tool(arguments: dict) -> str:
     """Run ``code``; what it prints goes to stdout/stderr, pipes the parent reads up to its
     output cap (a tool printing gigabytes is stopped there, not buffered here)."""
     try:
+        # Running the model's code is this tool's purpose; it runs here only after the child
+        # has locked itself down (rlimits, network namespace, audit hook, temp-dir cwd).
         exec(compile(str(arguments["code"]), "<tool>", "exec"), {"__name__": "__tool__"})
     finally:
         sys.stdout.flush()
