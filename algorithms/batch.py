@@ -73,8 +73,11 @@ class RLTrainBatch(TrainBatch):
     that generated it (-1 where no model generated it) and the index of its sample in the batch
     (-1 on padding). Optional: ``rewards`` (its sample's shaped reward on every token of the
     sample, 0 on padding: the KL-in-reward advantages need it on the device), ``ref_logprobs``
-    (the KL reference, ``trainer.reference``) and ``proximal_logprobs`` (decoupled PPO;
-    default: the current policy)."""
+    (the KL reference, ``trainer.reference``), ``proximal_logprobs`` (decoupled PPO;
+    default: the current policy) and ``kept`` (set when the sampler truncates with top-k,
+    top-p or min-p: how many tokens its distribution kept for each target, 0 off the mask and
+    for "the whole vocabulary"; the trainer scores each target under its own logits truncated
+    to as many, ``algorithms.truncation``)."""
 
     behaviour_logprobs: Any = _field(np.float32)
     advantages: Any = _field(np.float32)
@@ -83,6 +86,7 @@ class RLTrainBatch(TrainBatch):
     rewards: Any = _field(np.float32, default=None)
     ref_logprobs: Any = _field(np.float32, default=None)
     proximal_logprobs: Any = _field(np.float32, default=None)
+    kept: Any = _field(np.int32, default=None)
 
     def sample_lags(self, version: int) -> np.ndarray:
         """``version`` minus the oldest weight version of each sample's loss-masked tokens, one

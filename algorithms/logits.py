@@ -9,6 +9,10 @@ A loss receives the model output either as full logits ``[B, L, V]`` (any dtype)
 * ``correct_BxL``: 1 where the target's logit is the row maximum, ties counting as right
   (on request; it reuses the max the log-sum-exp needs instead of a separate ``argmax``).
 
+With ``kept_BxL`` (the sampler's per-token kept counts, RL with top-k/top-p/min-p) the
+distribution is softmax(logits / temperature) truncated to its ``kept`` largest entries and
+renormalised (``truncation``), and ``outside_BxL`` marks targets outside that set.
+
 From a ``Hidden`` the head matmul and the log-softmax run in float32 whatever the model's
 compute dtype. With ``chunk > 0`` they run ``chunk`` tokens at a time (all rows, ``chunk // B``
 positions) inside a ``lax.map`` whose body is rematerialised (``jax.checkpoint``): neither the
@@ -27,6 +31,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.algorithms.truncation import truncated_stats
 
 
 @flax.struct.dataclass
@@ -67,6 +73,7 @@ class TokenStats(NamedTuple):
     logprobs_BxL: jax.Array  # noqa: N815
     entropy_BxL: jax.Array | None = None  # noqa: N815
     correct_BxL: jax.Array | None = None  # noqa: N815
+    outside_BxL: jax.Array | None = None  # noqa: N815 -- truncated: 1.0 where outside the set
 
 
 def check_temperature(temperature: float) -> None:
@@ -99,23 +106,29 @@ def output_shape(out: ModelOutput) -> tuple[int, ...]:
 
 
 def token_stats(out: ModelOutput, targets_BxL: jax.Array, temperature: float = 1.0, *,
-                entropy: bool = False, correct: bool = False) -> TokenStats:
+                entropy: bool = False, correct: bool = False, kept_BxL: jax.Array | None = None,
+                kept_cap: int = 0) -> TokenStats:
     """Per-position statistics of softmax(logits / temperature) (module docstring); the
-    fields not asked for are ``None``. ``temperature`` is a static Python float > 0."""
+    fields not asked for are ``None``. ``temperature`` is a static Python float > 0. With
+    ``kept_BxL`` the distribution is truncated to each token's ``kept`` largest logits
+    (``kept_cap`` > 0: a static bound on them, ``truncation.kept_threshold``)."""
     check_temperature(temperature)
     B, L, _ = output_shape(out)
     assert targets_BxL.shape == (B, L), (targets_BxL.shape, (B, L))
     stats = functools.partial(_stats, temperature=temperature, entropy=entropy,
-                              correct=correct)
+                              correct=correct, kept_cap=kept_cap)
+    toks = (targets_BxL,) if kept_BxL is None else (targets_BxL, kept_BxL)
+    if kept_BxL is not None:
+        assert kept_BxL.shape == (B, L), (kept_BxL.shape, (B, L))
     if not isinstance(out, Hidden):
-        return stats(out, targets_BxL)
+        return stats(out, *toks)
     S = _length_shards(out)
     c = chunk_positions(out.chunk, B * S, L // S)
     if c >= L // S:
-        return stats(logits_f32(out.head, out.hidden_BxLxD, out.tied), targets_BxL)
+        return stats(logits_f32(out.head, out.hidden_BxLxD, out.tied), *toks)
     if S > 1:
-        return _chunked_sharded_length(stats, out, targets_BxL, c, S)
-    return _chunked(stats, out, targets_BxL, c)
+        return _chunked_sharded_length(stats, out, toks, c, S)
+    return _chunked(stats, out, toks, c)
 
 
 def _length_shards(out: Hidden) -> int:
@@ -127,8 +140,8 @@ def _length_shards(out: Hidden) -> int:
     return S
 
 
-def _chunked_sharded_length(stats: functools.partial, out: Hidden, targets_BxL: jax.Array,
-                            c: int, S: int) -> TokenStats:
+def _chunked_sharded_length(stats: functools.partial, out: Hidden,
+                            toks: tuple[jax.Array, ...], c: int, S: int) -> TokenStats:
     """``_chunked`` for a length sharded ``S`` ways: chunk i holds positions [i*c, (i+1)*c) of
     every shard's local sequence ([B, S, c] tokens), so the stack of chunks keeps the length
     sharding and no device ever gathers the whole sequence."""
@@ -136,23 +149,24 @@ def _chunked_sharded_length(stats: functools.partial, out: Hidden, targets_BxL: 
     Ls = L // S
     n = -(-Ls // c)
     hidden_BxSxLsxD = out.hidden_BxLxD.reshape(B, S, Ls, D)
-    targets_BxSxLs = targets_BxL.reshape(B, S, Ls)
+    toks_BxSxLs = tuple(x.reshape(B, S, Ls) for x in toks)
     if n * c > Ls:
         hidden_BxSxLsxD = jnp.pad(hidden_BxSxLsxD, ((0, 0), (0, 0), (0, n * c - Ls), (0, 0)))
-        targets_BxSxLs = jnp.pad(targets_BxSxLs, ((0, 0), (0, 0), (0, n * c - Ls)))
+        toks_BxSxLs = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, n * c - Ls))) for x in toks_BxSxLs)
     constrain = _vocab_sharding(out)
     hidden_NxBxSxCxD = constrain(
         hidden_BxSxLsxD.reshape(B, S, n, c, D).transpose(2, 0, 1, 3, 4), "stack5")
-    targets_NxBxSxC = targets_BxSxLs.reshape(B, S, n, c).transpose(2, 0, 1, 3)
+    toks_NxBxSxC = tuple(x.reshape(B, S, n, c).transpose(2, 0, 1, 3) for x in toks_BxSxLs)
     head = constrain(out.head.astype(jnp.float32), "head")
 
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one(head: jax.Array, hidden_BxSxCxD: jax.Array, targets_BxSxC: jax.Array) -> TokenStats:
+    def one(head: jax.Array, hidden_BxSxCxD: jax.Array, toks_BxSxC: tuple[jax.Array, ...]
+            ) -> TokenStats:
         hidden_BxSxCxD = constrain(hidden_BxSxCxD, "hidden")
         logits_BxSxCxV = constrain(logits_f32(head, hidden_BxSxCxD, out.tied), "logits4")
-        return stats(logits_BxSxCxV, targets_BxSxC, vocab_sharded=True)
+        return stats(logits_BxSxCxV, *toks_BxSxC, vocab_sharded=True)
 
-    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxSxCxD, targets_NxBxSxC))
+    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxSxCxD, toks_NxBxSxC))
     return jax.tree.map(
         lambda x_NxBxSxC: x_NxBxSxC.transpose(1, 2, 0, 3).reshape(B, S, n * c)[:, :, :Ls]
         .reshape(B, L), per_chunk)
@@ -166,30 +180,32 @@ def chunk_positions(chunk: int, rows: int, length: int) -> int:
     return max(1, chunk // rows)
 
 
-def _chunked(stats: functools.partial, out: Hidden, targets_BxL: jax.Array, c: int
+def _chunked(stats: functools.partial, out: Hidden, toks: tuple[jax.Array, ...], c: int
              ) -> TokenStats:
-    """``stats`` over chunks of ``c`` positions (the sequence padded to a multiple of c)."""
+    """``stats`` over chunks of ``c`` positions (the sequence padded to a multiple of c);
+    ``toks``: the per-token inputs (targets, kept counts), ``[B, L]`` each."""
     B, L, D = out.hidden_BxLxD.shape
     n = -(-L // c)
     hidden_BxLxD, pad = out.hidden_BxLxD, n * c - L
     if pad:
         hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
-        targets_BxL = jnp.pad(targets_BxL, ((0, 0), (0, pad)))
+        toks = tuple(jnp.pad(x, ((0, 0), (0, pad))) for x in toks)
     constrain = _vocab_sharding(out)
     hidden_NxBxCxD = constrain(hidden_BxLxD.reshape(B, n, c, D).swapaxes(0, 1), "stack")
-    targets_NxBxC = targets_BxL.reshape(B, n, c).swapaxes(0, 1)
+    toks_NxBxC = tuple(x.reshape(B, n, c).swapaxes(0, 1) for x in toks)
     # Cast once, not per chunk; on a mesh, resharded once to vocabulary shards.
     head = constrain(out.head.astype(jnp.float32), "head")
 
     # Remat: the backward pass saves only each chunk's inputs and recomputes its logits, so
     # no [n, B, c, V] stack of residuals is ever built (the head is loop-invariant).
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one(head: jax.Array, hidden_BxCxD: jax.Array, targets_BxC: jax.Array) -> TokenStats:
+    def one(head: jax.Array, hidden_BxCxD: jax.Array, toks_BxC: tuple[jax.Array, ...]
+            ) -> TokenStats:
         hidden_BxCxD = constrain(hidden_BxCxD, "hidden")
         logits_BxCxV = constrain(logits_f32(head, hidden_BxCxD, out.tied), "logits")
-        return stats(logits_BxCxV, targets_BxC, vocab_sharded=bool(out.mesh and out.vocab_axes))
+        return stats(logits_BxCxV, *toks_BxC, vocab_sharded=bool(out.mesh and out.vocab_axes))
 
-    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxCxD, targets_NxBxC))
+    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxCxD, toks_NxBxC))
     return jax.tree.map(lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(B, n * c)[:, :L],
                         per_chunk)
 
@@ -212,8 +228,9 @@ def _vocab_sharding(out: Hidden):  # noqa: ANN202 -- (array, role) -> array
         x, NamedSharding(out.mesh, specs[role]))
 
 
-def _stats(logits_BxLxV: jax.Array, targets_BxL: jax.Array, *, temperature: float,
-           entropy: bool, correct: bool, vocab_sharded: bool = False) -> TokenStats:
+def _stats(logits_BxLxV: jax.Array, targets_BxL: jax.Array, kept_BxL: jax.Array | None = None,
+           *, temperature: float, entropy: bool, correct: bool, kept_cap: int = 0,
+           vocab_sharded: bool = False) -> TokenStats:
     logits_BxLxV = tempered(logits_BxLxV, temperature)
     max_BxL = jax.lax.stop_gradient(jnp.max(logits_BxLxV, axis=-1))
     shifted_BxLxV = logits_BxLxV - max_BxL[..., None]
@@ -225,6 +242,13 @@ def _stats(logits_BxLxV: jax.Array, targets_BxL: jax.Array, *, temperature: floa
         picked_BxL = jnp.where(vocab_V == targets_BxL[..., None], logits_BxLxV, 0.0).sum(-1)
     else:
         picked_BxL = jnp.take_along_axis(logits_BxLxV, targets_BxL[..., None], axis=-1)[..., 0]
+    if kept_BxL is not None:
+        logprobs_BxL, entropy_BxL, max_BxL, outside_BxL = truncated_stats(
+            logits_BxLxV, picked_BxL, kept_BxL, kept_cap, entropy=entropy)
+        correct_BxL = None
+        if correct:
+            correct_BxL = jax.lax.stop_gradient((picked_BxL >= max_BxL).astype(jnp.float32))
+        return TokenStats(logprobs_BxL, entropy_BxL, correct_BxL, outside_BxL)
     logprobs_BxL = picked_BxL - (max_BxL + log_sum_BxL)
     entropy_BxL = correct_BxL = None
     if entropy:

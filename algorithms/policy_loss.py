@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms import rollout_correction as rc
+from meshrl.algorithms import truncation as trunc
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.logits import ModelOutput, output_shape, token_stats
 from meshrl.algorithms.losses import (
@@ -283,7 +284,7 @@ def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_
     return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
 
 
-def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
+def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0, kept_cap: int = 0) -> LossFn:
     """The trainer's ``LossFn`` for RL: ``(out, batch) -> (loss_sum, weight, aux)``, ``out``
     the model's logits or a ``Hidden`` (logits computed in float32 chunks, ``logits``).
 
@@ -291,7 +292,8 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
     proximal logprobs and the entropy bonus are those of softmax(logits / temperature), the
     policy the behaviour logprobs were sampled from. ``proximal_logprobs`` and ``ref_logprobs``
     given in the batch must be computed at the same temperature. 1 leaves the computation
-    exactly as without tempering.
+    exactly as without tempering. With ``batch.kept`` (truncated sampling, ``truncation.py``;
+    ``kept_cap``: ``sampler.top_k``) all of them are under the truncated distribution.
 
     ``batch`` (an ``RLTrainBatch``, see ``RolloutBatch.to_train_batch``): ``targets``,
     ``loss_mask``, ``behaviour_logprobs``, ``advantages``, ``segment_ids`` (packed rows:
@@ -318,7 +320,10 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
         assert output_shape(out)[:2] == targets_BxL.shape, (output_shape(out),
                                                              targets_BxL.shape)
         # One pass over the logits (chunked for a ``Hidden``) gives logprobs and entropy.
-        token = token_stats(out, targets_BxL, temperature, entropy=rl.entropy_coef > 0.0)
+        token = token_stats(out, targets_BxL, temperature, entropy=rl.entropy_coef > 0.0,
+                            kept_BxL=batch.kept, kept_cap=kept_cap)  # truncation.py
+        outside_BxL, all_mask_BxL = token.outside_BxL, batch.loss_mask
+        batch = batch.replace(loss_mask=trunc.inside_mask(all_mask_BxL, outside_BxL))
         logp_BxL = token.logprobs_BxL
         prox_BxL = batch.proximal_logprobs
         if prox_BxL is None:
@@ -348,6 +353,8 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0) -> LossFn:
             aux["logprob_mismatch"] = logprob_mismatch(logp_BxL, batch, version)
             if corr is not None:  # a max does not add over minibatches: one-update steps only
                 aux["rollout_is_weight"] = rc.weight_stats(corr, in_mask_BxL)
+            if outside_BxL is not None:  # truncated sampling, ``batch.kept``
+                aux[trunc.METRIC] = MeanMax.of(outside_BxL, all_mask_BxL > 0)
         return loss_sum, weight, aux
 
     return loss_fn

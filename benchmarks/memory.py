@@ -21,13 +21,22 @@ allocated or executed, so it runs on 8 fake CPU devices of a laptop.
   reported before as ``prefill_ratio``: the same einsum prefill with the head on every prompt
   position ([N, P, V] float logits), a baseline nobody needs to pay.
 
+LoRA rows (``benchmarks/lora_memory.py``): a Llama-3.1-8B-shaped model (SFT step, float32,
+FSDP over data = 8, full remat, scanned layers) with rank-16 adapters on every projection:
+trainer state bytes (adapters + AdamW moments, global) and step temp bytes (per device) against
+full fine-tuning; target lora_state_ratio <= 0.03. ``--lora_only`` runs these rows alone;
+``--lora_layers`` / ``--lora_seq`` shrink them for a quick check.
+
 Compile-only figures are deterministic for a given stack, so one round is the measurement.
 
   python benchmarks/memory.py
+  python benchmarks/memory.py --lora_only --lora_layers 2 --lora_seq 256
 
 Last line: {"train_temp_bytes_ref", "train_temp_bytes", "train_ratio",
 "prefill_temp_bytes_ref", "prefill_temp_bytes", "prefill_ratio",
-"prefill_temp_bytes_full_logits", "prefill_ratio_vs_full_logits"}. Targets: train_ratio <= 0.25
+"prefill_temp_bytes_full_logits", "prefill_ratio_vs_full_logits", "lora_state_bytes",
+"full_state_bytes", "lora_state_ratio", "lora_step_temp_bytes", "full_step_temp_bytes",
+"lora_base_bytes", "lora_layers", "lora_seq", "lora_state_ratio_max"}. Targets: train_ratio <= 0.25
 (against full float32 logits and einsum attention, what a plain JAX or transformers trainer
 computes); prefill_ratio_vs_full_logits <= 0.1; prefill_ratio is reported without a target.
 """
@@ -47,6 +56,7 @@ from typing import Any  # noqa: E402
 import jax  # noqa: E402
 
 from meshrl.benchmarks.figures import emit  # noqa: E402
+from meshrl.benchmarks.lora_memory import STATE_RATIO_MAX, lora_config, lora_rows  # noqa: E402
 from meshrl.configs.loader import from_config_dict  # noqa: E402
 from meshrl.configs.schema import Config  # noqa: E402
 
@@ -120,7 +130,34 @@ def main() -> None:
     ap.add_argument("--unrolled", action="store_true",
                     help="model.scan_layers = False (on CPU, XLA then schedules the remat "
                          "recompute early and keeps every layer's activations)")
+    ap.add_argument("--lora_only", action="store_true", help="only the LoRA rows")
+    ap.add_argument("--lora_layers", type=int, default=32, help="LoRA rows: decoder layers")
+    ap.add_argument("--lora_seq", type=int, default=4096, help="LoRA rows: sequence length")
     args = ap.parse_args()
+    out: dict[str, Any] = {"benchmark": "memory"}
+    if not args.lora_only:
+        out.update(base_rows(args))
+    out.update(lora_section(args), lora_state_ratio_max=STATE_RATIO_MAX)
+    emit(out)
+
+
+def lora_section(args: argparse.Namespace) -> dict[str, Any]:
+    from meshrl.mesh import create_mesh
+
+    config = lora_config(args.lora_seq, args.rows, args.lora_layers, 16, args.dtype,
+                         "float32")
+    t0 = time.perf_counter()
+    rows = lora_rows(config, create_mesh(config.mesh, jax.devices()))
+    print(f"LoRA rank 16, Llama-3.1-8B shape ({args.lora_layers} layers, seq {args.lora_seq}): "
+          f"state {rows['lora_state_bytes'] / GiB:.3f} GiB vs full "
+          f"{rows['full_state_bytes'] / GiB:.3f} GiB ({rows['lora_state_ratio']:.4f}); step "
+          f"temp {rows['lora_step_temp_bytes'] / GiB:.3f} vs "
+          f"{rows['full_step_temp_bytes'] / GiB:.3f} GiB per device (compiled in "
+          f"{time.perf_counter() - t0:.0f} s)", flush=True)
+    return {**rows, "lora_layers": args.lora_layers, "lora_seq": args.lora_seq}
+
+
+def base_rows(args: argparse.Namespace) -> dict[str, Any]:
     from meshrl.mesh import create_mesh
 
     temps: dict[str, int] = {}
@@ -143,8 +180,7 @@ def main() -> None:
                 f"prefill, {what}",
                 prefill_memory(config, mesh, all_positions=all_positions, one_pass=one_pass),
                 time.perf_counter() - t0)
-    out = {"benchmark": "memory",
-           "train_temp_bytes_ref": temps["train_reference"],
+    return {"train_temp_bytes_ref": temps["train_reference"],
            "train_temp_bytes": temps["train_defaults"],
            "train_ratio": round(temps["train_defaults"] / temps["train_reference"], 4),
            "prefill_temp_bytes_ref": temps["prefill_reference"],
@@ -153,7 +189,6 @@ def main() -> None:
            "prefill_temp_bytes_full_logits": temps["prefill_full_logits"],
            "prefill_ratio_vs_full_logits": round(
                temps["prefill_defaults"] / temps["prefill_full_logits"], 4)}
-    emit(out)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,13 @@ Figures (targets in brackets):
   completions (compiling on first use, no warm-up call), one cold measurement;
   compiled_programs: the programs that sampler compiled over the whole benchmark;
   compiles_while_timed: those compiled during timed rounds (0: warm-up covered every variant).
+* grpo_paged_speedup: the GRPO-shaped workload (prompts of 64 sampled G = 4 times each,
+  submitted together, temperature 1.0, a seed per sample, up to 128 new tokens (32 with
+  ``--quick``) ending on any of a few stop ids, so lengths are unknown), paged cache tokens/s
+  over dense cache tokens/s (``sampler.kv_cache``), same sampler settings, interleaved rounds
+  after one warm-up pass each; grpo_dense_tok_s / grpo_paged_tok_s the tokens/s;
+  grpo_prompt_pages (the pool's pages holding live prompts with all requests admitted) over
+  grpo_prompt_pages_unshared (the same prompts one copy per sample). [reported]
 There is no floor: nothing cheap bounds a scheduler's seconds from below.
 Last line: one JSON object (``figures.emit``).
 """
@@ -274,11 +281,60 @@ def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: i
             "compiles_while_timed": big.compile_count() - before}
 
 
+GROUP, GRPO_STOPS = 4, tuple(range(3, 11))  # samples per prompt; stop ids (~1/128 per token)
+
+
+class GrpoSide:
+    """One timed ``generate`` of the GRPO workload; records the tokens it produced."""
+
+    def __init__(self, sampler: Sampler, requests: list[Request]):
+        self.sampler, self.requests, self.tokens = sampler, requests, []
+
+    def __call__(self) -> float:
+        t = time.perf_counter()
+        outs = self.sampler.generate(self.requests, longest_first=False)
+        dt = time.perf_counter() - t
+        self.tokens.append(sum(len(c.tokens) for c in outs))
+        return dt
+
+
+def _grpo_figures(params, prompts: int, max_new: int, rounds: int,
+                  rng: np.random.Generator) -> dict:
+    """grpo_paged_speedup and its tokens/s and prompt-page figures (docstring)."""
+    mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
+    prompts_NxP = rng.integers(GRPO_STOPS[-1] + 1, CFG.vocab_size, size=(prompts, PROMPT))
+    reqs = [Request(p.tolist(), max_new_tokens=max_new, temperature=1.0, seed=g * GROUP + i,
+                    stop_ids=GRPO_STOPS) for g, p in enumerate(prompts_NxP) for i in range(GROUP)]
+    samplers = {kv: Sampler(CFG, SamplerConfig(
+        max_len=PROMPT + max_new, slots=SLOTS, max_new_tokens=max_new, decode_chunk=16,
+        prompt_buckets=(PROMPT,), kv_cache=kv), mesh, params) for kv in ("dense", "paged")}
+    sides = {f"{kv} cache, GRPO": GrpoSide(s, reqs) for kv, s in samplers.items()}
+    dense, paged = interleave(sides, rounds).values()
+    d_side, p_side = sides.values()
+    d_tok = [n / t for n, t in zip(d_side.tokens[1:], dense, strict=True)]
+    p_tok = [n / t for n, t in zip(p_side.tokens[1:], paged, strict=True)]
+    pool = samplers["paged"]
+    for r in reqs[:SLOTS]:
+        pool.submit(r)
+    pool.step()
+    live = [c for c in pool.slots.out if c is not None]
+    shared = pool.pages.prompt_pages(pool.slots.out)
+    while pool.has_work():
+        pool.step()
+    return {**spread("grpo_paged_speedup", paired_ratios(p_tok, d_tok), 3),
+            **spread("grpo_dense_tok_s", d_tok, 1), **spread("grpo_paged_tok_s", p_tok, 1),
+            "grpo_prompt_pages": shared,
+            "grpo_prompt_pages_unshared": len(live) * -(-PROMPT // pool.cfg.page_size),
+            "grpo_requests": len(reqs), "grpo_group": GROUP}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true",
                     help="64 long-tail requests with budget 128, 32 fixed new tokens")
     ap.add_argument("--rounds", type=int, default=MIN_ROUNDS, help=f">= {MIN_ROUNDS}")
+    ap.add_argument("--grpo_only", action="store_true",
+                    help="only the dense vs paged cache comparison on the GRPO workload")
     ap.add_argument("--compile_cache", action="store_true",
                     help="keep JAX's persistent compilation cache on (as configured by "
                          "JAX_COMPILATION_CACHE_DIR): first_call_s of a warm cache")
@@ -298,6 +354,11 @@ def main() -> None:
         params = split_model(load_hf_checkpoint(tmp))[1]
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
+    if args.grpo_only:
+        emit({"benchmark": "sampler", **_grpo_figures(params, 8 if args.quick else 32,
+                                                      32 if args.quick else 128, args.rounds,
+                                                      rng), "quick": args.quick}, Floors())
+        return
     fixed_prompts_BxP = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
     first = [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts_BxP]
     print(f"fixed: batch {SLOTS}, prompt {PROMPT}, {n_fixed_new} new tokens", flush=True)
@@ -312,6 +373,8 @@ def main() -> None:
     tail = _long_tail(big, n_requests, max_new, median, rng)
     floors = Floors()
     result |= _long_tail_figures(big, hf, tail, max_new, args.rounds, floors)
+    result |= _grpo_figures(params, 8 if args.quick else 32, 32 if args.quick else 128,
+                            args.rounds, rng)
     result |= {"first_call_s": round(first_call_s, 2), "compiled_programs": big.compile_count(),
                "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
                "quick": args.quick, "platform": jax.devices()[0].platform}

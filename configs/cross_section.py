@@ -28,6 +28,7 @@ class ConfigSections(Protocol):
     rl: Any
     data: Any
     generate: Any
+    agent: Any
 
 
 def _unused_mesh_axes(config: ConfigSections) -> None:
@@ -87,17 +88,18 @@ def _rl(config: ConfigSections) -> None:
                           f"rollout.group_size = {B} (each minibatch is split into "
                           f"trainer.microbatches)")
     s = config.sampler
-    # The behaviour policy is softmax(logits / T) and the trainer rescores with logits / T; a
-    # greedy or truncated (top-k/top-p) sampler has a distribution the trainer cannot rebuild.
+    # The behaviour policy is softmax(logits / T), truncated by top-k/top-p/min-p to the kept
+    # counts the sampler records; the trainer rescores with logits / T truncated to as many
+    # (algorithms/truncation.py). Greedy decoding has no distribution to rebuild.
     if s.temperature <= 0.0:
         raise ConfigError(f"sampler.temperature = {s.temperature}: the RL job needs a "
                           f"temperature > 0 (greedy decoding has no behaviour distribution)")
-    if s.top_k != 0:
-        raise ConfigError(f"sampler.top_k = {s.top_k}: the RL job needs 0 (the trainer cannot "
-                          f"recompute logprobs of a top-k truncated distribution)")
-    if s.top_p != 1.0:
-        raise ConfigError(f"sampler.top_p = {s.top_p}: the RL job needs 1.0 (the trainer cannot "
-                          f"recompute logprobs of a top-p truncated distribution)")
+    truncated = [f"sampler.{k} = {v}" for k, v, off in (
+        ("top_k", s.top_k, 0), ("top_p", s.top_p, 1.0), ("min_p", s.min_p, 0.0)) if v != off]
+    if truncated and config.agent.env:
+        raise ConfigError(f"{', '.join(truncated)}: agent episodes (agent.env = "
+                          f"{config.agent.env!r}) do not record the sampler's kept token "
+                          f"counts: use top_k = 0, top_p = 1 and min_p = 0 with agent.env")
     if config.model.hf_path and config.rl.warm_start_steps > 0:
         raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
                           f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from meshrl.configs.fields import ConfigError, Section, at_least, field
 
@@ -16,6 +17,10 @@ class ExportConfig(Section):
 
     _section = "export"
     path: str = field("", "Output directory (absent or empty); required with job = 'export'.")
+    format: Literal["merged", "peft"] = field(
+        "merged", "merged: the full model (a LoRA run's adapters merged into its base); peft: "
+                  "a LoRA run's adapters as a PEFT adapter (adapter_model.safetensors + "
+                  "adapter_config.json) for its Hugging Face base (model.hf_path).")
     step: int = field(-1, "Checkpoint step to export; -1: the newest verified one.", at_least(-1))
     version: int = field(-1, "Published weight version <workdir>/weights/<version> to export "
                              "instead of a checkpoint; -1: export a checkpoint.", at_least(-1))

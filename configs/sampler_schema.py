@@ -4,6 +4,7 @@ evaluation and the generate job: slots, cache length, buckets, sampling settings
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from meshrl.configs.fields import (
     ConfigError,
@@ -23,6 +24,8 @@ class SamplerConfig(Section):
     temperature: float = field(1.0, "Sampling temperature; 0 is greedy.", at_least(0.0))
     top_k: int = field(0, "Keep the k most likely tokens; 0 disables.", at_least(0))
     top_p: float = field(1.0, "Nucleus sampling mass; 1 disables.", at_least(0.0))
+    min_p: float = field(0.0, "Min-p sampling: keep the tokens whose probability is at least "
+                              "min_p times the most likely token's; 0 disables.", at_least(0.0))
     dtype: DType = field("float32", "Dtype of sampler params and KV cache.")
     decode_chunk: int = field(8, "Decode steps fused in one jitted call between slot checks.",
                               at_least(1))
@@ -33,6 +36,23 @@ class SamplerConfig(Section):
               "that fits (at least one row a pass), inside the one prefill program, so the "
               "prompts' temporary keys/values and activations scale with this, not with the "
               "admission. 0: one pass.", at_least(0))
+    kv_cache: Literal["dense", "paged"] = field(
+        "dense", "KV-cache layout. dense: slots x max_len per layer, decode over length-bucketed "
+                 "windows (the faster on a CPU). paged: one pool of fixed-size pages and a page "
+                 "table per slot; pages are taken when a request is admitted (prompt + its whole "
+                 "token budget) and returned when it finishes, a request waits (first come, "
+                 "first served) while the pool is short, and one decode program serves any mix "
+                 "of lengths.")
+    page_size: int = field(16, "Tokens per page of the paged KV cache (kv_cache = paged); must "
+                               "divide sampler.max_len.", at_least(1))
+    num_pages: int = field(
+        0, "Pages in the paged KV cache pool (kv_cache = paged). 0: slots x max_len / page_size "
+           "(never short); fewer makes admissions wait for pages; at least max_len / page_size.",
+        at_least(0))
+    prefix_cache_pages: int = field(
+        0, "kv_cache = paged: pages of finished prompts kept for later requests starting with "
+           "the same tokens (least recently used dropped first, and when the pool is short; "
+           "cleared by new weights). 0: off.", at_least(0))
     decode_row_buckets: tuple[int, ...] = field(
         (), "Slot counts a decode chunk may run on: when few sequences are left, the live slots "
             "are packed into the lowest ones and decode runs on that many rows only. () = "
@@ -60,8 +80,12 @@ class SamplerConfig(Section):
                 or list(self.decode_row_buckets) != sorted(set(self.decode_row_buckets))):
             raise ConfigError(f"sampler.decode_row_buckets = {self.decode_row_buckets}: must be "
                               f"ascending, distinct and in [1, sampler.slots = {self.slots}]")
+        if self.kv_cache == "paged":
+            self._validate_paged()
         if self.top_p > 1.0:
             raise ConfigError(f"sampler.top_p = {self.top_p}: must be in [0, 1]")
+        if self.min_p > 1.0:
+            raise ConfigError(f"sampler.min_p = {self.min_p}: must be in [0, 1]")
         if any(b <= 0 for b in self.prompt_buckets) or list(self.prompt_buckets) != sorted(
                 self.prompt_buckets):
             raise ConfigError(f"sampler.prompt_buckets = {self.prompt_buckets}: must be positive "
@@ -69,3 +93,12 @@ class SamplerConfig(Section):
         if self.prompt_buckets and self.prompt_buckets[-1] >= self.max_len:
             raise ConfigError(f"sampler.prompt_buckets = {self.prompt_buckets}: the largest must "
                               f"be < sampler.max_len = {self.max_len}")
+
+    def _validate_paged(self) -> None:
+        if self.max_len % self.page_size:
+            raise ConfigError(f"sampler.page_size = {self.page_size}: must divide sampler.max_len"
+                              f" = {self.max_len} (kv_cache = paged)")
+        per_seq = self.max_len // self.page_size
+        if 0 < self.num_pages < per_seq:
+            raise ConfigError(f"sampler.num_pages = {self.num_pages}: one max_len sequence needs "
+                              f"{per_seq} pages (max_len / page_size): use >= {per_seq} or 0")

@@ -9,6 +9,8 @@ so the caller can keep the request waiting in arrival order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 
@@ -52,12 +54,18 @@ class PageAllocator:
     def share(self, src: int, dst: int, num_pages: int) -> None:
         """List ``src``'s first ``num_pages`` pages as ``dst``'s first pages (read-only
         prefix: only full pages, which no slot writes again, may be shared)."""
-        if self.held(dst):
-            raise ValueError(f"page allocator: slot {dst} already holds pages")
         pages = self.table[src, :num_pages]
         if (pages < 0).any():
             raise ValueError(f"page allocator: slot {src} holds fewer than {num_pages} pages")
-        self.table[dst, :num_pages] = pages
+        self.adopt(dst, pages)
+
+    def adopt(self, slot: int, pages: Sequence[int] | np.ndarray) -> None:
+        """List ``pages`` (held elsewhere: another slot, the prefix cache) as ``slot``'s first
+        pages, one more reference each."""
+        if self.held(slot):
+            raise ValueError(f"page allocator: slot {slot} already holds pages")
+        pages = np.asarray(pages, np.int32)
+        self.table[slot, :len(pages)] = pages
         self.refs[pages] += 1
 
     def release(self, slot: int) -> None:
@@ -66,3 +74,15 @@ class PageAllocator:
         self.refs[pages] -= 1
         self._free.extend(int(p) for p in pages[::-1] if self.refs[p] == 0)
         self.table[slot] = -1
+
+    def hold(self, page: int) -> None:
+        """One more reference to ``page`` held outside the table (the prefix cache)."""
+        self.refs[page] += 1
+
+    def drop(self, page: int) -> bool:
+        """Drop a ``hold``; True when the page went back to the pool."""
+        self.refs[page] -= 1
+        if self.refs[page] == 0:
+            self._free.append(page)
+            return True
+        return False

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
-from meshrl.inference.sampling import sample
+from meshrl.inference.sampling import sample_kept
 from meshrl.models import KVCache
 from meshrl.models.decoder import apply_head, forward
 
@@ -37,6 +37,7 @@ class SlotState:
     top_k_B: jax.Array  # noqa: N815
     top_p_B: jax.Array  # noqa: N815
     seed_B: jax.Array  # noqa: N815
+    min_p_B: jax.Array  # noqa: N815
 
     @classmethod
     def init(cls, slots: int) -> SlotState:
@@ -45,7 +46,8 @@ class SlotState:
             return jnp.zeros((slots,), jnp.int32)
         return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(), i(),
                    jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
-                   jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i())
+                   jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i(),
+                   jnp.zeros((slots,), jnp.float32))
 
 
 def banned_stops(st: SlotState) -> jax.Array:
@@ -103,15 +105,8 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         last_NxX = jnp.take_along_axis(out_NxPxX, (lens_N - 1)[:, None, None], axis=1)[:, 0]
         last_NxV = last_NxX if all_positions else apply_head(graphdef, params, last_NxX)
         assert last_NxV.shape == (N, cfg.vocab_size), last_NxV.shape
-        sub = st.replace(
-            pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
-            reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
-        tok_N, lp_N, raw_N = sample(last_NxV, sub.temperature_B, sub.top_k_B, sub.top_p_B,
-                                    sub.seed_B, lens_N, banned_stops(sub))
-        sub = finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
-                     max_len)
-        st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
-        return cache, st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B)
+        st, out = first_token(st, last_NxV, lens_N, slots_N, settings, max_len)
+        return cache, st, out
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
                 lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
@@ -132,6 +127,24 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         return cache, st, jax.tree.map(lambda x: x.reshape(N, *x.shape[2:]), outs)
 
     return prefill
+
+
+def first_token(st: SlotState, last_NxV: jax.Array, lens_N: jax.Array, slots_N: jax.Array,
+                settings: dict[str, jax.Array], max_len: int,
+                ) -> tuple[SlotState, tuple[jax.Array, ...]]:
+    """Start slots ``slots_N`` (out of range: padding rows, dropped) on the token sampled from
+    the logits after their prompts of ``lens_N`` tokens; returns the state and the outputs
+    ``readback.first_tokens`` reads."""
+    sub = st.replace(
+        pos_B=lens_N, active_B=jnp.ones_like(lens_N, bool),
+        reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
+    tok_N, lp_N, raw_N, kept_N = sample_kept(last_NxV, sub.temperature_B, sub.top_k_B,
+                                             sub.top_p_B, sub.seed_B, lens_N,
+                                             banned_stops(sub), sub.min_p_B)
+    sub = finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
+                 max_len)
+    st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
+    return st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B, kept_N)
 
 
 def pass_rows(n: int, length: int, max_tokens: int) -> int:
@@ -158,19 +171,21 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         st = jax.tree.map(lambda x: x[lo:lo + rows], full_st)
         start_B = st.pos_B
         out0 = (jnp.full((rows, chunk), -1, jnp.int32), jnp.zeros((rows, chunk), jnp.float32),
-                jnp.zeros((rows, chunk), jnp.float32))
+                jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk), jnp.int32))
 
         def step(i: jax.Array, carry: tuple) -> tuple:
-            win, st, (tok_BxC, lp_BxC, raw_BxC) = carry
+            win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC) = carry
             logits_Bx1xV, win = forward(graphdef, params, st.token_B[:, None],
                                         st.pos_B[:, None], None, win)
             new_pos_B = st.pos_B + 1
-            tok_B, lp_B, raw_B = sample(logits_Bx1xV[:, 0], st.temperature_B, st.top_k_B,
-                                        st.top_p_B, st.seed_B, new_pos_B, banned_stops(st))
+            tok_B, lp_B, raw_B, kept_B = sample_kept(logits_Bx1xV[:, 0], st.temperature_B,
+                                                     st.top_k_B, st.top_p_B, st.seed_B,
+                                                     new_pos_B, banned_stops(st), st.min_p_B)
             emit_B = st.active_B
             st = finish(st, emit_B, tok_B, new_pos_B, max_len)
             tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
-            return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B))
+            return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B),
+                             kept_BxC.at[:, i].set(kept_B))
 
         win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
         # A row writes only at positions [start, start + chunk): copying back that band instead
@@ -178,7 +193,8 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         cache = win if whole else cache.put_band(win, start_B, chunk, lo)
         full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, lo, 0),
                                full_st, st)
-        return cache, full_st, out + (st.active_B, st.reason_B)
+        tok_BxC, lp_BxC, raw_BxC, kept_BxC = out  # the kept counts last: readback's order
+        return cache, full_st, (tok_BxC, lp_BxC, raw_BxC, st.active_B, st.reason_B, kept_BxC)
 
     return decode
 

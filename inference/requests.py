@@ -29,6 +29,7 @@ class Request:
     # The first min_new_tokens tokens are never a stop id (transformers' min_new_tokens): the
     # stop ids are masked out of the distribution sampled, and ``logprobs`` are under that mask.
     min_new_tokens: int = 0
+    min_p: float | None = None  # keep tokens with p >= min_p * the top token's p; 0: off
 
 
 @dataclasses.dataclass
@@ -39,6 +40,9 @@ class Completion:
     raw_logprobs: list[float]  # log_softmax of the model's logits
     versions: list[int]  # weight version that produced each generated token
     finish_reason: str = ""  # "stop" | "length"
+    # Per token: how many tokens the distribution sampled from kept (top-k/top-p/min-p; the
+    # vocabulary size without them); the RL trainer truncates its own logits to as many.
+    kept: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def token_versions(self) -> list[int]:
@@ -115,4 +119,5 @@ def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
                                np.float32),
         top_k_B=np.array([pick(r, "top_k", c.top_k) for r in rows], np.int32),
         top_p_B=np.array([pick(r, "top_p", c.top_p) for r in rows], np.float32),
+        min_p_B=np.array([pick(r, "min_p", c.min_p) for r in rows], np.float32),
         seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))

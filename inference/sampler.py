@@ -1,10 +1,10 @@
-"""The sampler: static KV cache, bucketed prefill, chunked windowed decode, continuous batching.
+"""The sampler: static or paged KV cache, bucketed prefill, chunked decode, continuous batching.
 
-Device state is one ``SlotState`` plus the ``slots x max_len`` KV cache; host code only picks
-which compiled variant runs next and reads each round's outputs in one transfer per
-``decode_chunk`` steps, one round late. The design (cache windows, splits, overlap
-scheduling) is in docs/sampler.md; the programs live in ``programs``, their buckets in
-``shapes``, the read-back in ``readback``.
+Device state is one ``SlotState`` plus the KV cache (``slots x max_len``, or a page pool:
+``page_table``, ``prefix``); host code only picks which compiled variant runs next and reads
+each round's outputs in one transfer per ``decode_chunk`` steps, one round late. The design
+is in docs/sampler.md; the programs live in ``programs``, their buckets in ``shapes``, the
+read-back in ``readback``.
 """
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
-from meshrl.inference import programs, readback
+from meshrl.inference import prefix, programs, readback
 from meshrl.inference import weights as wts
+from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import (
     Completion,
     Request,
     Round,
+    buckets_up_to,
     slot_settings,
     token_budget,
     tokens_left,
@@ -43,6 +45,7 @@ from meshrl.inference.schedule import (
 )
 from meshrl.inference.shapes import plan_shapes
 from meshrl.inference.slots import SlotTable
+from meshrl.inference.warmup import warm_up
 from meshrl.mesh.rules import Rules, rules_for
 from meshrl.models import KVCache, abstract_model, param_shardings, split_model
 from meshrl.utils.buckets import bucket_for
@@ -76,14 +79,17 @@ class Sampler:
          self.swap_buckets, self.split_cuts, self.decode_shapes) = dataclasses.astuple(shapes)
         self._split = bool(self.split_cuts)  # a full chunk may split (see shapes, schedule)
         self._repl = NamedSharding(mesh, PartitionSpec())
-        self._cache_sh = KVCache.shardings(self.model_cfg, S, T, mesh, self.rules)
+        self.pages = (SlotPages(self.model_cfg, cfg, mesh, self.rules)
+                      if cfg.kv_cache == "paged" else None)
+        self._cache_sh = (self.pages.sharding if self.pages else
+                          KVCache.shardings(self.model_cfg, S, T, mesh, self.rules))
         self.split_call_overhead = SPLIT_CALL_OVERHEAD  # a call's fixed cost (schedule)
         self._weights_size = sum(math.prod(v.shape) for v in self.weights.expected.values())
         self._weights_pass: int | None = None  # priced when the first weights land (_install)
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
-        self.cache = jax.jit(lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype),
-                             out_shardings=self._cache_sh)()
+        self.cache = self.pages.init_cache() if self.pages else jax.jit(
+            lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype), out_shardings=self._cache_sh)()
         self.state = jax.device_put(SlotState.init(S), self._repl)
         self.window_trace_shapes: list[tuple[int, ...]] = []  # cache shapes decode was traced at
         self._build_jits()
@@ -112,11 +118,13 @@ class Sampler:
                                donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
         self._swap = jax.jit(programs.swap, donate_argnums=(0, 1),
                              out_shardings=(cache_sh, st_sh))
+        if self.pages:
+            self.pages.build_jits(self.graphdef, T, st_sh)
 
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
-                + self._swap._cache_size())
+                + self._swap._cache_size() + (self.pages.compile_count() if self.pages else 0))
 
     def window_for(self, max_pos: int) -> int:
         """Cache window for a chunk whose largest active position is ``max_pos``."""
@@ -132,6 +140,8 @@ class Sampler:
                 self._weights_pass = weights_pass_cost(self._weights_size, sampler_share(self))
             self.version = int(version)
             self.slots.mark_stale()
+            if self.pages:
+                self.pages.new_version(self.version)
 
     def update_weights(self, params: Any, version: int) -> None:
         """In-process handoff: validate, reshard to the sampler, cast, copy; lands between
@@ -206,7 +216,8 @@ class Sampler:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
             finished: list[Completion] = []
             if self.slots.stale:  # re-prefill needs every token, the in-flight ones included
-                finished += self._read(self._take_inflight())
+                rnd, self._inflight = self._inflight, None
+                finished += self._read(rnd)
                 self._recompute()
             rnd = Round(self.version, self._admit(self._ending()))
             plan = self._plannable()
@@ -214,10 +225,6 @@ class Sampler:
                 self._dispatch_chunk(rnd, plan)
             prev, self._inflight = self._inflight, (rnd if rnd.admitted or rnd.calls else None)
             return finished + self._read(prev)
-
-    def _take_inflight(self) -> Round | None:
-        rnd, self._inflight = self._inflight, None
-        return rnd
 
     def _read(self, rnd: Round | None) -> list[Completion]:
         """Read back one round (one transfer) and apply it: first tokens, then the chunk."""
@@ -231,7 +238,13 @@ class Sampler:
             finished += readback.chunk_tokens(comps, rnd.version, *out)
         for c in finished:
             self.slots.release(c)
+        if self.pages:
+            self.pages.release_empty(self.slots.out)
         return finished
+
+    def _bound(self) -> Any:
+        """The cache as a program takes it: a paged one carries the current page table."""
+        return self.pages.bind(self.cache) if self.pages else self.cache
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
                      reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
@@ -245,7 +258,7 @@ class Sampler:
             tokens_NxP[i, :len(seq)] = seq
             lens_N[i], slots_N[i] = len(seq), s
         self.cache, self.state, out = self._prefill(
-            self.params, self.cache, self.state, tokens_NxP, lens_N, slots_N,
+            self.params, self._bound(), self.state, tokens_NxP, lens_N, slots_N,
             slot_settings(reqs, n, self.cfg), resample=resample)
         return out
 
@@ -256,12 +269,16 @@ class Sampler:
         outputs with the completions it starts, whose first token is a placeholder until
         ``readback.first_tokens``."""
         free = sorted(self.slots.free() + list(ending))
-        take = min(len(free), len(self._queue))
-        if not take:
-            return []
+        if self.pages:
+            return prefix.admit(self, free, ending)
+        return self._prefill_admitted([(s, self._queue.popleft())
+                                       for s in free[:min(len(free), len(self._queue))]])
+
+    def _prefill_admitted(self, picked: Sequence[tuple[int, Request]]
+                          ) -> list[tuple[tuple[jax.Array, ...], list[Completion]]]:
+        """Prefill each (slot, request) picked, by prompt bucket; see ``_admit``."""
         by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
-        for s in free[:take]:
-            r = self._queue.popleft()
+        for s, r in picked:
             by_bucket[bucket_for(len(r.prompt_ids), self.prompt_buckets)].append((s, r))
         admitted = []
         for bucket, group in by_bucket.items():
@@ -302,9 +319,12 @@ class Sampler:
         return [s for s, c in enumerate(self.slots.out)
                 if c is not None and tokens_left(c, self.cfg) <= self._ahead(c)]
 
-    def _swap_slots(self, pairs: Sequence[tuple[int, int]]) -> None:
-        """Exchange cache, device state and host records of each (a, b) slot pair."""
-        S = self.cfg.slots
+    def _gather(self, keep: Sequence[Completion], lo: int, hi: int) -> None:
+        """Swap the completions ``keep`` into slots [lo, hi) (``SlotTable.gathering``): cache,
+        device state and host records of each (a, b) slot pair exchanged."""
+        S, pairs = self.cfg.slots, self.slots.gathering(keep, lo, hi)
+        if not pairs:
+            return
         # Padding pairs (index S) still gather a whole slot each: pad only to a bucket.
         m = bucket_for(max(len(pairs), 1), self.swap_buckets)
         a_M, b_M = np.full((m,), S, np.int32), np.full((m,), S, np.int32)
@@ -312,11 +332,6 @@ class Sampler:
             a_M[i], b_M[i] = x, y
         self.cache, self.state = self._swap(self.cache, self.state, a_M, b_M)
         self.slots.swap(pairs)
-
-    def _gather(self, keep: Sequence[Completion], lo: int, hi: int) -> None:
-        """Swap the completions ``keep`` into slots [lo, hi) (``SlotTable.gathering``)."""
-        if pairs := self.slots.gathering(keep, lo, hi):
-            self._swap_slots(pairs)
 
     def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
         """(lo, rows, window) of each decode call of the next chunk: few live sequences, one
@@ -342,7 +357,7 @@ class Sampler:
         """Dispatch the decode calls of one chunk over ``live`` into ``rnd``."""
         rnd.calls = self._plan_chunk(live)
         for lo, rows, window in rnd.calls:
-            self.cache, self.state, out = self._decode(self.params, self.cache, self.state,
+            self.cache, self.state, out = self._decode(self.params, self._bound(), self.state,
                                                        window=window, rows=rows, lo=lo)
             rnd.outs.append(out)
             rnd.rows.append(self.slots.out[lo:lo + rows])
@@ -352,10 +367,16 @@ class Sampler:
         """Re-prefill every in-flight slot's prompt + tokens so far (except the last, not yet
         in the cache) under the current weights; the next token then comes from the new version."""
         live = self.slots.take_stale()
+        if self.pages:  # a prompt group re-prefills its shared pages once
+            return prefix.recompute(self, live)
+        self._reprefill(live)
+
+    def _reprefill(self, live: Sequence[tuple[int, Completion]]) -> None:
+        """Re-prefill each (slot, completion)'s prompt + tokens but the last, from position 0."""
         by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
         for s, c in live:
-            prefix = list(c.request.prompt_ids) + c.tokens[:-1]
-            by_bucket[bucket_for(len(prefix), self.recompute_buckets)].append((s, prefix))
+            seq = list(c.request.prompt_ids) + c.tokens[:-1]
+            by_bucket[bucket_for(len(seq), self.recompute_buckets)].append((s, seq))
         step = self.insert_buckets[-1]
         for bucket, group in by_bucket.items():
             for lo in range(0, len(group), step):
@@ -365,32 +386,14 @@ class Sampler:
 
     @property
     def recompute_buckets(self) -> tuple[int, ...]:
-        return tuple(sorted(set(self.prompt_buckets) | set(self.window_buckets)))
+        return tuple(sorted(set(self.prompt_buckets) | set(buckets_up_to(self.cfg.max_len, 32))))
 
     def warmup(self, recompute: bool = False) -> None:
-        """Compile every prefill (prompt x insert bucket) and decode (window) variant.
-
-        Runs them for real on padding rows (dropped) and inactive slots, so nothing in the
-        cache that matters changes. ``recompute`` also compiles the re-prefill variants used
-        after a mid-generation weight update.
-        """
+        """Compile every prefill (prompt x insert bucket) and decode (window) variant, on
+        padding rows and inactive slots (``warmup.warm_up``); ``recompute`` also compiles the
+        re-prefill variants used after a mid-generation weight update."""
         with self._lock:
             if self.has_work():
                 raise RuntimeError("warmup() needs an idle sampler")
-            for p in self.prompt_buckets:
-                for n in self.insert_buckets:
-                    self._run_prefill([], [], [], p, n, True)
-            if recompute:
-                for p in self.recompute_buckets:
-                    for n in self.insert_buckets:
-                        self._run_prefill([], [], [], p, n, False)
-            for w in self.window_buckets:
-                for lo, rows in self.decode_shapes:
-                    self.cache, self.state, out = self._decode(
-                        self.params, self.cache, self.state, window=w, rows=rows, lo=lo)
-            if len(self.row_buckets) > 1:
-                for m in self.swap_buckets:
-                    pad_M = np.full((m,), self.cfg.slots, np.int32)
-                    self.cache, self.state = self._swap(self.cache, self.state, pad_M, pad_M)
-            jax.block_until_ready(self.cache)
+            warm_up(self, recompute)
         log.info("sampler warm: %d compiled variants", self.compile_count())

@@ -1,8 +1,13 @@
-"""Token sampling: greedy, temperature, top-k and top-p with per-slot parameters and seeds.
+"""Token sampling: greedy, temperature, top-k, top-p and min-p with per-slot parameters and seeds.
 
 Everything here is a pure function over device arrays so it can run inside the fused decode
 chunk. Each slot carries its own parameters (temperature, top_k, top_p, seed), so one compiled
 step serves requests with different settings without recompiling.
+
+Every filter keeps a prefix of the tokens sorted by logit, so the kept set is always "the
+``n`` largest scaled logits" (ties at the threshold included): ``sample_kept`` records that
+``n`` per token, and the RL trainer renormalises its own logits over its top ``n``
+(``algorithms.truncation``) to score the same truncated distribution.
 """
 
 from __future__ import annotations
@@ -15,12 +20,22 @@ _NEG = -1e30
 
 
 def filter_logits(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
-                  top_p_B: jax.Array, sort: bool = True) -> jax.Array:
+                  top_p_B: jax.Array, sort: bool = True, min_p_B: jax.Array | None = None
+                  ) -> jax.Array:
     """Scaled logits of the distribution actually sampled from (masked entries at -1e30).
 
     temperature 0 is greedy: only the argmax survives (ties: the lowest index, as ``argmax``).
-    top_k 0 and top_p 1 disable their filters. Both filters keep at least one token.
+    top_k 0, top_p 1 and min_p 0 (or None) disable their filters. The filters keep at least one
+    token.
     """
+    return filter_and_count(logits_BxV, temperature_B, top_k_B, top_p_B, sort, min_p_B)[0]
+
+
+def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+                     top_p_B: jax.Array, sort: bool = True, min_p_B: jax.Array | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
+    """(``filter_logits``, int32 ``[B]`` number of tokens each row kept: V without a filter,
+    1 for greedy rows)."""
     B, V = logits_BxV.shape
     logits_BxV = logits_BxV.astype(jnp.float32)
     greedy_B = temperature_B <= 0.0
@@ -28,8 +43,9 @@ def filter_logits(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.
     scaled_BxV = logits_BxV / safe_t_B[:, None]
     argmax_B = jnp.argmax(logits_BxV, axis=-1)
     greedy_BxV = jnp.where(jnp.arange(V)[None, :] == argmax_B[:, None], 0.0, _NEG)
-    if not sort:  # no top-k/top-p anywhere in the batch: temperature only
-        return jnp.where(greedy_B[:, None], greedy_BxV, scaled_BxV)
+    if not sort:  # no top-k/top-p/min-p anywhere in the batch: temperature only
+        kept_B = jnp.where(greedy_B, 1, V).astype(jnp.int32)
+        return jnp.where(greedy_B[:, None], greedy_BxV, scaled_BxV), kept_B
 
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
     rank_V = jnp.arange(V)
@@ -39,11 +55,19 @@ def filter_logits(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.
     probs_BxV = jax.nn.softmax(sorted_k_BxV, axis=-1)
     # A token is kept while the mass of the strictly better tokens is below top_p.
     mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    keep_BxV = keep_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (rank_V[None, :] == 0))
+    keep_BxV = keep_k_BxV & (mass_before_BxV < top_p_B[:, None])
+    if min_p_B is not None:
+        # p / p_max >= min_p; the ratio is the same before and after the other filters
+        # renormalise, so the order of the filters does not matter.
+        keep_BxV &= sorted_BxV >= sorted_BxV[:, :1] + jnp.log(min_p_B)[:, None]
+    keep_BxV |= rank_V[None, :] == 0
     n_keep_B = jnp.sum(keep_BxV, axis=-1)
     threshold_B = jnp.take_along_axis(sorted_BxV, (n_keep_B - 1)[:, None], axis=-1)[:, 0]
-    filtered_BxV = jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, _NEG)
-    return jnp.where(greedy_B[:, None], greedy_BxV, filtered_BxV)
+    in_set_BxV = scaled_BxV >= threshold_B[:, None]
+    filtered_BxV = jnp.where(in_set_BxV, scaled_BxV, _NEG)
+    # Ties at the threshold are kept (and sampled), so the count is of the set, not n_keep.
+    kept_B = jnp.where(greedy_B, 1, jnp.sum(in_set_BxV, axis=-1)).astype(jnp.int32)
+    return jnp.where(greedy_B[:, None], greedy_BxV, filtered_BxV), kept_B
 
 
 def slot_keys(seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
@@ -66,35 +90,52 @@ def ban(logits_BxV: jax.Array, banned_BxS: jax.Array) -> jax.Array:
 def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
            top_p_B: jax.Array, seed_B: jax.Array, position_B: jax.Array,
            banned_BxS: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``sample_kept`` without min-p and without the kept counts."""
+    return sample_kept(logits_BxV, temperature_B, top_k_B, top_p_B, seed_B, position_B,
+                       banned_BxS)[:3]
+
+
+def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
+                top_p_B: jax.Array, seed_B: jax.Array, position_B: jax.Array,
+                banned_BxS: jax.Array | None = None, min_p_B: jax.Array | None = None
+                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sample one token per row, never one of its ``banned_BxS`` ids (-1: none; a request's
     stop ids before its ``min_new_tokens``).
 
-    Returns (tokens_B int32, logprob under the sampling distribution actually used (the banned
-    ids masked out; 0 for greedy), raw model logprob log_softmax(logits)[token], unmasked).
+    Returns (tokens_B int32, logprob under the sampling distribution actually used -- the
+    temperature-scaled logits truncated by top-k/top-p/min-p and renormalised, the banned ids
+    masked out; 0 for greedy --, raw model logprob log_softmax(logits)[token], unmasked, and
+    kept_B int32: how many tokens that distribution kept, V when no filter ran, 1 for greedy).
+    The banned ids are not part of ``kept_B``: they are only banned before ``min_new_tokens``.
     """
     raw_logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
     logits_BxV = logits_BxV.astype(jnp.float32)
+    B, V = logits_BxV.shape
     if banned_BxS is not None:
         logits_BxV = ban(logits_BxV, banned_BxS)
+    min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
 
-    def greedy() -> tuple[jax.Array, jax.Array]:
+    def greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
         tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-        return tokens_B, jnp.zeros(tokens_B.shape, jnp.float32)
+        return tokens_B, jnp.zeros(tokens_B.shape, jnp.float32), jnp.ones((B,), jnp.int32)
 
-    def stochastic() -> tuple[jax.Array, jax.Array]:
-        # The vocab sort behind top-k/top-p only runs when some row asks for it.
-        needs_sort = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0)
-        filtered_BxV = jax.lax.cond(
-            needs_sort, lambda: filter_logits(logits_BxV, temperature_B, top_k_B, top_p_B),
-            lambda: filter_logits(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
-                                  jnp.ones_like(top_p_B), sort=False))
+    def stochastic() -> tuple[jax.Array, jax.Array, jax.Array]:
+        # The vocab sort behind top-k/top-p/min-p only runs when some row asks for it.
+        needs_sort = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0) | jnp.any(min_p_B > 0.0)
+        filtered_BxV, kept_B = jax.lax.cond(
+            needs_sort,
+            lambda: filter_and_count(logits_BxV, temperature_B, top_k_B, top_p_B,
+                                     min_p_B=min_p_B),
+            lambda: filter_and_count(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
+                                     jnp.ones_like(top_p_B), sort=False))
         keys_B = slot_keys(seed_B, position_B)
         tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
         lp_B = jnp.take_along_axis(jax.nn.log_softmax(filtered_BxV, axis=-1),
                                    tokens_B[:, None], axis=-1)[:, 0]
-        return tokens_B, lp_B
+        return tokens_B, lp_B, kept_B
 
     # All-greedy batches (evaluation, benchmarks) skip the RNG and the filters entirely.
-    tokens_B, sample_lp_B = jax.lax.cond(jnp.all(temperature_B <= 0.0), greedy, stochastic)
+    tokens_B, sample_lp_B, kept_B = jax.lax.cond(jnp.all(temperature_B <= 0.0), greedy,
+                                                 stochastic)
     raw_lp_B = jnp.take_along_axis(raw_logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
-    return tokens_B, sample_lp_B, raw_lp_B
+    return tokens_B, sample_lp_B, raw_lp_B, kept_B

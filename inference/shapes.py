@@ -46,9 +46,10 @@ def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: R
     """The buckets of a sampler with ``cfg`` on ``mesh`` (``insert_buckets`` overrides the
     prefill row buckets)."""
     S, T = cfg.slots, cfg.max_len
+    if cfg.kv_cache == "paged":
+        return paged_shapes(cfg, insert_buckets)
     pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
-    # Prefill cost grows with the padded batch: 1.5x steps keep the padding under 50%.
-    inserts = tuple(insert_buckets or sorted({min(x, S) for b in pow2 for x in (b, b * 3 // 2)}))
+    inserts = insert_row_buckets(S, insert_buckets)
     rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
     # A full chunk may split into calls over slot ranges with their own windows (schedule).
     cuts = split_cuts(rows, S) if cfg.decode_split_windows and len(rows) > 1 else ()
@@ -56,3 +57,23 @@ def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: R
                          insert_buckets=inserts, window_buckets=buckets_up_to(T, 32),
                          row_buckets=rows, swap_buckets=pow2, split_cuts=cuts,
                          decode_shapes=decode_shapes(rows, cuts, S))
+
+
+def insert_row_buckets(slots: int, insert_buckets: Sequence[int] | None) -> tuple[int, ...]:
+    """Rows of a prefill: powers of two and 1.5x steps up to ``slots`` (prefill cost grows with
+    the padded batch: the steps keep the padding under 50%), or ``insert_buckets``."""
+    pow2 = {min(2 ** i, slots) for i in range(slots.bit_length() + 1)}
+    return tuple(insert_buckets or sorted({min(x, slots) for b in pow2 for x in (b, b * 3 // 2)}))
+
+
+def paged_shapes(cfg: SamplerConfig, insert_buckets: Sequence[int] | None) -> SamplerShapes:
+    """A paged cache decodes every slot in one call (lengths are data, not shapes) over the
+    first columns of the page table: windows are the dense ones rounded up to whole pages
+    (``PagedKVCache.window``; max_len is whole pages). No packed rows, splits or slot swaps:
+    the page table, not the slot order, says where a sequence lives."""
+    S, T, size = cfg.slots, cfg.max_len, cfg.page_size
+    windows = tuple(sorted({-(-w // size) * size for w in buckets_up_to(T, 32)}))
+    return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
+                         insert_buckets=insert_row_buckets(S, insert_buckets),
+                         window_buckets=windows, row_buckets=(S,), swap_buckets=(),
+                         split_cuts=(), decode_shapes=((0, S),))

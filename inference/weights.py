@@ -4,6 +4,11 @@ Both paths end in the same jitted copy-and-cast onto the sampler's shardings, so
 over in process and the same version restored from ``<workdir>/weights/<version>`` are bitwise
 identical on the sampler.
 
+With LoRA the in-process handoff may carry the adapters alone (``models.lora.AdapterUpdate``):
+the sampler keeps its own copy of the frozen base (from the first such update, which carries
+it, quantised as the trainer stores it) and merges each version's adapters into it on its
+devices, with the trainer's arithmetic.
+
 Published versions: ``<workdir>/weights/<version>`` appears whole (Orbax renames a finished
 write into place). ``publish_version`` keeps the newest ``keep`` versions up to the one it
 publishes: a version leaves by a rename to ``retired.<version>.<ns>`` (so a reader sees it whole
@@ -14,6 +19,7 @@ a version to this mid-read gets ``WeightVersionGoneError`` (a ``FileNotFoundErro
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +28,13 @@ import jax
 import jax.numpy as jnp
 from etils import epath
 
+from meshrl.models.lora import (
+    AdapterUpdate,
+    BaseTree,
+    adapter_shardings,
+    frozen_sharding,
+    merge_frozen,
+)
 from meshrl.utils import multihost, paths
 from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
@@ -110,10 +123,73 @@ class SamplerWeights:
         self.shardings = flat_params(shardings)
         self.copy_cast = make_copy_cast(self.shardings,
                                         {k: v.dtype for k, v in self.expected.items()})
+        # Adapter-only handoffs: the kept frozen base, the full params it stands for, the
+        # merge program, and (adapter bytes, full bytes) of the latest such handoff.
+        self._base: dict[str, Any] | None = None
+        self._base_tree: BaseTree = ()
+        self._merge: Callable | None = None
+        self.full_bytes = 0
+        self.handoff_bytes: tuple[int, int] | None = None
 
     def handoff(self, params: Any) -> dict[str, jax.Array]:
-        """In-process ``params`` (any mesh) as validated, resharded, cast sampler copies."""
+        """In-process ``params`` (any mesh) as validated, resharded, cast sampler copies;
+        an ``AdapterUpdate``: its adapters merged into the kept base."""
+        if isinstance(params, AdapterUpdate):
+            return self._merge_adapters(params)
         return reshard_cast(params, self.expected, self.shardings, self.copy_cast)
+
+    @property
+    def has_base(self) -> bool:
+        """Whether an adapter-only handoff gave this sampler its frozen base already."""
+        return self._base is not None
+
+    def _keep_base(self, update: AdapterUpdate) -> None:
+        """Keep a copy of ``update.base`` (the trainer's frozen base, quantised leaves as they
+        are) placed like the sampler's kernels, and the merge that turns it plus adapters into
+        the sampler's params with the trainer's arithmetic (dequantise, add in float32, cast to
+        the param dtype) and then the sampler's cast, as a full handoff of merged params does."""
+        named = {k: jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+                 for k, shape, dtype in update.base_tree}
+        check_compatible(named, self.expected)
+        sh = {k: frozen_sharding(v, self.shardings[k]) for k, v in update.base.items()}
+        copy = jax.jit(lambda f: jax.tree.map(lambda v: jnp.array(v, copy=True), f),
+                       out_shardings=sh)
+        self._base = copy(jax.device_put(update.base, sh))  # the trainer donates its own
+        self._base_tree = update.base_tree
+        dtypes = {k: v.dtype for k, v in named.items()}
+        self._merge = jax.jit(
+            lambda base, ad, targets, scale: {
+                k: v.astype(self.expected[k].dtype)
+                for k, v in merge_frozen(base, ad, targets, scale, dtypes).items()},
+            static_argnums=(2, 3), out_shardings=self.shardings)
+        self.full_bytes = sum(math.prod(v.shape) * v.dtype.itemsize for v in named.values())
+
+    def _merge_adapters(self, update: AdapterUpdate) -> dict[str, jax.Array]:
+        if update.base is not None:
+            self._keep_base(update)
+        base, merge = self._base, self._merge
+        if base is None or merge is None:
+            raise WeightMismatchError("an adapter-only handoff before the sampler holds a "
+                                      "base: the first update must carry the base")
+        if update.base_tree != self._base_tree:
+            theirs, ours = dict((k, v) for k, *v in update.base_tree), dict(
+                (k, v) for k, *v in self._base_tree)
+            diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            raise WeightMismatchError(f"adapter handoff for another frozen base: the base "
+                                      f"differs at {diff[:3]}; hand over the full params")
+        sh = adapter_shardings(list(update.targets), self.shardings)
+        adapters = {p: {k: jax.device_put(v, sh[p][k]) for k, v in ab.items()}
+                    for p, ab in update.adapters.items()}
+        out = merge(base, adapters, update.targets, update.scale)
+        jax.block_until_ready(out)
+        sent = sum(v.size * v.dtype.itemsize for ab in update.adapters.values()
+                   for v in ab.values())
+        first = self.handoff_bytes is None
+        self.handoff_bytes = (sent, self.full_bytes)
+        (log.info if first else log.debug)(
+            "adapter-only weight handoff: %d bytes per version instead of %d (full params)",
+            sent, self.full_bytes)
+        return out
 
     def restore(self, workdir: paths.PathLike, version: int) -> dict[str, jax.Array]:
         """Published version ``version`` as the same copies ``handoff`` gives."""

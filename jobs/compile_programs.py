@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshrl.algorithms.batch import RLTrainBatch, TrainBatch, abstract_batch
 from meshrl.algorithms.losses import get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
+from meshrl.algorithms.truncation import batch_fields
 from meshrl.configs.schema import Config, ModelConfig
 from meshrl.inference import programs as sampler_programs
 from meshrl.inference.programs import SlotState
@@ -89,9 +90,12 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
     forward = decoder_forward(graphdef, t.logits_chunk)
     if rl_job:
         T = config.sampler.temperature
-        batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch, *ref_fields(rl))
-        step = make_rl_train_step(forward, make_rl_loss_fn(rl, temperature=T), tx, schedule,
-                                  rl=rl, temperature=T, microbatches=t.microbatches)
+        batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch, *ref_fields(rl),
+                                   *batch_fields(config.sampler))
+        cap = config.sampler.top_k
+        step = make_rl_train_step(forward, make_rl_loss_fn(rl, temperature=T, kept_cap=cap), tx,
+                                  schedule, rl=rl, temperature=T, microbatches=t.microbatches,
+                                  kept_cap=cap)
     else:
         batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
         step = make_train_step(forward, get_loss("sft"), tx, schedule,

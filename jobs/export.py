@@ -15,6 +15,12 @@ Contract:
   ``model.hf_path`` checkpoint's own). Written into a temporary sibling directory and
   renamed to ``OUT`` whole: a failed export leaves nothing at ``OUT``. ``OUT`` gets the
   user's umask like any directory they create.
+* ``export.format = 'peft'``: a LoRA run's checkpoint as ``OUT/adapter_model.safetensors`` +
+  ``OUT/adapter_config.json`` that ``peft.PeftModel.from_pretrained`` loads onto the run's base,
+  which must be a Hugging Face directory (``model.hf_path``; ``models/peft_export.py``). A
+  published version (merged weights), a run without LoRA or a base that is no HF directory (a
+  warm start, a random init) is one ``ConfigError`` line that names ``export.format = 'merged'``
+  where that exports the same model.
 * Processes: on several (``distributed.*``), every process restores its shards and takes part
   in gathering each tensor; process 0 alone writes ``OUT`` (a path all processes share).
 * Errors: no checkpoint, a missing step or version, an unusable ``export.path``: one
@@ -28,6 +34,7 @@ import os
 import pathlib
 import shutil
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -38,6 +45,8 @@ from meshrl.configs.schema import Config
 from meshrl.jobs import weights_source
 from meshrl.mesh import create_mesh
 from meshrl.models import save_hf_checkpoint
+from meshrl.models.lora import projections
+from meshrl.models.peft_export import save_peft_adapter
 from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec
 from meshrl.utils import multihost
 from meshrl.utils.log import get_logger
@@ -103,16 +112,33 @@ def _merge_generation_config(release: pathlib.Path, written: pathlib.Path) -> No
         written.write_text(json.dumps(merged, indent=2))
 
 
-def _write(model: Any, out: pathlib.Path, tok: str | None, ids: dict[str, int | None]
-           ) -> list[str]:
-    """The HF checkpoint of ``model`` (and the tokenizer files in ``tok``) at ``out``, moved
+def check_peft(src: weights_source.WeightSource, workdir: str) -> str:
+    """The HF base directory a PEFT export of ``src`` names; a ConfigError when there is none."""
+    head = "export.format = 'peft'"
+    if src.kind == "version":
+        raise ConfigError(f"{head}: weight version {src.version} holds merged weights, not "
+                          f"adapters: export a LoRA checkpoint (export.version = -1, "
+                          f"export.step), or the merged model with export.format = 'merged'")
+    if src.base is None:
+        raise ConfigError(f"{head}: checkpoint step {src.step} of {workdir} is no LoRA run "
+                          f"(lora.rank = 0): export it with export.format = 'merged'")
+    if src.base.kind != "hf_path":
+        raise ConfigError(f"{head}: the adapters of checkpoint step {src.step} adapt "
+                          f"{src.base.describe('')}, not a Hugging Face directory a PEFT "
+                          f"adapter can name: export the merged model with "
+                          f"export.format = 'merged'")
+    return str(pathlib.Path(src.model.hf_path).absolute())
+
+
+def _write(save: Any, out: pathlib.Path, tok: str | None) -> list[str]:
+    """What ``save(directory)`` writes (and the tokenizer files in ``tok``) at ``out``, moved
     into place whole; the tokenizer files copied (a generation_config.json the checkpoint
     ships is kept, the special ids it lacks added)."""
     # os.mkdir, not tempfile.mkdtemp: the export keeps the user's umask, not mode 0700.
     tmp = out.parent / f".{out.name}.{os.getpid()}.{time.time_ns()}"
     tmp.mkdir()
     try:
-        save_hf_checkpoint(model, tmp, special_ids=ids)
+        save(tmp)
         copied = [n for n in TOKENIZER_FILES if tok and os.path.isfile(os.path.join(tok, n))]
         for name in copied:
             if name == "generation_config.json":
@@ -128,27 +154,51 @@ def _write(model: Any, out: pathlib.Path, tok: str | None, ids: dict[str, int | 
     return copied
 
 
+def _saver(config: Config, workdir: str, src: weights_source.WeightSource, peft_base: str
+           ) -> tuple[Callable[[pathlib.Path, bool], None], int]:
+    """(``save(directory, write)`` of the export, the weight version); ``peft_base`` (the HF
+    base directory) set: the PEFT adapter of the checkpoint's adapters, without loading the
+    base, else the full (merged) model."""
+    # Sharded as the trainer's FSDP rules shard params: the least memory per device.
+    mesh = create_mesh(config.mesh)
+    target = weights_source.skeleton(config, src, mesh, "train", fsdp=True)
+    if peft_base:
+        w, version = weights_source.lora_weights(workdir, src, target, with_base=False)
+        every = projections(w.base.graphdef, w.base.params)
+
+        def save_peft(d: pathlib.Path, write: bool = True) -> None:
+            save_peft_adapter(w.base.arch, w.setup.cfg, w.setup.lora.targets, every,
+                              w.adapters, peft_base, d, write=write)
+        return save_peft, version
+    loaded, version = weights_source.fill(config, workdir, src, target)
+    ids = special_ids(loaded.tokenizer)
+    model = nnx.merge(loaded.graphdef, loaded.params)
+
+    def save_model(d: pathlib.Path, write: bool = True) -> None:
+        save_hf_checkpoint(model, d, write=write, special_ids=ids)
+    return save_model, version
+
+
 def run(config: Config, workdir: str) -> pathlib.Path:
     """Export (see the module docstring); returns the output directory."""
     out = check_output(config.export.path)
     src = resolve_export(config, workdir)
-    tok = tokenizer_dir(src)
-    # Sharded as the trainer's FSDP rules shard params: the least memory per device.
-    loaded, version = weights_source.load_source(config, workdir, src, create_mesh(config.mesh),
-                                                 "train", fsdp=True)
-    log.info("exporting %s", src.describe(workdir, version))
-    ids = special_ids(loaded.tokenizer)
-    model = nnx.merge(loaded.graphdef, loaded.params)
+    peft = config.export.format == "peft"
+    base = check_peft(src, workdir) if peft else ""
+    tok = None if peft else tokenizer_dir(src)
+    save, version = _saver(config, workdir, src, base)
+    log.info("exporting %s%s", src.describe(workdir, version),
+             " as a PEFT adapter" if peft else "")
     primary = jax.process_index() == 0
     # Every process takes part in gathering the params; process 0 alone writes (the same
     # path on a shared filesystem), and the others wait for the finished directory.
     copied: list[str] = []
     try:
         if primary:
-            copied = _write(model, out, tok, ids)
+            copied = _write(save, out, tok)
         else:
-            save_hf_checkpoint(model, out, write=False)
+            save(out, False)
     finally:
         multihost.sync("meshrl-export-done")
-    log.info("exported to %s (tokenizer files: %s)", out, copied or "none, char tokenizer")
+    log.info("exported to %s (tokenizer files: %s)", out, copied or "none")
     return out

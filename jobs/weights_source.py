@@ -3,7 +3,8 @@ jobs.
 
 A source is one of ``model.hf_path`` (its safetensors), ``random`` (an init of ``model.*``), a
 ``checkpoint`` step of the run under ``--workdir`` (params only, with the model section the run
-saved beside it) or a published weight ``version`` ``<workdir>/weights/<V>`` (with the model
+saved beside it; a LoRA run's checkpoint: its adapters merged into the base it names,
+``jobs.lora_source``) or a published weight ``version`` ``<workdir>/weights/<V>`` (with the model
 section of the run's newest checkpoint, or of this config when the run has none).
 
 ``resolve`` checks that the source exists and finds its model section without reading any
@@ -23,6 +24,7 @@ import jax
 from jax.sharding import Mesh
 
 from meshrl.configs.fields import ConfigError
+from meshrl.configs.lora_schema import LoraConfig
 from meshrl.configs.schema import Config, ModelConfig
 from meshrl.inference.weights import (
     WeightMismatchError,
@@ -30,6 +32,7 @@ from meshrl.inference.weights import (
     restore_weights,
     weights_dir,
 )
+from meshrl.jobs.lora_source import LoraBase, LoraWeights, base_of, load_lora
 from meshrl.mesh.rules import Role
 from meshrl.models.load import LoadedModel, load, with_weights
 from meshrl.trainer.checkpoint_reader import CheckpointReader
@@ -57,12 +60,15 @@ class Wording:
 class WeightSource:
     """Resolved weights: ``model`` is the model section they belong to (the run's saved one for
     run sources), ``step`` the checkpoint step (kind checkpoint; kind version: the checkpoint
-    whose config gave ``model``, or None), ``version`` the published version (kind version)."""
+    whose config gave ``model``, or None), ``version`` the published version (kind version);
+    a LoRA run's checkpoint: ``lora`` its section and ``base`` the base its adapters adapt."""
 
     kind: Kind
     model: ModelConfig
     step: int | None = None
     version: int | None = None
+    lora: LoraConfig | None = None
+    base: LoraBase | None = None
 
     def describe(self, workdir: paths.PathLike, version: int) -> str:
         """One phrase naming these weights and their weight ``version``, for the job's log."""
@@ -71,6 +77,9 @@ class WeightSource:
                     f"{version})")
         if self.kind == "hf_path":
             return f"model.hf_path {self.model.hf_path} (weight version {version})"
+        if self.kind == "checkpoint" and self.base is not None:
+            return (f"checkpoint step {self.step} (weight version {version}) of {workdir}: LoRA "
+                    f"adapters merged into {self.base.describe(self.model.hf_path)}")
         if self.kind == "checkpoint":
             return f"checkpoint step {self.step} (weight version {version}) of {workdir}"
         return f"weight version {version} of {workdir}"
@@ -96,15 +105,15 @@ def _checkpoint(reader: CheckpointReader, step: int, words: Wording) -> WeightSo
         raise ConfigError(f"{words.step} = {step}: no verified checkpoint of that step under "
                           f"{reader.directory} (verified: {steps}): pick one of them, or -1 for "
                           f"the newest")
-    rank = (reader.config(chosen).get("lora") or {}).get("rank", 0)
-    if rank:
-        # The train state of a LoRA run holds the adapters only; its merged weights are the
-        # versions it publishes.
-        raise ConfigError(f"{words.source}: checkpoint step {chosen} under {reader.directory} "
-                          f"holds LoRA adapters (lora.rank = {rank}), not the model's weights "
-                          f"(the run publishes its merged weights as versions): "
-                          f"{words.instead}")
-    return WeightSource("checkpoint", _run_model(reader, chosen), step=chosen)
+    saved = reader.config(chosen)
+    model = _run_model(reader, chosen)
+    if not (saved.get("lora") or {}).get("rank", 0):
+        return WeightSource("checkpoint", model, step=chosen)
+    # A LoRA run's train state holds the adapters only; they are merged into its base.
+    lora = LoraConfig.from_mapping(saved["lora"])
+    base = base_of(saved, reader.directory.parent,
+                   f"{words.source}: checkpoint step {chosen} under {reader.directory}")
+    return WeightSource("checkpoint", model, step=chosen, lora=lora, base=base)
 
 
 def _version(config: Config, workdir: paths.PathLike, reader: CheckpointReader, version: int,
@@ -184,6 +193,9 @@ def fill(config: Config, workdir: paths.PathLike, source: WeightSource, target: 
     random, the checkpoint state's, or the published version."""
     if source.kind in ("hf_path", "random"):
         return with_weights(target, config.trainer.seed), 0
+    if source.kind == "checkpoint" and source.lora is not None:
+        weights, version = lora_weights(workdir, source, target)
+        return dataclasses.replace(target, params=weights.merged(), abstract=False), version
     if source.kind == "checkpoint":
         assert source.step is not None, source
         reader = CheckpointReader(paths.as_path(workdir) / "checkpoints")
@@ -196,5 +208,14 @@ def fill(config: Config, workdir: paths.PathLike, source: WeightSource, target: 
     return dataclasses.replace(target, params=params, abstract=False), int(version)
 
 
-__all__ = ["Kind", "NEWEST", "WeightSource", "Wording", "fill", "load_source", "mismatch_error",
-           "resolve", "skeleton"]
+def lora_weights(workdir: paths.PathLike, source: WeightSource, target: LoadedModel, *,
+                 with_base: bool = True) -> tuple[LoraWeights, int]:
+    """The adapters of a LoRA run's checkpoint ``source`` (``with_base``: and its base),
+    placed like ``target``."""
+    assert source.step is not None and source.lora is not None and source.base is not None
+    return load_lora(workdir, source.step, source.lora, source.base if with_base else None,
+                     target)
+
+
+__all__ = ["Kind", "NEWEST", "WeightSource", "Wording", "fill", "load_source", "lora_weights",
+           "mismatch_error", "resolve", "skeleton"]

@@ -24,6 +24,7 @@ from flax import nnx
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import kv_cache as kvc
+from meshrl.models import paged_attention as paged
 from meshrl.models.attention_fused import cudnn_attention, splash_attention
 from meshrl.models.attention_kernels import (
     BLOCK,
@@ -68,11 +69,13 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
                  positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-                 cache: kvc.KVCache | None = None, layer: int | jax.Array = 0,
-                 ) -> tuple[jax.Array, kvc.KVCache | None]:
+                 cache: kvc.KVCache | paged.PagedKVCache | None = None,
+                 layer: int | jax.Array = 0,
+                 ) -> tuple[jax.Array, kvc.KVCache | paged.PagedKVCache | None]:
         """Without a cache: causal within equal segment ids (packing). With a ``KVCache``
         (stacked over layers): write this layer's k/v at ``positions`` and attend to entries at
-        cache index <= the query's position. Returns (output [B, L, D], updated cache or None).
+        cache index <= the query's position; a ``PagedKVCache`` (carrying its page table) the
+        same over pages. Returns (output [B, L, D], updated cache or None).
         """
         ctx = self.sharding
         q_BxLxNxH = constrain(self.q(x_BxLxD), ("batch", "length", "act_heads", "head_dim"), ctx)
@@ -95,6 +98,12 @@ class Attention(nnx.Module):
         elif cache is None:
             out_BxLxNxH = self_attention(self.impl, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                          segment_ids_BxL, ctx)
+        elif isinstance(cache, paged.PagedKVCache):
+            cache = paged.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
+            keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)
+            out_BxLxNxH = paged.paged_attention(
+                q_BxLxNxH, keys_PxSxKxH.astype(self.compute_dtype),
+                values_PxSxKxH.astype(self.compute_dtype), cache.page_table, positions_BxL)
         else:
             cache = kvc.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
             keys_BxKxHxT, values_BxKxTxH = cache.layer(layer)

@@ -11,6 +11,7 @@ step 0 is the base model. The frozen base can be stored quantised (``models/quan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Any
@@ -92,6 +93,54 @@ def delta(t: Target, a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.matmul(a2.astype(jnp.float32), b2.astype(jnp.float32)).reshape(t.shape)
 
 
+def add_delta(w: jax.Array, t: Target, ad: dict[str, jax.Array], scale: float) -> jax.Array:
+    """``w + scale * A @ B`` in float32: the one merge the trainer and the sampler both run,
+    so that a merge on either side gives the same values."""
+    return w.astype(jnp.float32) + scale * delta(t, ad["a"], ad["b"])
+
+
+def merge_frozen(frozen: dict[str, Any], adapters: Adapters | None,
+                 targets: tuple[Target, ...], scale: float, dtypes: dict[str, Any]
+                 ) -> dict[str, jax.Array]:
+    """Flat full params from a frozen base (``Lora.freeze``'s dict, quantised leaves
+    dequantised) and the scaled adapters, each leaf in ``dtypes``; ``adapters = None``: the
+    base alone. The trainer's forward and the sampler's merge both run this."""
+    by_path = {t.path: t for t in targets}
+    out = {}
+    for path, stored in frozen.items():
+        w = quant.dequantize(stored) if isinstance(stored, quant.QTensor) else stored
+        if adapters is not None and path in by_path:
+            w = add_delta(w, by_path[path], adapters[path], scale)
+        out[path] = w.astype(dtypes[path])
+    return out
+
+
+BaseTree = tuple[tuple[str, tuple[int, ...], str], ...]
+
+
+def base_tree(flat: dict[str, Any]) -> BaseTree:
+    """The (name, shape, dtype) of every leaf of a full params tree: what an adapter handoff
+    names as the base it adapts."""
+    return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(flat.items()))
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["adapters", "base"],
+                   meta_fields=["targets", "scale", "base_tree"])
+@dataclasses.dataclass(frozen=True)
+class AdapterUpdate:
+    """A weight handoff of the adapters only: the receiver merges them into its own copy of
+    the frozen base. ``base`` (the frozen base as the trainer stores it, ``Lora.freeze``'s
+    dict, quantised leaves included) travels with the first update, when the receiver has
+    none yet; ``base_tree`` names the full params it stands for (their names, shapes and
+    dtypes)."""
+
+    adapters: Adapters
+    base: Any
+    targets: tuple[Target, ...]
+    scale: float
+    base_tree: BaseTree
+
+
 def adapter_shardings(targets: list[Target], kernel_sh: dict[str, Any]) -> dict[str, Any]:
     """A follows its kernel's lead and input axes, B its lead and output axes; the rank axis
     is replicated (r is small and rarely divides a mesh axis)."""
@@ -140,15 +189,8 @@ class Lora:
                dtypes: dict[str, Any]) -> Any:
         """The param state the base forward takes: dequantised base + scaled ``A @ B``, each
         leaf in its original dtype (``dtypes``); ``adapters = None``: the base alone."""
-        by_path = {t.path: t for t in self.targets}
-        leaves = []
-        for path, stored in frozen.items():
-            w = quant.dequantize(stored) if isinstance(stored, quant.QTensor) else stored
-            if adapters is not None and path in by_path:
-                ad = adapters[path]
-                w = w.astype(jnp.float32) + self.scale * delta(by_path[path], ad["a"], ad["b"])
-            leaves.append(w.astype(dtypes[path]))
-        return jax.tree.unflatten(treedef, leaves)
+        flat = merge_frozen(frozen, adapters, self.targets, self.scale, dtypes)
+        return jax.tree.unflatten(treedef, list(flat.values()))
 
 
 class LoraSetup:
@@ -161,12 +203,13 @@ class LoraSetup:
         flat = jax.tree_util.tree_flatten_with_path(params)[0]
         self.treedef = jax.tree.structure(params)
         self.dtypes = {path_name(p): leaf.dtype for p, leaf in flat}
+        self.base_tree = base_tree({path_name(p): leaf for p, leaf in flat})
         self.params_sh = params_sh  # one sharding per leaf of ``params``
         kernel_sh = {path_name(p): sh for p, sh in
                      jax.tree_util.tree_flatten_with_path(params_sh)[0]}
         self.adapter_sh = adapter_shardings(list(self.lora.targets), kernel_sh)
         abstract = jax.eval_shape(self.lora.freeze, params)
-        self.frozen_sh = {k: _frozen_sharding(v, kernel_sh[k]) for k, v in abstract.items()}
+        self.frozen_sh = {k: frozen_sharding(v, kernel_sh[k]) for k, v in abstract.items()}
 
     def abstract_adapters(self) -> Adapters:
         return jax.eval_shape(self._init)
@@ -187,6 +230,14 @@ class LoraSetup:
         fn = lambda f, a: self.lora.merged(self.treedef, f, a, self.dtypes)  # noqa: E731
         return jax.jit(fn, out_shardings=self.params_sh)(frozen, adapters)
 
+    def update(self, adapters: Adapters, frozen: dict[str, Any], with_base: bool
+               ) -> AdapterUpdate:
+        """The adapter-only handoff of ``adapters`` over ``frozen``; ``with_base``: carrying
+        ``frozen`` itself (for a receiver that has no base yet, which must copy it: the train
+        step donates it)."""
+        return AdapterUpdate(adapters, frozen if with_base else None, self.lora.targets,
+                             self.lora.scale, self.base_tree)
+
     def forward(self, base_forward: Any, frozen: dict[str, Any]) -> Any:
         """``forward(adapters, ...)``: ``base_forward`` on the merged state. ``frozen`` is a
         traced argument of the step (never a closed-over constant: jit would embed it)."""
@@ -197,7 +248,7 @@ class LoraSetup:
         return fwd
 
 
-def _frozen_sharding(abstract: Any, kernel_sh: NamedSharding) -> Any:
+def frozen_sharding(abstract: Any, kernel_sh: NamedSharding) -> Any:
     """A plain leaf keeps its param's sharding; a QTensor's codes do too, its (small) scales
     are replicated."""
     if isinstance(abstract, quant.QTensor):

@@ -10,10 +10,15 @@ held instead of ``slots x max_len``.
 Compiled programs depend only on (B, M, L, P, S): any mix of sequence lengths runs in one
 program, the lengths are data. The attention here is portable JAX (a gather of each slot's
 pages, then masked softmax) for one query per sequence (decode) and for a chunk of L queries
-per sequence (chunked prefill, causal by position).
+per sequence (chunked prefill, causal by position). A ``PagedKVCache`` carrying its
+``page_table`` goes through the model's forward like a dense ``KVCache`` (``models.attention``
+writes and attends over pages); ``window``, ``put_band`` and ``put_slots`` give it the dense
+cache's roles in the sampler's programs without copying entries.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +27,7 @@ from jax.sharding import Mesh
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, logical_to_sharding
+from meshrl.models.kv_cache import KVCache
 
 # Pages and their offsets are not sharded: any device may own any sequence's pages. Heads
 # shard over ``tensor`` like the dense cache.
@@ -31,15 +37,22 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @struct.dataclass
 class PagedKVCache:
-    """Per layer: keys and values [P, S, K, H] (a tuple with one array per layer)."""
+    """Per layer: keys and values [P, S, K, H]: a tuple with one array per layer, or (for a
+    ``scan_layers`` model) one array stacked over a leading layers axis. ``page_table``
+    [slots B, pages_per_seq M] (int32, -1 = no page) rides along when the cache is handed to
+    the model's forward, so attention knows where each slot's positions live."""
 
-    k: tuple[jax.Array, ...]
-    v: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array
+    page_table: jax.Array | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int,
-             dtype: jnp.dtype | str = jnp.float32) -> PagedKVCache:
+             dtype: jnp.dtype | str = jnp.float32, stacked: bool = False) -> PagedKVCache:
         shape = cls.shape(cfg, num_pages, page_size)
+        if stacked:
+            return cls(jnp.zeros((cfg.num_layers, *shape), dtype),
+                       jnp.zeros((cfg.num_layers, *shape), dtype))
         return cls(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
                    tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
 
@@ -52,21 +65,88 @@ class PagedKVCache:
 
     @classmethod
     def shardings(cls, cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
-                  rules: Rules) -> PagedKVCache:
-        """A PagedKVCache of NamedShardings (for jit in/out_shardings)."""
-        sh = logical_to_sharding(PAGE_AXES, mesh, rules, cls.shape(cfg, num_pages, page_size))
+                  rules: Rules, stacked: bool = False) -> PagedKVCache:
+        """A PagedKVCache of NamedShardings (for jit in/out_shardings); the page table, when
+        the caller adds one, is replicated."""
+        shape = cls.shape(cfg, num_pages, page_size)
+        if stacked:
+            sh = logical_to_sharding(("layers", *PAGE_AXES), mesh, rules,
+                                     (cfg.num_layers, *shape))
+            return cls(sh, sh)
+        sh = logical_to_sharding(PAGE_AXES, mesh, rules, shape)
         return cls((sh,) * cfg.num_layers, (sh,) * cfg.num_layers)
 
     @property
+    def is_stacked(self) -> bool:
+        return not isinstance(self.k, tuple)
+
+    @property
     def num_pages(self) -> int:
-        return self.k[0].shape[0]
+        return self.k[0].shape[-4]
 
     @property
     def page_size(self) -> int:
-        return self.k[0].shape[1]
+        return self.k[0].shape[-3]
 
-    def layer(self, layer: int) -> tuple[jax.Array, jax.Array]:
+    @property
+    def slots(self) -> int:
+        """Sequences the page table describes (the sampler's slots)."""
+        return self.page_table.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        """Positions a sequence's page-table row can hold."""
+        return self.page_table.shape[1] * self.page_size
+
+    def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         return self.k[layer], self.v[layer]
+
+    def window(self, length: int, rows: int | None = None, lo: int = 0) -> PagedKVCache:
+        """Positions [0, ``length``) of slots [lo, lo + rows): the same pool under the first
+        ``length / page_size`` columns of those rows' page table, so attention reads only those
+        pages and writes past them are dropped (``KVCache.window``'s role, with no copy)."""
+        if length % self.page_size:
+            raise ValueError(f"paged cache window {length}: must be a multiple of the page "
+                             f"size {self.page_size}")
+        hi = None if rows is None else lo + rows
+        return self.replace(page_table=self.page_table[lo:hi, :length // self.page_size])
+
+    def put_band(self, window: PagedKVCache, start_B: jax.Array, width: int, lo: int = 0,
+                 ) -> PagedKVCache:
+        """The pool a decode chunk over ``window`` wrote in place, under this cache's table
+        (``KVCache.put_band``'s role: nothing to copy back)."""
+        return window.replace(page_table=self.page_table)
+
+    def stacked(self) -> PagedKVCache:
+        """Layers stacked on a leading axis (a copy unless already stacked)."""
+        if self.is_stacked:
+            return self
+        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+
+    def unstacked(self) -> PagedKVCache:
+        """One array per layer (a copy unless already per layer)."""
+        return self.replace(k=tuple(self.k), v=tuple(self.v)) if self.is_stacked else self
+
+    def put_slots(self, part: KVCache, slots_N: jax.Array) -> PagedKVCache:
+        """Write a dense cache ``part`` (N rows, entries [0, T)) into the pages of slots
+        ``slots_N`` (the prefill's prompts); out-of-range slots (padding rows) and positions
+        past a slot's pages are dropped."""
+        N, T = slots_N.shape[0], part.max_len
+        table_NxM = jnp.take(self.page_table, slots_N, axis=0, mode="fill", fill_value=-1)
+        pos_NxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
+        page_NxT, off_NxT = slot_index(table_NxM, pos_NxT, self.page_size)
+        # Dense keys are [N, K, H, T], values [N, K, T, H]: the pages take [N, T, K, H].
+        keys_NxTxKxH = _per_layer(lambda x: jnp.moveaxis(x, -1, -3), part.k)
+        values_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3), part.v)
+
+        def put(pool: jax.Array, x: jax.Array) -> jax.Array:
+            return pool.at[page_NxT, off_NxT].set(x.astype(pool.dtype), mode="drop")
+
+        if self.is_stacked:
+            return self.replace(k=jax.vmap(put)(self.k, jnp.stack(keys_NxTxKxH)),
+                                v=jax.vmap(put)(self.v, jnp.stack(values_NxTxKxH)))
+        return self.replace(k=tuple(map(put, self.k, keys_NxTxKxH)),
+                            v=tuple(map(put, self.v, values_NxTxKxH)))
 
 
 def slot_index(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: int,
@@ -81,14 +161,21 @@ def slot_index(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: i
     return page_BxL, positions_BxL % page_size
 
 
-def write(cache: PagedKVCache, layer: int, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
-          positions_BxL: jax.Array, page_table_BxM: jax.Array) -> PagedKVCache:
-    """Scatter one layer's new keys/values into their pages (in place under jit + donation)."""
-    page_BxL, off_BxL = slot_index(page_table_BxM, positions_BxL, cache.page_size)
+def write(cache: PagedKVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array,
+          v_BxLxKxH: jax.Array, positions_BxL: jax.Array,
+          page_table_BxM: jax.Array | None = None) -> PagedKVCache:
+    """Scatter one layer's new keys/values into their pages (in place under jit + donation);
+    ``page_table_BxM`` defaults to the one the cache carries."""
+    table = cache.page_table if page_table_BxM is None else page_table_BxM
+    page_BxL, off_BxL = slot_index(table, positions_BxL, cache.page_size)
+    if cache.is_stacked:
+        k = cache.k.at[layer, page_BxL, off_BxL].set(k_BxLxKxH.astype(cache.k.dtype), mode="drop")
+        v = cache.v.at[layer, page_BxL, off_BxL].set(v_BxLxKxH.astype(cache.v.dtype), mode="drop")
+        return cache.replace(k=k, v=v)
     k_l, v_l = cache.k[layer], cache.v[layer]
     k_l = k_l.at[page_BxL, off_BxL].set(k_BxLxKxH.astype(k_l.dtype), mode="drop")
     v_l = v_l.at[page_BxL, off_BxL].set(v_BxLxKxH.astype(v_l.dtype), mode="drop")
-    return PagedKVCache(_replace(cache.k, layer, k_l), _replace(cache.v, layer, v_l))
+    return cache.replace(k=_replace(cache.k, layer, k_l), v=_replace(cache.v, layer, v_l))
 
 
 def paged_attention(q_BxLxNxH: jax.Array, k_PxSxKxH: jax.Array, v_PxSxKxH: jax.Array,
@@ -122,3 +209,9 @@ def paged_attention(q_BxLxNxH: jax.Array, k_PxSxKxH: jax.Array, v_PxSxKxH: jax.A
 
 def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:
     return layers[:i] + (x,) + layers[i + 1:]
+
+
+def _per_layer(fn: Callable[[jax.Array], jax.Array], layers: tuple[jax.Array, ...] | jax.Array,
+               ) -> tuple[jax.Array, ...]:
+    """``fn`` of each layer's array, as a tuple, from either dense-cache layout."""
+    return tuple(fn(x) for x in layers)

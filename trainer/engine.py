@@ -28,7 +28,7 @@ from meshrl.algorithms.batch import TrainBatch
 from meshrl.configs.schema import Config
 from meshrl.inference.weights import publish_version
 from meshrl.models import LoadedModel, flops_per_token
-from meshrl.models.lora import LoraSetup
+from meshrl.models.lora import AdapterUpdate, LoraSetup
 from meshrl.trainer.checkpoint import Checkpointer, Restored
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
@@ -238,6 +238,12 @@ class TrainEngine:
         if self.lora is not None and self._leaves is not None:
             return self.lora.merged(self._frozen_tree(), self.trained_params)
         return self.trained_params
+
+    def adapter_update(self, with_base: bool) -> AdapterUpdate:
+        """With LoRA: the adapter-only weight handoff of the current adapters (``with_base``:
+        carrying the frozen base's full params, for a sampler that has none yet)."""
+        assert self.lora is not None and self._frozen is not None, "adapter_update needs LoRA"
+        return self.lora.update(self.trained_params, self._frozen_tree(), with_base)
 
     @property
     def trained_params(self) -> Any:

@@ -159,7 +159,9 @@ class RLLoop:
     def _handoff(self, sampler: AsyncSampler, version: int) -> float:
         """Wait for the dispatched step's params, hand them to the sampler as ``version``;
         returns when the params were ready (``perf_counter``)."""
-        params = self.engine.params
+        # With LoRA only the adapters travel; the sampler merges them into its own base.
+        params = (self.engine.params if self.engine.lora is None else
+                  self.engine.adapter_update(with_base=not self.sampler.weights.has_base))
         jax.block_until_ready(params)
         t_trained = time.perf_counter()
         sampler.update_weights(process_local_copy(params), version)

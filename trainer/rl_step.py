@@ -26,6 +26,12 @@ counts applied updates. Metrics: ``loss`` and the loss's aux statistics are the 
 the sum over minibatches (each minibatch's share of the batch mean), ``grad_norm`` the mean over
 updates, ``updates`` the applied updates, ``logprob_mismatch*`` (and with a rollout correction
 ``rollout_is_weight*``) from step 1.
+
+Truncated sampling (the batch's ``kept``, ``algorithms.truncation``): every logprob the step
+computes -- current, proximal, the trainer side of the mismatch -- is under the policy's
+logits truncated to each token's kept count and renormalised; a loss token outside the
+trainer's kept set is taken out of the loss mask (step 1 decides it for the whole batch, the
+loss again per update) and counted in ``rl/truncation_mismatch_frac``.
 """
 
 from __future__ import annotations
@@ -37,7 +43,10 @@ import jax.numpy as jnp
 import optax
 
 from meshrl.algorithms import policy_loss as pl
-from meshrl.algorithms.losses import LossFn, is_mean_max, report_aux
+from meshrl.algorithms import truncation as trunc
+from meshrl.algorithms.batch import RLTrainBatch
+from meshrl.algorithms.logits import token_stats
+from meshrl.algorithms.losses import LossFn, MeanMax, is_mean_max, report_aux
 from meshrl.configs.schema import RLConfig
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.reference import reference_logprobs
@@ -50,6 +59,7 @@ from meshrl.trainer.step import (
     guarded_update,
     make_grads_fn,
     make_train_step,
+    merge_rows,
     split_rows,
 )
 
@@ -59,12 +69,47 @@ def updates_per_step(rl: RLConfig) -> int:
     return rl.ppo_minibatches * rl.ppo_epochs
 
 
+def truncated_logprobs(forward_fn: ForwardFn, params: Any, batch: RLTrainBatch, *,
+                       temperature: float, kept_cap: int = 0, microbatches: int = 1
+                       ) -> tuple[jax.Array, jax.Array]:
+    """``[B, L]`` log p(target) under softmax(logits / temperature) truncated to each
+    token's ``batch.kept`` largest entries, and ``[B, L]`` 1.0 where the target is outside
+    that set; both 0 off the loss mask. Microbatched like ``reference_logprobs``."""
+    def one(mb: RLTrainBatch) -> tuple[jax.Array, jax.Array]:
+        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
+        t = token_stats(out, mb.targets, temperature, kept_BxL=mb.kept, kept_cap=kept_cap)
+        on_BxL = mb.loss_mask > 0
+        return jnp.where(on_BxL, t.logprobs_BxL, 0.0), jnp.where(on_BxL, t.outside_BxL, 0.0)
+
+    if microbatches == 1:
+        return one(batch)
+    outs = jax.lax.map(one, jax.tree.map(lambda v: split_rows(v, microbatches), batch))
+    return jax.tree.map(merge_rows, outs)
+
+
+def _before_updates(forward_fn: ForwardFn, params: Any, batch: RLTrainBatch, *,
+                    temperature: float, kept_cap: int, microbatches: int
+                    ) -> tuple[jax.Array, RLTrainBatch, dict[str, MeanMax]]:
+    """(logprobs under ``params``, the batch without the loss tokens outside the kept set,
+    the truncation metric); the batch as is and no metric without ``batch.kept``."""
+    if batch.kept is None:
+        return reference_logprobs(forward_fn, params, batch, temperature=temperature,
+                                  microbatches=microbatches), batch, {}
+    logp_BxL, outside_BxL = truncated_logprobs(forward_fn, params, batch,
+                                               temperature=temperature, kept_cap=kept_cap,
+                                               microbatches=microbatches)
+    metric = {trunc.METRIC: MeanMax.of(outside_BxL, batch.loss_mask > 0)}
+    return logp_BxL, batch.replace(
+        loss_mask=trunc.inside_mask(batch.loss_mask, outside_BxL)), metric
+
+
 def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
                        schedule: Schedule, *, rl: RLConfig, temperature: float = 1.0,
-                       microbatches: int = 1) -> StepFn:
-    """The RL step (module docstring). ``loss_fn`` is ``make_rl_loss_fn(rl, temperature)``
-    (it takes ``version=``); ``schedule`` is indexed by train step (``make_optimizer`` with
-    ``updates_per_step``)."""
+                       microbatches: int = 1, kept_cap: int = 0) -> StepFn:
+    """The RL step (module docstring). ``loss_fn`` is ``make_rl_loss_fn(rl, temperature,
+    kept_cap)`` (it takes ``version=``); ``schedule`` is indexed by train step
+    (``make_optimizer`` with ``updates_per_step``); ``kept_cap``: ``sampler.top_k``, a static
+    bound on the kept counts of a truncated batch (0: none)."""
     K, E = rl.ppo_minibatches, rl.ppo_epochs
 
     if K * E == 1:
@@ -82,8 +127,8 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
         assert B % (K * microbatches) == 0, (B, K, microbatches)
         # Before any update: the proximal policy and the trainer side of the mismatch. Split as
         # finely as an update's microbatch, so this pass never holds more than one does.
-        logp_BxL = jax.lax.stop_gradient(reference_logprobs(
-            forward_fn, state.params, batch, temperature=temperature,
+        logp_BxL, batch, truncation = jax.lax.stop_gradient(_before_updates(
+            forward_fn, state.params, batch, temperature=temperature, kept_cap=kept_cap,
             microbatches=K * microbatches))
         if batch.proximal_logprobs is None:
             batch = batch.replace(proximal_logprobs=logp_BxL)
@@ -119,7 +164,8 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
                    "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": weight, "finite": finite_ExK.all(), "skipped": new_state.skipped,
                    "step": state.step, "updates": applied, **report_aux(
-                       {"logprob_mismatch": mismatch, **pl.correction_stats(rl, batch)}, denom)}
+                       {"logprob_mismatch": mismatch, **pl.correction_stats(rl, batch),
+                        **truncation}, denom)}
         return new_state, metrics
 
     return train_step

@@ -13,6 +13,7 @@ from meshrl.algorithms.batch import PreferenceBatch, RLTrainBatch, TrainBatch
 from meshrl.algorithms.losses import LossFn, get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.algorithms.preference import NEEDS_REFERENCE, make_preference_loss_fn
+from meshrl.algorithms.truncation import batch_fields
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
@@ -62,7 +63,8 @@ def rl_spec(config: Config, mesh: Mesh) -> StepSpec:
     t = config.trainer
     B = rl_batch_size(config)
     batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, t.seq_len,
-                               RLTrainBatch, *ref_fields(config.rl))
+                               RLTrainBatch, *ref_fields(config.rl),
+                               *batch_fields(config.sampler))
     rows_per_shard = batch_sh.input_ids.shard_shape((B, t.seq_len))[0]
     # Every bucket splits into rl.ppo_minibatches minibatches of trainer.microbatches
     # microbatches, each spread over all data shards.
@@ -73,11 +75,11 @@ def rl_spec(config: Config, mesh: Mesh) -> StepSpec:
         raise ConfigError(f"rl.ppo_minibatches = {config.rl.ppo_minibatches}: packed row "
                           f"buckets {bad} are not divisible by rl.ppo_minibatches * "
                           f"trainer.microbatches = {split}")
-    T = config.sampler.temperature
+    T, cap = config.sampler.temperature, config.sampler.top_k
     return StepSpec(
-        loss_fn=make_rl_loss_fn(config.rl, temperature=T), batch_sh=batch_sh,
+        loss_fn=make_rl_loss_fn(config.rl, temperature=T, kept_cap=cap), batch_sh=batch_sh,
         make_step=functools.partial(make_rl_train_step, rl=config.rl, temperature=T,
-                                    microbatches=t.microbatches),
+                                    microbatches=t.microbatches, kept_cap=cap),
         row_buckets=buckets, metric_prefix="train/", what="RL loss",
         updates_per_step=updates_per_step(config.rl))
 

@@ -28,7 +28,8 @@ from meshrl.utils.buckets import bucket_for
 class Trajectory:
     """One sampled episode. Completion-side lists are aligned with ``completion_ids``, which holds
     model tokens and (multi-turn) environment feedback tokens; feedback has ``loss_mask`` 0,
-    ``logprobs`` 0.0 and ``versions`` -1."""
+    ``logprobs`` 0.0 and ``versions`` -1. ``kept`` (None: not recorded, sampling without
+    top-k/top-p/min-p) is the sampler's ``Completion.kept`` per token, 0 on feedback."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -39,13 +40,15 @@ class Trajectory:
     group_id: int = 0
     finish_reason: str = ""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    kept: list[int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
-        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n):
+        n_kept = n if self.kept is None else len(self.kept)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_kept == n):
             raise ValueError(f"trajectory lists disagree: {n} completion ids, "
                              f"{len(self.logprobs)} logprobs, {len(self.versions)} versions, "
-                             f"{len(self.loss_mask)} mask entries")
+                             f"{len(self.loss_mask)} mask entries, {n_kept} kept counts")
 
     @property
     def num_generated(self) -> int:
@@ -124,13 +127,15 @@ def _shaped_rewards(trajs: Sequence[Trajectory], overlong_buffer: int, overlong_
 
 
 def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndarray,
-            advantages_B: np.ndarray) -> RLTrainBatch:
-    """One sequence per row, target-aligned, right-padded to ``L``."""
+            advantages_B: np.ndarray, kept: bool = False) -> RLTrainBatch:
+    """One sequence per row, target-aligned, right-padded to ``L``; with ``kept`` the
+    trajectories' kept counts (0: the whole vocabulary) in the batch's ``kept``."""
     B = len(trajs)
     tokens_BxL = np.full((B, L + 1), pad_id, np.int32)  # one more column: the last target
     loss_mask_BxL = np.zeros((B, L + 1), np.float32)
     logprobs_BxL = np.zeros((B, L + 1), np.float32)
     versions_BxL = np.full((B, L + 1), -1, np.int32)
+    kept_BxL = np.zeros((B, L + 1), np.int32)
     lengths_B = np.asarray([len(t) for t in trajs], np.int32)
     for b, t in enumerate(trajs):
         p, c = len(t.prompt_ids), len(t.completion_ids)
@@ -139,6 +144,8 @@ def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndar
         loss_mask_BxL[b, p:p + c] = mask
         logprobs_BxL[b, p:p + c] = np.asarray(t.logprobs, np.float32) * mask
         versions_BxL[b, p:p + c] = np.where(mask > 0, np.asarray(t.versions, np.int32), -1)
+        if t.kept is not None:
+            kept_BxL[b, p:p + c] = np.where(mask > 0, np.asarray(t.kept, np.int32), 0)
     real_BxL = np.arange(L)[None, :] < lengths_B[:, None]
     sample_ids_BxL = np.where(real_BxL, np.arange(B, dtype=np.int32)[:, None], -1)
     target_mask_BxL = loss_mask_BxL[:, 1:]
@@ -148,7 +155,8 @@ def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndar
         segment_ids=real_BxL.astype(np.int32), behaviour_logprobs=logprobs_BxL[:, 1:],
         advantages=(advantages_B[:, None] * target_mask_BxL).astype(np.float32),
         versions=versions_BxL[:, 1:], sample_ids=sample_ids_BxL.astype(np.int32),
-        rewards=np.where(real_BxL, rewards_B[:, None], 0.0).astype(np.float32))
+        rewards=np.where(real_BxL, rewards_B[:, None], 0.0).astype(np.float32),
+        kept=kept_BxL[:, 1:] if kept else None)
     for name, value in batch.set_fields().items():
         assert value.shape == (B, L), (name, value.shape)
     return batch
@@ -157,14 +165,15 @@ def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndar
 def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Sequence[int],
                    pad_id: int = 0, advantage: str | None = "grpo", adv_eps: float = 1e-6,
                    overlong_buffer: int = 0, overlong_max_len: int = 0,
-                   overlong_penalty: float = 1.0, rows: int | Sequence[int] | None = None
-                   ) -> RLTrainBatch:
+                   overlong_penalty: float = 1.0, rows: int | Sequence[int] | None = None,
+                   kept: bool = False) -> RLTrainBatch:
     """The RL step's batch of full groups (sample ``g * N + i`` is group g's i-th): rewards
     shaped with the DAPO overlong penalty, advantages from the registered estimator
     ``advantage`` over each group (None: advantages 0, left to the device, as when the KL
     reference is in the reward), rows of the smallest bucket length that holds the longest
     sequence. ``rows=None``: one sequence per row; otherwise packed into ``rows`` rows (at
     least ``rows_needed``), or into the smallest of the row counts ``rows`` that holds them.
+    ``kept``: set the batch's ``kept`` (the sampler truncates; ``algorithms.truncation``).
 
     Multi-process runs must pass a single bucket (``length_buckets=(trainer.seq_len,)``): each
     process builds its own rows, and a per-process bucket choice would make processes compile
@@ -176,6 +185,10 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
         raise ValueError(f"every group needs the same non-zero size; got "
                          f"{[len(g) for g in groups]}")
     trajs = [t for g in groups for t in g]
+    if kept and (missing := [i for i, t in enumerate(trajs) if t.kept is None]):
+        raise ValueError(f"{len(missing)} trajectories (first: sample {missing[0]}) have no "
+                         f"kept counts: a batch of truncated sampling (top-k/top-p/min-p) "
+                         f"needs each generated token's kept count to score it")
     L = bucket_for(max(len(t) for t in trajs), length_buckets, what="trajectory length",
                    fix="raise the bucket or cap sampler.max_new_tokens")
     rewards_B = _shaped_rewards(trajs, overlong_buffer, overlong_max_len, overlong_penalty)
@@ -183,7 +196,7 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
     # the train step and stall the event loop that runs this.
     advantages_B = (np.zeros_like(rewards_B) if advantage is None else
                     np.asarray(adv_lib.compute(advantage, rewards_B, n, eps=adv_eps), np.float32))
-    padded = _padded(trajs, L, pad_id, rewards_B, advantages_B)
+    padded = _padded(trajs, L, pad_id, rewards_B, advantages_B, kept)
     if rows is None:
         return padded
     return _pack(padded, [len(t) for t in trajs], rows, pad_id)

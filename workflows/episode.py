@@ -106,6 +106,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
     logprobs: list[float] = []
     versions: list[int] = []
     loss_mask: list[int] = []
+    kept: list[int] | None = []  # None once a completion did not record its kept counts
     finish_reason, env_reward = "", None
     max_turns = settings.max_turns if env is not None else 1
     for turn in range(max_turns):
@@ -125,11 +126,13 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         assert len(out.tokens) == len(out.logprobs) == len(out.versions), (
             len(out.tokens), len(out.logprobs), len(out.versions))
         completion_ids += list(out.tokens)
-        # The behaviour policy is the distribution actually sampled (softmax(logits / T)); the
-        # trainer scores with logits / T to match. At T = 1 without top-k/top-p this is the raw
-        # log_softmax. Truncated (top-k/top-p) or greedy sampling has no counterpart in the
-        # trainer; an RL config rejects it (``configs/cross_section.py``).
+        # The behaviour policy is the distribution actually sampled (softmax(logits / T),
+        # truncated by top-k/top-p/min-p to ``out.kept`` tokens); the trainer scores with
+        # logits / T truncated to as many (``algorithms.truncation``). At T = 1 without
+        # truncation this is the raw log_softmax.
         logprobs += [float(x) for x in out.logprobs]
+        recorded = kept is not None and len(out.kept) == len(out.tokens)
+        kept = kept + [int(k) for k in out.kept] if recorded else None
         versions += [int(v) for v in out.versions]
         loss_mask += [1] * len(out.tokens)
         finish_reason = out.finish_reason
@@ -152,6 +155,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         logprobs += [0.0] * len(step.feedback_ids)
         versions += [-1] * len(step.feedback_ids)
         loss_mask += [0] * len(step.feedback_ids)
+        kept = None if kept is None else kept + [0] * len(step.feedback_ids)
     if not any(loss_mask):
         return None
     if env_reward is None:
@@ -161,7 +165,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
     return Trajectory(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=logprobs,
                       versions=versions, loss_mask=loss_mask, reward=float(env_reward),
                       group_id=group_id, finish_reason=finish_reason,
-                      metadata={"sample_index": sample_index})
+                      metadata={"sample_index": sample_index}, kept=kept)
 
 
 async def arun_group(engine: SamplerClient, item: dict, *, group_size: int, group_id: int,

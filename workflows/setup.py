@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from meshrl.algorithms.batch import RLTrainBatch
+from meshrl.algorithms.truncation import truncates
 from meshrl.configs.schema import Config
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.workflows.agent_eval import aevaluate_agent
@@ -67,7 +68,8 @@ def make_rl_batch(config: Config, groups: Sequence[Sequence[Trajectory]], pad_id
                           advantage=None if kl_in_reward else rl.advantage, adv_eps=rl.adv_eps,
                           overlong_buffer=rl.overlong_buffer,
                           overlong_max_len=rl.overlong_max_len,
-                          overlong_penalty=rl.overlong_penalty, rows=rows)
+                          overlong_penalty=rl.overlong_penalty, rows=rows,
+                          kept=truncates(config.sampler))
 
 
 async def aevaluate_held_out(config: Config, engine: Any, reward_pool: Any, examples: Any,

@@ -45,7 +45,8 @@ def test_chunked_stats_equal_the_full_logits_stats(tied, temperature, chunk):
     unchunked = _all_stats(hidden_BxLxD, head, targets_BxL, tied, 0, temperature)
     chunked = _all_stats(hidden_BxLxD, head, targets_BxL, tied, chunk, temperature)
 
-    for a, b, c in zip(full, unchunked, chunked, strict=True):
+    assert full.outside_BxL is None  # only truncated stats have it (test_truncation.py)
+    for a, b, c in zip(full[:3], unchunked[:3], chunked[:3], strict=True):
         assert c.shape == (B, L) and c.dtype == jnp.float32
         np.testing.assert_array_equal(a, b)
         np.testing.assert_allclose(c, a, rtol=RTOL, atol=ATOL)

@@ -46,8 +46,9 @@ CROSS_SECTION_ERRORS = [
      "rl.ppo_minibatches = 8: rl.ppo_minibatches * trainer.microbatches = 64 must divide"),
     ("rl", {"sampler.temperature": 0.0},
      "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
-    ("rl", {"sampler.top_k": 5}, "sampler.top_k = 5: the RL job needs 0"),
-    ("rl", {"sampler.top_p": 0.9}, "sampler.top_p = 0.9: the RL job needs 1.0"),
+    ("rl", {"sampler.top_p": 0.9, "sampler.min_p": 0.1, "agent.env": "tools"},
+     "sampler.top_p = 0.9, sampler.min_p = 0.1: agent episodes (agent.env = 'tools') do not "
+     "record the sampler's kept token counts"),
     ("rl", {"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
      "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
     ("rl", {"data.max_prompt_len": 200},
@@ -132,9 +133,19 @@ def test_main_dry_run_exits_one_naming_the_cross_section_field():
     env = cpu_env(8)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",
                           str(ROOT / "configs" / "default.py"), "--dry_run",
-                          "--config.sampler.top_k=5"],
+                          "--config.sampler.temperature=0"],
                          capture_output=True, text=True, env=env, timeout=300)
 
     assert out.returncode == 1, out.stderr
-    assert "error: sampler.top_k = 5: the RL job needs 0" in out.stderr
+    assert "error: sampler.temperature = 0.0: the RL job needs a temperature > 0" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("overrides", [{"sampler.top_k": 5}, {"sampler.top_p": 0.9},
+                                       {"sampler.min_p": 0.05}])
+def test_rl_config_with_truncated_sampling_loads(overrides):
+    (key, value), = overrides.items()
+
+    config = from_config_dict(_cfg("rl", overrides))
+
+    assert getattr(config.sampler, key.split(".")[1]) == value

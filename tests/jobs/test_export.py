@@ -216,3 +216,14 @@ def test_export_into_a_non_empty_directory_is_an_error(sft_run, tmp_path):
         _export(cfg, workdir, tmp_path)
 
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_peft_export_of_a_run_without_lora_is_one_line_naming_merged(sft_run, tmp_path):
+    _, _, cfg, workdir, _ = sft_run
+
+    with pytest.raises(ConfigError, match=r"export.format = 'peft': checkpoint step 1 of .* is "
+                                          r"no LoRA run \(lora.rank = 0\): export it with "
+                                          r"export.format = 'merged'"):
+        _export(cfg, workdir, tmp_path / "out", format="peft")
+
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from meshrl.tests.xla import cpu_env
@@ -15,7 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_smoke_rl_job_with_qlora_publishes_merged_weights_and_exports_only_versions(
+def test_smoke_rl_job_with_qlora_publishes_merged_weights_and_exports_merged_models(
         tmp_path):
     import orbax.checkpoint as ocp
 
@@ -32,16 +33,26 @@ def test_smoke_rl_job_with_qlora_publishes_merged_weights_and_exports_only_versi
     weights = flat_params(ocp.StandardCheckpointer().restore(workdir / "weights" / "4"))
     assert "embed" in weights and "layers/0/attn/q/kernel" in weights  # merged, full
 
-    # The checkpoint holds adapters only: exporting it is one error line; a version exports.
-    export = [*cmd, "--config.job=export", f"--config.export.path={tmp_path / 'hf'}"]
-    out = subprocess.run(export, cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode != 0 and "Traceback" not in out.stderr
-    assert "holds LoRA adapters (lora.rank = 4)" in out.stderr and not (tmp_path / "hf").exists()
-    out = subprocess.run([*export, "--config.export.version=4"], cwd=ROOT, env=cpu_env(),
+    # The checkpoint's adapters merge into the warm start they adapt: the same tensors as
+    # the version the run published at that step. A PEFT export of that base is one line.
+    from safetensors.numpy import load_file
+
+    export = [*cmd, "--config.job=export"]
+    for name, extra in (("ckpt", []), ("v4", ["--config.export.version=4"])):
+        out = subprocess.run([*export, f"--config.export.path={tmp_path / name}", *extra],
+                             cwd=ROOT, env=cpu_env(), capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-4000:]
+    ckpt, v4 = (load_file(str(tmp_path / n / "model.safetensors")) for n in ("ckpt", "v4"))
+    assert sorted(ckpt) == sorted(v4)
+    for name, tensor in v4.items():
+        np.testing.assert_allclose(ckpt[name], tensor, rtol=1e-6, atol=1e-6, err_msg=name)
+    out = subprocess.run([*export, f"--config.export.path={tmp_path / 'peft'}",
+                          "--config.export.format=peft"], cwd=ROOT, env=cpu_env(),
                          capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-4000:]
-    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "adapt the SFT warm start's checkpoint step" in out.stderr
+    assert not (tmp_path / "peft").exists()
 
 
 def test_a_lora_regex_matching_nothing_stops_the_job_with_one_error_line(tmp_path):

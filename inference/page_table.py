@@ -1,0 +1,143 @@
+"""The sampler's paged KV cache (``sampler.kv_cache = "paged"``): the device page pool, the
+host-side page allocator, and the page table each compiled call is handed.
+
+A request gets its pages when it is admitted: enough for its prompt and its whole token budget
+up front (``reserve``), so a decode chunk never needs a page the host has not granted and no
+sequence is ever preempted. Its pages return to the pool when its slot empties. A request the
+pool cannot hold yet waits at the head of the queue (first come, first served). Decoding never
+copies keys or values: each token is written once, into its slot's page.
+
+The page table travels inside the ``PagedKVCache`` handed to the prefill and decode programs
+(``bind``), so those programs are the dense sampler's own (``programs``) and depend only on
+(slots, pages) sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshrl.configs.schema import ModelConfig, SamplerConfig
+from meshrl.inference import paged_programs
+from meshrl.inference.pages import PageAllocator
+from meshrl.inference.prefix_cache import PrefixCache
+from meshrl.inference.requests import Completion, Request, token_budget
+from meshrl.mesh.rules import Rules
+from meshrl.models.paged_attention import PagedKVCache
+
+
+class SlotPages:
+    """Pages of the sampler's slots: ``alloc.table[s]`` lists slot ``s``'s pages."""
+
+    def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: Rules):
+        self.cfg, self.model_cfg = cfg, model_cfg
+        per_seq = cfg.max_len // cfg.page_size  # the schema checks that page_size divides it
+        self.num_pages = cfg.num_pages or cfg.slots * per_seq
+        self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq)
+        self._table_sh = NamedSharding(mesh, PartitionSpec())
+        pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
+                                         stacked=model_cfg.scan_layers)
+        self.sharding = pool_sh.replace(page_table=self._table_sh)
+        # Work counters (``prefix``): prompt rows prefilled from position 0 (admissions and
+        # re-prefills), group members started from a leader's pages, and tails re-prefilled
+        # over shared pages.
+        self.prompt_prefills = self.fanouts = self.tail_prefills = 0
+        self.prefix_cache = (PrefixCache(self.alloc, cfg.page_size, cfg.prefix_cache_pages)
+                             if cfg.prefix_cache_pages else None)
+        self.version = -1  # of the weights the pages being written are computed under
+        # slot -> (its prompt, the version its prompt pages hold): what the cache may keep.
+        self.owner: dict[int, tuple[Sequence[int], int]] = {}
+        self.start: dict[int, int] = {}  # slot -> prompt positions the prefix cache supplied
+
+    def build_jits(self, graphdef: nnx.GraphDef, max_len: int, st_sh: NamedSharding) -> None:
+        """The shared-prefix programs (``paged_programs``), with the sampler's shardings."""
+        out_sh = (self.sharding, st_sh)
+        self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len),
+                              donate_argnums=(1, 2), out_shardings=(*out_sh, st_sh))
+        self.tail = jax.jit(paged_programs.make_tail(graphdef), donate_argnums=(1, 2),
+                            out_shardings=out_sh)
+
+    def compile_count(self) -> int:
+        return self.extend._cache_size() + self.tail._cache_size()
+
+    def new_version(self, version: int) -> None:
+        """New weights: cached prompt pages hold the old version's entries."""
+        self.version = version
+        if self.prefix_cache:
+            self.prefix_cache.clear()
+
+    def init_cache(self) -> PagedKVCache:
+        """A zero pool (stacked over layers for a ``scan_layers`` model) with an empty table."""
+        cfg, m = self.cfg, self.model_cfg
+        table_shape = self.alloc.table.shape
+
+        def init() -> PagedKVCache:
+            pool = PagedKVCache.init(m, self.num_pages, cfg.page_size, cfg.dtype,
+                                     stacked=m.scan_layers)
+            return pool.replace(page_table=jnp.full(table_shape, -1, jnp.int32))
+
+        return jax.jit(init, out_shardings=self.sharding)()
+
+    def bind(self, cache: PagedKVCache) -> PagedKVCache:
+        """``cache`` carrying the host's current page table (a copy: the host keeps editing
+        its table while the call it was handed to may still be queued)."""
+        return cache.replace(page_table=jax.device_put(self.alloc.table.copy(), self._table_sh))
+
+    def tokens_needed(self, request: Request) -> int:
+        """Positions a request writes: its prompt, then each generated token but the last
+        (which is never fed back)."""
+        return len(request.prompt_ids) + token_budget(request, self.cfg) - 1
+
+    def shared_pages(self, request: Request) -> int:
+        """Leading pages a prompt group shares: the full pages before the one holding the last
+        prompt token (each member writes that token's entry again to get its first logits)."""
+        return (len(request.prompt_ids) - 1) // self.cfg.page_size
+
+    def reserve(self, slot: int, request: Request, leader: int | None = None) -> bool:
+        """Give ``slot`` pages for ``request`` after listing the prompt pages it shares: its
+        ``leader``'s, or those the prefix cache holds (``start[slot]``: positions they cover);
+        False, nothing taken, when the pool is short even after evicting cached pages."""
+        if leader is not None:
+            self.alloc.share(leader, slot, self.shared_pages(request))
+        elif self.prefix_cache:
+            cached = self.prefix_cache.match(request.prompt_ids, self.shared_pages(request))
+            self.alloc.adopt(slot, cached)
+            self.start[slot] = len(cached) * self.cfg.page_size
+        need = -(-self.tokens_needed(request) // self.cfg.page_size) - self.alloc.held(slot)
+        if self.prefix_cache:
+            self.prefix_cache.evict(need)
+        if self.alloc.reserve(slot, self.tokens_needed(request)):
+            self.owner[slot] = (request.prompt_ids, self.version)
+            return True
+        self.alloc.release(slot)
+        self.start.pop(slot, None)
+        return False
+
+    def release(self, slots: Sequence[int]) -> None:
+        """Return the pages of ``slots`` (sequences over, or certain to end in the round in
+        flight: that round was dispatched first, so its writes land before any new owner's)."""
+        for s in slots:
+            prompt, version = self.owner.pop(s, ((), None))
+            if self.prefix_cache and version == self.version:
+                self.prefix_cache.insert(prompt, self.alloc.table[s])
+            self.alloc.release(s)
+
+    def release_empty(self, out: Sequence[Completion | None]) -> None:
+        """Return the pages of every slot that holds no completion any more."""
+        self.release([s for s, c in enumerate(out) if c is None and self.alloc.held(s)])
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.alloc.pages_in_use
+
+    def prompt_pages(self, out: Sequence[Completion | None]) -> int:
+        """Distinct pages holding the prompts of the live sequences (a group's shared pages
+        count once)."""
+        size = self.cfg.page_size
+        return len({int(p) for s, c in enumerate(out) if c is not None
+                    for p in self.alloc.table[s, :-(-len(c.request.prompt_ids) // size)]
+                    if p >= 0})

@@ -1,0 +1,59 @@
+"""A least-recently-used cache of prompt pages across requests (``sampler.prefix_cache_pages``).
+
+When a sequence's pages return to the pool, the pages holding only its prompt stay listed here,
+keyed by the whole token prefix they close (page i of a prompt: its first (i + 1) x page_size
+tokens), so a later request starting with the same tokens (a system prompt, the history of a
+multi-turn episode, the next group of one prompt) lists them instead of prefilling them. A page's
+keys and values depend only on the tokens up to its end, so pages of different sequences chain.
+Entries hold a reference on their page; the least recently used go first when the cache is over
+its size or the pool is short. Entries are computed under one weight version: a new version
+clears the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from meshrl.inference.pages import PageAllocator
+
+
+class PrefixCache:
+    def __init__(self, alloc: PageAllocator, page_size: int, capacity: int):
+        self.alloc, self.page_size, self.capacity = alloc, page_size, capacity
+        self.entries: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
+        self.hits = 0  # pages listed from the cache instead of prefilled
+
+    def match(self, prompt: Sequence[int], most: int) -> list[int]:
+        """Pages of the longest cached prefix of ``prompt``, at most ``most`` of them."""
+        pages: list[int] = []
+        for i in range(most):
+            page = self.entries.get(tuple(prompt[:(i + 1) * self.page_size]))
+            if page is None:
+                break
+            self.entries.move_to_end(tuple(prompt[:(i + 1) * self.page_size]))
+            pages.append(page)
+        self.hits += len(pages)
+        return pages
+
+    def insert(self, prompt: Sequence[int], pages: Sequence[int]) -> None:
+        """Keep the pages holding only ``prompt``'s tokens (``pages``: its page-table row)."""
+        for i in range(len(prompt) // self.page_size):
+            key = tuple(prompt[:(i + 1) * self.page_size])
+            if key in self.entries:
+                self.entries.move_to_end(key)
+            elif pages[i] >= 0:
+                self.entries[key] = int(pages[i])
+                self.alloc.hold(int(pages[i]))
+        while len(self.entries) > self.capacity:
+            self.alloc.drop(self.entries.popitem(last=False)[1])
+
+    def evict(self, pages: int) -> None:
+        """Drop least recently used entries until ``pages`` more pages are free (or none is
+        left)."""
+        while self.entries and self.alloc.free_pages < pages:
+            self.alloc.drop(self.entries.popitem(last=False)[1])
+
+    def clear(self) -> None:
+        while self.entries:
+            self.alloc.drop(self.entries.popitem(last=False)[1])

@@ -1,0 +1,147 @@
+"""Shared prompt prefixes on the paged cache: a group of identical prompts admitted together is
+prefilled once and holds its full prompt pages once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshrl.inference.sampler import Request
+from meshrl.models import create_model, split_model
+from meshrl.tests.inference.tiny import TINY, make_sampler
+
+PROMPT = [(5 * i) % 90 + 1 for i in range(13)]  # 3 full pages of 4, the 13th token on a 4th
+KW = dict(page_size=4, max_new_tokens=12, prompt_buckets=(16,), temperature=1.0)
+
+
+def _group(g=4, budgets=(3, 10, 10, 10)):
+    # Distinct seeds: G different samples of one prompt; the first ends early.
+    return [Request(PROMPT, max_new_tokens=budgets[i], seed=i) for i in range(g)]
+
+
+def _run(sampler, requests, update=None):
+    for r in requests:
+        sampler.submit(r)
+    outs = sampler.step()
+    counts = (sampler.pages.prompt_pages(sampler.slots.out),
+              sampler.pages.prompt_prefills) if sampler.pages else None
+    outs += sampler.step()
+    if update is not None:
+        sampler.update_weights(update, version=1)
+    while sampler.has_work():
+        outs += sampler.step()
+    return sorted(outs, key=lambda c: c.request.id), counts
+
+
+def _assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and g.versions == w.versions
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=0, atol=1e-6)
+
+
+def test_group_of_four_prefills_the_prompt_once_and_samples_like_unshared(tiny_params):
+    _, params = tiny_params
+    want, _ = _run(make_sampler(params, **KW), _group())
+    sampler = make_sampler(params, kv_cache="paged", **KW)
+
+    got, (prompt_pages, prefills) = _run(sampler, _group())
+
+    _assert_same(got, want)
+    assert prefills == 1 and sampler.pages.fanouts == 3
+    assert prompt_pages == 3 + 4  # the 3 full pages once, each sample's copy of the 4th
+    assert len({tuple(c.tokens) for c in got[1:]}) == 3  # seeds still differ per sample
+    assert sampler.pages.pages_in_use == 0  # the leader ended first: refcounts kept the pages
+
+
+def test_weight_update_re_prefills_a_group_prompt_once(tiny_params):
+    _, old = tiny_params
+    new = split_model(create_model(TINY, seed=1))[1]
+    budgets = (10,) * 4
+    want, _ = _run(make_sampler(old, **KW), _group(budgets=budgets), update=new)
+    sampler = make_sampler(old, kv_cache="paged", **KW)
+
+    got, _ = _run(sampler, _group(budgets=budgets), update=new)
+
+    _assert_same(got, want)
+    assert all(c.versions[-1] == 1 and c.versions[0] == 0 for c in got)
+    assert sampler.pages.prompt_prefills == 2  # once per version
+    assert sampler.pages.tail_prefills == 3
+    assert sampler.pages.pages_in_use == 0
+
+
+def test_group_members_the_pool_cannot_hold_wait_and_start_a_group_of_their_own(tiny_params):
+    _, params = tiny_params
+    budgets = (10,) * 4
+    kw = {**KW, "max_len": 32}
+    want, _ = _run(make_sampler(params, **kw), _group(budgets=budgets))
+    # A member needs 6 pages (22 positions), 3 of them shared: 2 members fit in 10 pages.
+    sampler = make_sampler(params, kv_cache="paged", num_pages=10, **kw)
+
+    got, (prompt_pages, prefills) = _run(sampler, _group(budgets=budgets))
+
+    _assert_same(got, want)
+    assert (prompt_pages, prefills) == (3 + 2, 1)
+    assert sampler.pages.prompt_prefills == 2 and sampler.pages.fanouts == 2
+
+
+@pytest.mark.slow  # compiles every variant of a sampler: most of its time is the compiler
+def test_warmup_compiles_every_paged_variant_a_group_run_uses(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, kv_cache="paged", **{**KW, "slots": 2, "max_len": 32})
+    sampler.warmup()
+    before = sampler.compile_count()
+
+    outs = sampler.generate(_group(g=2, budgets=(3, 10)))
+
+    assert sampler.compile_count() == before
+    assert sampler.pages.fanouts == 1 and [len(c.tokens) for c in outs] == [3, 10]
+
+
+def _solo(prompt, seed):
+    return [Request(prompt, max_new_tokens=6, seed=seed)]
+
+
+def test_prefix_cache_serves_repeated_and_extended_prompts_without_prefilling_them(tiny_params):
+    _, params = tiny_params
+    # A repeat, then a longer prompt starting with the first (a multi-turn history).
+    prompts = [(PROMPT, 1), (PROMPT, 2), (PROMPT + [7, 8, 9, 10, 11, 12], 3)]
+    kw = {**KW, "prompt_buckets": (16, 32)}
+    dense = make_sampler(params, **kw)
+    sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=8, **kw)
+
+    for i, (prompt, seed) in enumerate(prompts):
+        _assert_same(sampler.generate(_solo(prompt, seed)), dense.generate(_solo(prompt, seed)))
+        assert sampler.pages.prompt_prefills == 1 and sampler.pages.prefix_cache.hits == 3 * i
+
+    assert len(sampler.pages.prefix_cache.entries) == 4  # 13 // 4 pages, then 19 // 4
+    assert sampler.pages.pages_in_use == 4  # held by the cache alone
+
+
+def test_prefix_cache_is_cleared_by_new_weights_and_keeps_its_size(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=3, **KW)
+    other = [p + 1 for p in PROMPT]
+    sampler.generate(_solo(PROMPT, 1))
+    sampler.generate(_solo(other, 1))  # its 3 pages push the first prompt's out
+
+    sampler.generate(_solo(PROMPT, 2))
+    assert sampler.pages.prompt_prefills == 3 and sampler.pages.prefix_cache.hits == 0
+    sampler.update_weights(params, version=1)
+    assert not sampler.pages.prefix_cache.entries and sampler.pages.pages_in_use == 0
+    sampler.generate(_solo(PROMPT, 3))
+    assert sampler.pages.prompt_prefills == 4
+
+
+def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
+    _, params = tiny_params
+    # 16 pages: one max_len sequence; the second request needs all of them.
+    sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=8, num_pages=16, **KW)
+    sampler.generate(_solo(PROMPT, 1))
+    assert sampler.pages.pages_in_use == 3
+
+    out = sampler.generate([Request([p + 1 for p in PROMPT], max_new_tokens=51, seed=1)])
+
+    assert len(out[0].tokens) == 51
+    assert set(sampler.pages.prefix_cache.entries) == {
+        tuple(p + 1 for p in PROMPT[:4 * (i + 1)]) for i in range(3)}
