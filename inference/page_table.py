@@ -70,17 +70,19 @@ class SlotPages:
         if self.prefix_cache:
             self.prefix_cache.clear()
 
-    def init_cache(self) -> PagedKVCache:
+    def _init(self) -> PagedKVCache:
         """A zero pool (stacked over layers for a ``scan_layers`` model) with an empty table."""
-        cfg, m = self.cfg, self.model_cfg
-        table_shape = self.alloc.table.shape
+        pool = PagedKVCache.init(self.model_cfg, self.num_pages, self.cfg.page_size,
+                                 self.cfg.dtype, stacked=self.model_cfg.scan_layers)
+        return pool.replace(page_table=jnp.full(self.alloc.table.shape, -1, jnp.int32))
 
-        def init() -> PagedKVCache:
-            pool = PagedKVCache.init(m, self.num_pages, cfg.page_size, cfg.dtype,
-                                     stacked=m.scan_layers)
-            return pool.replace(page_table=jnp.full(table_shape, -1, jnp.int32))
+    def init_cache(self) -> PagedKVCache:
+        """The zero pool with an empty table, placed on the sampler's devices."""
+        return jax.jit(self._init, out_shardings=self.sharding)()
 
-        return jax.jit(init, out_shardings=self.sharding)()
+    def abstract_cache(self) -> PagedKVCache:
+        """The pool's shapes and dtypes, nothing allocated (the compile job lowers with it)."""
+        return jax.eval_shape(self._init)
 
     def bind(self, cache: PagedKVCache) -> PagedKVCache:
         """``cache`` carrying the host's current page table (a copy: the host keeps editing

@@ -22,6 +22,7 @@ from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.algorithms.truncation import batch_fields
 from meshrl.configs.schema import Config, ModelConfig
 from meshrl.inference import programs as sampler_programs
+from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
 from meshrl.mesh import rules_for
@@ -149,9 +150,13 @@ def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
     cfg = sampler_programs.sampler_model_config(model_cfg, s)
     graphdef, params = split_model(abstract_model(cfg, mesh=mesh, rules=rules))
     params = abstract_tree(params, expand_prefix(param_shardings(params, mesh, rules), params))
-    cache_sh = KVCache.shardings(cfg, s.slots, s.max_len, mesh, rules)
-    cache = abstract_tree(jax.eval_shape(lambda: KVCache.init(cfg, s.slots, s.max_len, s.dtype)),
-                      cache_sh)
+    if s.kv_cache == "paged":  # the sampler's own page pool and table, as it builds them
+        pages = SlotPages(cfg, s, mesh, rules)
+        cache_sh, cache = pages.sharding, pages.abstract_cache()
+    else:
+        cache_sh = KVCache.shardings(cfg, s.slots, s.max_len, mesh, rules)
+        cache = jax.eval_shape(lambda: KVCache.init(cfg, s.slots, s.max_len, s.dtype))
+    cache = abstract_tree(cache, cache_sh)
     repl = NamedSharding(mesh, PartitionSpec())
     state = abstract_tree(jax.eval_shape(lambda: SlotState.init(s.slots)), repl)
     return cfg, graphdef, params, cache, cache_sh, state, repl

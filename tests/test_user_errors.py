@@ -119,8 +119,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("config, args, names", [c[1:] for c in CASES],
-                         ids=[c[0] for c in CASES])
+# The default run keeps one case per kind of failure (config, mesh, data, model path, restore);
+# the other cases of a kind run with -m slow (each starts main.py: seconds per case).
+SLOW_CASES = {"jsonl_malformed_row", "jsonl_missing_field", "hf_path_without_config_json",
+              "tokenizer_dir_without_tokenizer_json", "sft_data_state_mismatch"}
+
+
+@pytest.mark.parametrize("config, args, names", [
+    pytest.param(*c[1:], id=c[0], marks=[pytest.mark.slow] if c[0] in SLOW_CASES else [])
+    for c in CASES])
 def test_user_error_prints_one_error_line_and_leaves_the_workdir_alone(
         config, args, names, sft_workdir, inputs, tmp_path):
     workdir = tmp_path / "run"
@@ -153,8 +160,10 @@ def _assert_one_error_line(out: subprocess.CompletedProcess, names: str) -> None
     assert "Event loop is closed" not in out.stderr, out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("args", [("--config.mesh.data=3",), ("--config.model.num_kv_heads=3",)],
-                         ids=["validated_config", "config_that_failed_validation"])
+@pytest.mark.parametrize("args", [
+    pytest.param(("--config.mesh.data=3",), id="validated_config"),
+    pytest.param(("--config.model.num_kv_heads=3",), id="config_that_failed_validation",
+                 marks=pytest.mark.slow)])
 def test_debug_log_level_prints_the_traceback_before_the_error_line(args, tmp_path):
     out = _main(SFT, tmp_path / "run", *args, "--config.logging.level=DEBUG")
     assert out.returncode != 0

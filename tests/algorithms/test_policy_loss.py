@@ -233,7 +233,8 @@ def rl_batch(B: int = 2, L: int = 4, V: int = 5) -> tuple[jax.Array, RLTrainBatc
                                 sample_ids=None, ref_logprobs=behav - 0.2)
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo", "gspo"])
+@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo",
+                                         pytest.param("gspo", marks=pytest.mark.slow)])
 def test_rl_loss_fn_is_jittable_and_returns_sums_the_trainer_divides(policy_loss):
     rl = RLConfig(policy_loss=policy_loss, kl_coef=0.1, entropy_coef=0.01)
     loss_fn = pl.make_rl_loss_fn(rl)

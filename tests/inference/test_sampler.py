@@ -76,6 +76,7 @@ def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params)
     assert not np.asarray(sampler.state.active_B).any()  # moved-from slots were retired
 
 
+@pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_doubling_row_buckets_run_each_chunk_on_the_smallest_bucket_holding_its_rows(
         tiny_params):
     _, params = tiny_params
@@ -227,6 +228,7 @@ def test_min_new_tokens_outside_zero_to_max_new_is_rejected(tiny_params, min_new
         sampler.submit(Request([3, 4], max_new_tokens=10, min_new_tokens=min_new))
 
 
+@pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_sequence_reaching_cache_end_finishes_with_length(tiny_params):
     _, params = tiny_params
     sampler = make_sampler(params, max_len=24, prompt_buckets=(8, 16))
@@ -285,6 +287,7 @@ def test_sampled_generation_is_reproducible_per_seed_regardless_of_batch(tiny_pa
     assert np.all(np.asarray(alone.logprobs) >= np.asarray(alone.raw_logprobs) - 1e-5)
 
 
+@pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_decode_window_covers_chunk_and_compiled_input_is_window_shape(tiny_params):
     _, params = tiny_params
     sampler = make_sampler(params, max_len=192, decode_chunk=8, prompt_buckets=(64,))
@@ -367,6 +370,7 @@ def _count_rounds(sampler) -> list[int]:
     return rounds
 
 
+@pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_generate_admits_longest_budget_first_and_returns_results_in_request_order(tiny_params):
     # Two slots, four short requests and a long one last: first come, first served leaves the
     # long one decoding alone after the rest; longest first runs the short ones beside it.

@@ -50,6 +50,21 @@ def test_sft_job_compiles_its_train_step_and_programs_select(tmp_path):
     assert results[0]["hbm_per_chip_gib"] > 0
 
 
+def test_paged_decode_updates_the_page_pool_in_place_without_a_second_copy():
+    cfg = base_config("rl")
+    cfg.job, cfg.compile.programs = "compile", ("prefill", "decode")
+    cfg.sampler.kv_cache, cfg.sampler.page_size = "paged", 16
+    config = from_config_dict(cfg)
+    results = compile_job.compile_all(config, *compile_job.target(config.compile)[:2])
+    assert [r["program"] for r in results] == ["prefill", "decode"]
+    s, m = config.sampler, config.model
+    pool_gib = (2 * m.num_layers * s.slots * s.max_len * m.num_kv_heads * m.resolved_head_dim
+                * 4 / 2**30)  # keys and values, float32; the pool is replicated over data
+    decode = results[1]["memory_gib"]
+    assert decode["aliased"] >= pool_gib * 0.999, (decode, pool_gib)  # donated, written in place
+    assert decode["temps"] < 0.25 * pool_gib, (decode, pool_gib)  # pages are never copied
+
+
 @pytest.mark.parametrize(("field", "value", "rule"), [
     ("topology", "v4-8", "must be v5e-N, v5p-N or v6e-N"),
     ("programs", ("train", "backward"), "must be distinct names from"),

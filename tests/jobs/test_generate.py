@@ -133,6 +133,7 @@ def test_sample_job_loads_hf_checkpoint_and_samples_with_its_weights(tmp_path):
     assert all(r["prompt"].endswith("=") and r["tokens"] for r in rows)
 
 
+@pytest.mark.slow  # a BPE tokenizer and two prompt pipelines; seconds of set-up
 def test_templated_prompt_ids_equal_the_rl_prompt_iterators(tmp_path, templated_checkpoint):
     rows = [{"question": "what is 12 plus 34 ?", "answer": "46"},
             {"messages": [{"role": "system", "content": "be brief"},

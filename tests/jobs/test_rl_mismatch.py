@@ -4,25 +4,17 @@ with one update per batch and with PPO minibatches."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
-from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 
 
 @pytest.mark.parametrize("minibatches", [1, 2])
 def test_float32_synchronous_rl_logprob_mismatch_is_rounding_only(tmp_path, minibatches):
-    from meshrl.jobs import rl as rl_job
-
     config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.dtype": "float32",
                                "model.compute_dtype": "float32",
                                "rl.ppo_minibatches": minibatches})
-    trainer = rl_job.build(config, tmp_path)
-    try:
-        asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
-    finally:
-        trainer.close()
+    trainer, _ = run_rl(config, tmp_path)
 
     assert len(trainer.history) == config.trainer.steps
     for record in trainer.history:

@@ -3,16 +3,13 @@ staleness controller see goes up by one per batch, so a synchronous run does not
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 
 
 def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version_per_batch(
         tmp_path, monkeypatch):
-    from meshrl.jobs import rl as rl_job
     from meshrl.trainer import rl_loop
 
     config = tiny_rl_config(**{"trainer.steps": 3, "rollout.max_staleness": 0,
@@ -28,11 +25,7 @@ def test_synchronous_rl_run_with_a_skipped_non_finite_step_completes_one_version
         return rb
     monkeypatch.setattr(rl_loop, "make_rl_batch", poison_second_batch)
 
-    trainer = rl_job.build(config, tmp_path)
-    try:
-        summary = asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
-    finally:
-        trainer.close()
+    trainer, summary = run_rl(config, tmp_path)
 
     assert summary["steps"] == 3 and len(built) == 3
     assert [h["train/skipped"] for h in trainer.history] == [0.0, 1.0, 1.0]

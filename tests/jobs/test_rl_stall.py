@@ -4,13 +4,12 @@ requested stop (Ctrl-C), after saving the step it reached."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import jax
 import pytest
 
-from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 from meshrl.trainer.state import params_checksum
 from meshrl.utils import interrupt
 from meshrl.workflows.watch import RewardStallError
@@ -19,13 +18,7 @@ ZERO = ("meshrl.tests.jobs.zero_reward:reward",)
 
 
 def _run(config, workdir):
-    from meshrl.jobs import rl as rl_job
-
-    trainer = rl_job.build(config, workdir)
-    try:
-        summary = asyncio.run(asyncio.wait_for(trainer.arun(), timeout=120))
-    finally:
-        trainer.close()
+    trainer, summary = run_rl(config, workdir, timeout_s=120)
     return summary
 
 

@@ -5,12 +5,11 @@ reported every step."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 
-from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 
 
 @pytest.mark.parametrize("settings, minibatches", [
@@ -19,16 +18,10 @@ from meshrl.tests.trainer.tiny import tiny_rl_config
     pytest.param({"sampler.min_p": 0.3}, 1, marks=pytest.mark.slow)])
 def test_truncated_sampling_rl_matches_sampler_logprobs_and_reports_the_mismatch(
         tmp_path, settings, minibatches):
-    from meshrl.jobs import rl as rl_job
-
     config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.dtype": "float32",
                                "model.compute_dtype": "float32",
                                "rl.ppo_minibatches": minibatches, **settings})
-    trainer = rl_job.build(config, tmp_path)
-    try:
-        asyncio.run(asyncio.wait_for(trainer.arun(), timeout=300))
-    finally:
-        trainer.close()
+    trainer, _ = run_rl(config, tmp_path)
 
     assert len(trainer.history) == config.trainer.steps
     for record in trainer.history:

@@ -34,9 +34,10 @@ HEADS = {"gqa": (4, 2), "mha": (4, 4)}
 GRID = list(itertools.product(("all_gather", "ring"), sorted(MESHES), (True, False),
                               (False, True), sorted(HEADS)))
 # The default run covers every strategy x mesh with the other options varied; -m slow runs all.
-DEFAULT = {GRID[i] for i in range(0, len(GRID), 4)} | {
+DEFAULT = {GRID[i] for i in range(0, len(GRID), 8)} | {
     ("ring", "data2_context4", True, True, "gqa"), ("all_gather", "tensor2_context4", True,
-                                                     True, "gqa")}
+                                                     True, "gqa"),
+    ("ring", "context8", False, True, "mha")}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in GRID]
 
 

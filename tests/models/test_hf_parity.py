@@ -40,7 +40,8 @@ def test_llama_logits_match_transformers_with_llama3_rope_at_long_positions(hf_c
                                rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_tied", "qwen2_untied", "qwen3"])
+@pytest.mark.parametrize("kind", ["llama3_rope", pytest.param("qwen2_tied", marks=pytest.mark.slow),
+                                  "qwen2_untied", pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_save_then_transformers_from_pretrained_gives_same_logits(hf_checkpoint, tmp_path, kind):
     import transformers
 
@@ -60,7 +61,8 @@ def test_save_then_transformers_from_pretrained_gives_same_logits(hf_checkpoint,
                                rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", ["llama3_rope", "qwen2_tied", "qwen3"])
+@pytest.mark.parametrize("kind", [pytest.param("llama3_rope", marks=pytest.mark.slow),
+                                  pytest.param("qwen2_tied", marks=pytest.mark.slow), "qwen3"])
 def test_scanned_layers_load_match_transformers_and_export_back(hf_checkpoint, tmp_path, kind):
     import transformers
 

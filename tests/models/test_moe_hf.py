@@ -67,9 +67,15 @@ def test_moe_logits_match_transformers_unsharded(checkpoints, kind):
                                atol=ATOL)
 
 
+# The default run pairs each model with one mesh (every model and every mesh once); -m slow
+# runs the whole grid.
+MESH_GRID = [(k, m) if (sorted(KINDS).index(k) == sorted(MESHES).index(m)) else
+             pytest.param(k, m, marks=pytest.mark.slow)
+             for k in sorted(KINDS) for m in sorted(MESHES)]
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("mesh_name", sorted(MESHES))
-@pytest.mark.parametrize("kind", sorted(KINDS))
+@pytest.mark.parametrize("kind, mesh_name", MESH_GRID)
 def test_moe_logits_match_transformers_on_expert_meshes(checkpoints, kind, mesh_name):
     path, torch_model = checkpoints[kind]
     mesh = create_mesh(MESHES[mesh_name])

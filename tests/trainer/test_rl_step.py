@@ -24,6 +24,9 @@ from meshrl.trainer.state import init_state
 from meshrl.trainer.step import make_train_step
 from meshrl.workflows import build_rl_batch
 
+# Variants of a case the default run already checks on another setting; -m slow runs them.
+SLOW = pytest.mark.slow
+
 
 def _contract_batch(params: dict) -> RLTrainBatch:
     """4 sequences of 1-3 loss tokens (uneven: a per-minibatch mean is not a share)."""
@@ -37,7 +40,7 @@ def _run(step, params: dict, tx: optax.GradientTransformation, batch: RLTrainBat
     return jax.jit(step)(state, batch)
 
 
-@pytest.mark.parametrize("policy_loss", ["decoupled_ppo", "gspo"])
+@pytest.mark.parametrize("policy_loss", ["decoupled_ppo", pytest.param("gspo", marks=SLOW)])
 def test_one_minibatch_and_one_epoch_is_bitwise_the_plain_train_step(policy_loss):
     params = {"table": 0.3 * jax.random.normal(jax.random.key(0), (V, V))}
     batch = _contract_batch(params)
@@ -69,7 +72,7 @@ def _one_token_rows(rows: int) -> RLTrainBatch:
                         sample_ids=jnp.arange(rows, dtype=jnp.int32)[:, None])
 
 
-@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled_ppo"])
+@pytest.mark.parametrize("policy_loss", [pytest.param("ppo", marks=SLOW), "decoupled_ppo"])
 def test_after_the_first_minibatch_update_the_later_minibatches_are_clipped(policy_loss):
     # Hand-computed: minibatch 0 (1 of 4 tokens, divided by the batch's 4) moves the target
     # logit by lr * (1 - 1/8) / 4 = 2.1875 and the others by -0.3125, so pi(2 | 1) goes from
@@ -95,7 +98,7 @@ def test_after_the_first_minibatch_update_the_later_minibatches_are_clipped(poli
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
-@pytest.mark.parametrize("epochs", [1, 2])
+@pytest.mark.parametrize("epochs", [1, pytest.param(2, marks=SLOW)])
 def test_minibatch_losses_share_the_whole_batch_denominator(aggregation, epochs):
     # At learning rate 0 every update sees the pre-batch params: the minibatch shares of the
     # loss and its statistics must add up to the one-update values, not average per minibatch.
@@ -161,7 +164,7 @@ def _shifted_behaviour(params: dict, rho_of_token) -> tuple[RLTrainBatch, np.nda
     return batch.replace(behaviour_logprobs=batch.behaviour_logprobs - np.log(rho)), rho
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=SLOW), 2])
 def test_rollout_correction_config_takes_effect_in_the_rl_step(k):
     # rho cycles 0.3, 1, 8 over the tokens: mis_token keeps only the rho = 1 tokens (band
     # [0.5, 5]), so the step's loss weight counts them alone; the metrics report the raw rho.
@@ -191,7 +194,7 @@ def test_rollout_correction_config_takes_effect_in_the_rl_step(k):
     assert not np.isclose(float(on["loss"]), float(off["loss"]))
 
 
-@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=SLOW), 2])
 def test_behav_cap_mode_sets_the_decoupled_normaliser_in_the_rl_step(k):
     # Two of every three tokens have pi_prox / pi_behav = 8 > behav_weight_cap = 5: AReaL's
     # "zero" keeps them in the denominator, "drop" leaves only the others.

@@ -3,6 +3,7 @@ iterator and a real (tiny) meshrl decoder placed on a given mesh."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import jax
@@ -160,3 +161,16 @@ def make_loop(config: Config, workdir: Any, data: Any = None) -> Any:
         engine.close()
         raise
     return engine
+
+
+def run_rl(config: Config, workdir: Any, timeout_s: float = 300.0) -> tuple[Any, dict]:
+    """Build the RL job in this process, run it to the end and close it: (the loop, with its
+    ``history``; the summary ``arun`` returned)."""
+    from meshrl.jobs import rl as rl_job
+
+    trainer = rl_job.build(config, workdir)
+    try:
+        summary = asyncio.run(asyncio.wait_for(trainer.arun(), timeout=timeout_s))
+    finally:
+        trainer.close()
+    return trainer, summary
