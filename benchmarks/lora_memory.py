@@ -10,6 +10,7 @@ it merges into (``models/lora.py``, ``trainer/engine.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import Config
 from meshrl.mesh import rules_for
 from meshrl.models import abstract_model, param_shardings, resolve_model_config, split_model
-from meshrl.models.lora import LoraSetup
+from meshrl.models.lora import Lora, LoraSetup
 from meshrl.trainer import (
     abstract_state,
     batch_shardings,
@@ -57,7 +58,8 @@ def _bytes(tree: Any) -> int:
 
 def lora_rows(config: Config, mesh: Any) -> dict[str, Any]:
     """{full,lora}_state_bytes (global), their ratio, {full,lora}_step_temp_bytes (per
-    device), lora_base_bytes (the frozen base as stored) of ``config``'s model."""
+    device), lora_base_bytes (the frozen base as stored) and lora_base_bytes_by_dtype (it under
+    each ``lora.base_dtype``) of ``config``'s model."""
     t, rules = config.trainer, rules_for("train", True)
     graphdef, params = split_model(abstract_model(resolve_model_config(config.model), mesh=mesh,
                                                   rules=rules))
@@ -77,14 +79,9 @@ def lora_rows(config: Config, mesh: Any) -> dict[str, Any]:
     adapters = setup.abstract_adapters()
     lora_sh = state_shardings(setup.adapter_sh, tx, mesh, adapters)
     lora = abstract_state(lora_sh, adapters, tx)
-    frozen = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                          jax.eval_shape(setup.lora.freeze, params), setup.frozen_sh)
-
-    def lora_step(ext: Any, batch: Any) -> Any:  # TrainEngine._lora_step
-        state, base = ext
-        new, metrics = make_train_step(setup.forward(forward, base), loss, tx, schedule,
-                                       microbatches=t.microbatches)(state, batch)
-        return (new, base), metrics
+    frozen = setup.abstract_frozen(params)
+    lora_step = setup.step(forward, lambda fwd: make_train_step(  # TrainEngine's LoRA step
+        fwd, loss, tx, schedule, microbatches=t.microbatches))
 
     lora_temp = jit_leaf_step(lora_step, (lora_sh, setup.frozen_sh), batch_sh, mesh).lower(
         jax.tree.leaves(lora) + jax.tree.leaves(frozen), batch).compile().memory_analysis(
@@ -93,7 +90,18 @@ def lora_rows(config: Config, mesh: Any) -> dict[str, Any]:
     return {"lora_state_bytes": lora_bytes, "full_state_bytes": full_bytes,
             "lora_state_ratio": round(lora_bytes / full_bytes, 5),
             "lora_step_temp_bytes": int(lora_temp), "full_step_temp_bytes": int(full_temp),
-            "lora_base_bytes": _bytes(frozen)}
+            "lora_base_bytes": _bytes(frozen),
+            "lora_base_bytes_by_dtype": base_bytes_by_dtype(config, graphdef, params)}
+
+
+def base_bytes_by_dtype(config: Config, graphdef: Any, params: Any) -> dict[str, int]:
+    """The frozen base's stored bytes (global) for each ``lora.base_dtype``: nf4 packs two
+    codes a byte plus one float32 absmax per 64 weights, int8 one byte plus one per channel."""
+    out = {}
+    for dtype in ("float32", "bfloat16", "int8", "nf4"):
+        lora = Lora.of(dataclasses.replace(config.lora, base_dtype=dtype), graphdef, params)
+        out[dtype] = _bytes(jax.eval_shape(lora.freeze, params))
+    return out
 
 
 __all__ = ["LLAMA31_8B", "STATE_RATIO_MAX", "lora_config", "lora_rows"]

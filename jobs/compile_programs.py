@@ -9,6 +9,7 @@ prompt bucket, and one decode chunk over every slot and the whole cache.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
 from meshrl.mesh import rules_for
 from meshrl.models import KVCache, abstract_model, flops_per_token, param_shardings, split_model
+from meshrl.models.lora import LoraSetup
 from meshrl.trainer import (
     abstract_state,
     batch_shardings,
@@ -81,12 +83,13 @@ def _train_params(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple[A
 
 
 def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
-    """The SFT or RL step (``compile.job``) as ``TrainEngine`` jits it, at the full batch."""
+    """The SFT or RL step (``compile.job``) as ``TrainEngine`` jits it, at the full batch; with
+    ``lora.rank > 0`` the LoRA step: the adapters and their optimizer state are the trained
+    state, the frozen base (stored as ``lora.base_dtype`` says) a second, donated argument."""
     t, rl, rl_job = config.trainer, config.rl, config.compile.job == "rl"
     graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
     tx, schedule = make_optimizer(config.optimizer, t.learning_rate, t.steps,
                                   updates_per_step(rl) if rl_job else 1)
-    state_sh = state_shardings(params_sh, tx, mesh, params)
     rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
     forward = decoder_forward(graphdef, t.logits_chunk)
     if rl_job:
@@ -94,16 +97,22 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
         batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch, *ref_fields(rl),
                                    *batch_fields(config.sampler))
         cap = config.sampler.top_k
-        step = make_rl_train_step(forward, make_rl_loss_fn(rl, temperature=T, kept_cap=cap), tx,
-                                  schedule, rl=rl, temperature=T, microbatches=t.microbatches,
-                                  kept_cap=cap)
+        make = functools.partial(make_rl_train_step,
+                                 loss_fn=make_rl_loss_fn(rl, temperature=T, kept_cap=cap), tx=tx,
+                                 schedule=schedule, rl=rl, temperature=T,
+                                 microbatches=t.microbatches, kept_cap=cap)
     else:
         batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
-        step = make_train_step(forward, get_loss("sft"), tx, schedule,
-                               microbatches=t.microbatches)
+        make = functools.partial(make_train_step, loss_fn=get_loss("sft"), tx=tx,
+                                 schedule=schedule, microbatches=t.microbatches)
+    if config.lora.rank > 0:
+        step, state_sh, leaves, weights = _lora_parts(config, graphdef, params, params_sh, tx,
+                                                      mesh, forward, make)
+    else:
+        state_sh = state_shardings(params_sh, tx, mesh, params)
+        step, leaves = make(forward), jax.tree.leaves(abstract_state(state_sh, params, tx))
+        weights = per_chip_bytes(abstract_tree(params, params_sh))
     jitted = jit_leaf_step(step, state_sh, batch_sh, mesh)
-    leaves = jax.tree.leaves(abstract_state(state_sh, params, tx))
-    weights = per_chip_bytes(abstract_tree(params, params_sh))
     lowered = jitted.lower(leaves, abstract_batch(batch_sh, rows, t.seq_len))
     warnings = split_warning(rows, t.microbatches, batch_sh.input_ids, t.seq_len)
     tokens = rows * t.seq_len * (updates_per_step(rl) if rl_job else 1)
@@ -111,6 +120,21 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
     remat = 8 / 6 if model_cfg.remat == "full" else 1.0  # the forward pass runs again
     return Program("train", lowered, 1, flops, flops * remat, weights,
                    per_chip_bytes(leaves) - weights, warnings)
+
+
+def _lora_parts(config: Config, graphdef: Any, params: Any, params_sh: Any, tx: Any,
+                mesh: Mesh, forward: Any, make: Callable[[Any], Any]
+                ) -> tuple[Any, Any, list[Any], float]:
+    """(step, state shardings, abstract input leaves, weight bytes per chip) of the LoRA step,
+    as ``TrainEngine`` builds it: the state is the adapters' (sharded like their kernels), the
+    frozen base follows it; the weights the step reads are the frozen base and the adapters."""
+    setup = LoraSetup(config.lora, graphdef, params, params_sh)
+    adapters = setup.abstract_adapters()
+    state_sh = state_shardings(setup.adapter_sh, tx, mesh, adapters)
+    frozen = setup.abstract_frozen(params)
+    leaves = jax.tree.leaves(abstract_state(state_sh, adapters, tx)) + jax.tree.leaves(frozen)
+    weights = per_chip_bytes(frozen) + per_chip_bytes(abstract_tree(adapters, setup.adapter_sh))
+    return setup.step(forward, make), (state_sh, setup.frozen_sh), leaves, weights
 
 
 def split_warning(rows: int, microbatches: int, sharding: Any, seq_len: int) -> tuple[str, ...]:

@@ -238,6 +238,21 @@ class LoraSetup:
         return AdapterUpdate(adapters, frozen if with_base else None, self.lora.targets,
                              self.lora.scale, self.base_tree)
 
+    def abstract_frozen(self, params: Any) -> dict[str, Any]:
+        """``ShapeDtypeStruct``s of ``freeze(params)`` carrying its shardings (nothing runs)."""
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            jax.eval_shape(self.lora.freeze, params), self.frozen_sh)
+
+    def step(self, base_forward: Any, make_step: Any) -> Any:
+        """``step((state, frozen), batch)``: ``make_step(forward)``'s step over the adapters,
+        its forward merging them into the frozen base passed alongside, which comes back
+        unchanged (the step donates it, so its buffer is aliased, not copied)."""
+        def lora_step(ext: tuple[Any, Any], batch: Any) -> tuple[Any, Any]:
+            state, frozen = ext
+            new, metrics = make_step(self.forward(base_forward, frozen))(state, batch)
+            return (new, frozen), metrics
+        return lora_step
+
     def forward(self, base_forward: Any, frozen: dict[str, Any]) -> Any:
         """``forward(adapters, ...)``: ``base_forward`` on the merged state. ``frozen`` is a
         traced argument of the step (never a closed-over constant: jit would embed it)."""
@@ -249,9 +264,26 @@ class LoraSetup:
 
 
 def frozen_sharding(abstract: Any, kernel_sh: NamedSharding) -> Any:
-    """A plain leaf keeps its param's sharding; a QTensor's codes do too, its (small) scales
-    are replicated."""
-    if isinstance(abstract, quant.QTensor):
-        rep = NamedSharding(kernel_sh.mesh, PartitionSpec())
-        return dataclasses.replace(abstract, codes=kernel_sh, scale=rep)
-    return kernel_sh
+    """A plain leaf keeps its param's sharding. A QTensor's codes do too, where the packed axis
+    still divides; its scales (``[lead, groups, 1, rest]``) follow the kernel's major lead,
+    first-input and major output axes, each flattened axis split as its major one was (the
+    scales of an 8B nf4 base replicated would cost ~0.4 GiB a chip)."""
+    if not isinstance(abstract, quant.QTensor):
+        return kernel_sh
+    mesh, n = kernel_sh.mesh, abstract.n_lead
+    spec = tuple(kernel_sh.spec) + (None,) * (len(abstract.shape) - len(kernel_sh.spec))
+    rest = spec[n + 1] if len(spec) > n + 1 else None
+    scale_spec = (spec[0] if n else None, spec[n], None, rest)
+    return dataclasses.replace(
+        abstract, codes=NamedSharding(mesh, _fit(mesh, spec, abstract.codes.shape)),
+        scale=NamedSharding(mesh, _fit(mesh, scale_spec, abstract.scale.shape)))
+
+
+def _fit(mesh: Any, spec: tuple[Any, ...], shape: tuple[int, ...]) -> PartitionSpec:
+    """``spec`` with the mesh axes of any dimension they do not divide dropped (replicated)."""
+    out = []
+    for names, dim in zip(spec, shape):
+        axes = (names,) if isinstance(names, str) else tuple(names or ())
+        size = math.prod(mesh.shape[a] for a in axes)
+        out.append(names if axes and dim % size == 0 else None)
+    return PartitionSpec(*out)

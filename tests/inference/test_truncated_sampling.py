@@ -91,8 +91,8 @@ def test_trainer_truncated_logprobs_equal_the_samplers_with_identical_params(tin
         stats = token_stats(fwd(ids_1xL[:, :-1]), jnp.asarray(ids_1xL[:, 1:]), 0.8,
                             kept_BxL=jnp.asarray(kept_1xL), kept_cap=kw.get("top_k", 0))
         got = slice(len(p) - 1, len(seq) - 1)
-        np.testing.assert_allclose(stats.logprobs_BxL[0, got], out.logprobs, rtol=1e-5,
-                                   atol=1e-5, err_msg=str(kw))
+        np.testing.assert_allclose(stats.logprobs_BxL[0, got], out.logprobs, rtol=0,
+                                   atol=1e-6, err_msg=str(kw))
         np.testing.assert_array_equal(stats.outside_BxL[0, got], 0.0)
 
 

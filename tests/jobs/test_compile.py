@@ -179,3 +179,31 @@ def test_mesh_search_with_nothing_that_fits_says_so_in_one_line():
         compile_search.search(config, [object()] * 4, CHIPS["v5p"], over)
     with pytest.raises(UserError, match="compile.search = True: needs a chip's figures"):
         compile_search.search(config, [object()] * 4, None, over)
+
+
+def test_lora_train_program_takes_adapters_and_frozen_base_far_below_full_fine_tuning():
+    from meshrl.algorithms.batch import abstract_batch
+    from meshrl.jobs.compile_programs import _train_params, abstract_tree, per_chip_bytes
+    from meshrl.mesh import create_mesh, rules_for
+    from meshrl.models import resolve_model_config
+    from meshrl.trainer import batch_shardings
+
+    cfg = base_config("sft")
+    cfg.job, cfg.lora.rank, cfg.lora.base_dtype = "compile", 4, "nf4"
+    config = from_config_dict(cfg)
+    devices, chip = compile_job.target(config.compile)[:2]
+    (lora,) = compile_job.compile_all(config, devices, chip)
+    mesh = create_mesh(config.mesh, devices)
+    _, params, params_sh = _train_params(config, resolve_model_config(config.model), mesh)
+    full_weights = per_chip_bytes(abstract_tree(params, params_sh))
+    t = config.trainer
+    batch = per_chip_bytes(abstract_batch(batch_shardings(
+        mesh, rules_for("train", config.mesh.fsdp), t.batch_size, t.seq_len),
+        t.batch_size, t.seq_len))
+    args = lora["memory_gib"]["arguments"] * 2 ** 30
+    # The step's arguments are the frozen base, the adapters and their Adam state, the batch.
+    assert args == pytest.approx(
+        lora["weights_bytes_per_chip"] + lora["state_bytes_per_chip"] + batch, abs=64)
+    assert lora["weights_bytes_per_chip"] < 0.5 * full_weights  # nf4 projections, fp32 rest
+    assert lora["state_bytes_per_chip"] < 0.1 * 2 * full_weights  # vs full Adam moments
+    assert args < 0.3 * (3 * full_weights + batch)  # full: params + two Adam moments

@@ -70,7 +70,7 @@ def test_qlora_nf4_base_trains(tmp_path):
     history = run_sft(engine)
     engine.close()
     assert history[-1]["loss"] < history[0]["loss"]
-    assert any(x.dtype == np.uint8 for x in engine._frozen)  # nf4 codes, one per byte
+    assert any(x.dtype == np.uint8 for x in engine._frozen)  # nf4 codes, two a byte
 
 
 def test_lora_resume_is_bitwise(tmp_path):
