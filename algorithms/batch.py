@@ -1,5 +1,5 @@
-"""The train step's batch: one typed pytree per step, all fields ``[rows, L]`` and target-aligned
-(position t predicts ``targets[t]``).
+"""The train step's batch: one typed pytree per step, all fields ``[rows, L]`` (``routing``:
+``[rows, L, layers, k]``) and target-aligned (position t predicts ``targets[t]``).
 
 ``TrainBatch`` is what SFT trains on; ``RLTrainBatch`` adds the rollout's per-token fields. The
 same classes hold host arrays (numpy, one process's rows), device arrays, abstract
@@ -77,7 +77,10 @@ class RLTrainBatch(TrainBatch):
     default: the current policy) and ``kept`` (set when the sampler truncates with top-k,
     top-p or min-p: how many tokens its distribution kept for each target, 0 off the mask and
     for "the whole vocabulary"; the trainer scores each target under its own logits truncated
-    to as many, ``algorithms.truncation``)."""
+    to as many, ``algorithms.truncation``) and ``routing`` (MoE routing replay,
+    ``rl.routing_replay``: ``[rows, L, layers, k]`` the experts the sampler's forward routed
+    each position to when it sampled that position's target, -1 where it recorded none; the
+    trainer's forwards route those positions to the same experts)."""
 
     behaviour_logprobs: Any = _field(np.float32)
     advantages: Any = _field(np.float32)
@@ -87,6 +90,7 @@ class RLTrainBatch(TrainBatch):
     ref_logprobs: Any = _field(np.float32, default=None)
     proximal_logprobs: Any = _field(np.float32, default=None)
     kept: Any = _field(np.int32, default=None)
+    routing: Any = _field(np.int32, default=None)
 
     def sample_lags(self, version: int) -> np.ndarray:
         """``version`` minus the oldest weight version of each sample's loss-masked tokens, one
@@ -133,8 +137,11 @@ def batch_of(cls: type[B], value: Any, *names: str) -> B:
     return cls(**{n: value for n in fields})
 
 
-def abstract_batch(shardings: B, rows: int, seq_len: int) -> B:
-    """``ShapeDtypeStruct``s ``[rows, seq_len]`` with each field's dtype and sharding."""
-    cls = type(shardings)
+def abstract_batch(shardings: B, rows: int, seq_len: int,
+                   trailing: Mapping[str, tuple[int, ...]] | None = None) -> B:
+    """``ShapeDtypeStruct``s ``[rows, seq_len, *trailing[name]]`` with each field's dtype and
+    sharding (``trailing``: the dims after ``[rows, L]`` of fields that have more, e.g.
+    ``{"routing": (layers, k)}``)."""
+    cls, more = type(shardings), trailing or {}
     return shardings.map(lambda name, sh: jax.ShapeDtypeStruct(
-        (rows, seq_len), field_dtype(cls, name), sharding=sh))
+        (rows, seq_len, *more.get(name, ())), field_dtype(cls, name), sharding=sh))

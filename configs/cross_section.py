@@ -100,6 +100,8 @@ def _rl(config: ConfigSections) -> None:
         raise ConfigError(f"{', '.join(truncated)}: agent episodes (agent.env = "
                           f"{config.agent.env!r}) do not record the sampler's kept token "
                           f"counts: use top_k = 0, top_p = 1 and min_p = 0 with agent.env")
+    if config.rl.routing_replay != "off":
+        _routing_replay(config)
     if config.model.hf_path and config.rl.warm_start_steps > 0:
         raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
                           f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "
@@ -107,6 +109,28 @@ def _rl(config: ConfigSections) -> None:
     if s.prompt_buckets and s.prompt_buckets[-1] < config.data.max_prompt_len:
         raise ConfigError(f"sampler.prompt_buckets = {s.prompt_buckets}: the largest must be "
                           f">= data.max_prompt_len = {config.data.max_prompt_len}")
+
+
+def _routing_replay(config: ConfigSections) -> None:
+    # Only the sampler's own episodes record routing; with model.hf_path the checkpoint says
+    # whether the model has experts (checked when the RL job loads it: check_routing_replay).
+    if config.agent.env:
+        raise ConfigError(f"rl.routing_replay = {config.rl.routing_replay!r}: agent episodes "
+                          f"(agent.env = {config.agent.env!r}) do not record the routing: use "
+                          f"rl.routing_replay = 'off' with agent.env")
+    if config.sampler.kv_cache != "dense":
+        raise ConfigError(f"rl.routing_replay = {config.rl.routing_replay!r}: the paged KV "
+                          f"cache's prefix programs do not record the routing: use "
+                          f"sampler.kv_cache = 'dense'")
+    if not config.model.hf_path:
+        check_routing_replay(config.rl.routing_replay, config.model.num_experts)
+
+
+def check_routing_replay(mode: str, num_experts: int) -> None:
+    """Routing replay needs experts to route to."""
+    if mode != "off" and num_experts == 0:
+        raise ConfigError(f"rl.routing_replay = {mode!r}: the model is dense "
+                          f"(model.num_experts = 0): set rl.routing_replay = 'off'")
 
 
 def _generate(config: ConfigSections) -> None:

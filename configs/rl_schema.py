@@ -99,6 +99,13 @@ class RLConfig(Section):
         "zero", "decoupled_ppo: tokens above rl.behav_weight_cap get weight 0 but still count "
                 "in the loss normaliser (zero, AReaL), or leave the loss mask with their KL and "
                 "entropy terms (drop).")
+    routing_replay: Literal["off", "rollout"] = field(
+        "off", "MoE routing replay. rollout: the sampler records the experts each generated "
+               "token was routed to, and every forward of the RL step (loss, proximal, KL "
+               "reference) routes those tokens to the same experts (combine weights still "
+               "from the trainer's router, so it learns; "
+               "docs/moe.md). Needs an MoE model (model.num_experts > 0). off: nothing is "
+               "recorded.")
     warm_start_steps: int = field(-1, "SFT warm-start steps before RL when model.hf_path is empty; "
                                       "-1: as many as trainer.steps, 0: no warm start. Must stay "
                                       "-1 or 0 with model.hf_path.", at_least(-1))

@@ -17,7 +17,7 @@ from flax import nnx, struct
 from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference.sampling import sample_kept
 from meshrl.models import KVCache
-from meshrl.models.decoder import apply_head, forward
+from meshrl.models.decoder import apply_head, forward, model_config
 
 MAX_STOP_IDS = 8  # static width of the per-slot stop-id table
 RUNNING, STOP, LENGTH = 0, 1, 2
@@ -77,7 +77,8 @@ def sampler_model_config(model_cfg: ModelConfig, cfg: SamplerConfig) -> ModelCon
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
-                 all_positions: bool = False, max_tokens: int = 0) -> Callable:
+                 all_positions: bool = False, max_tokens: int = 0,
+                 routing: bool = False) -> Callable:
     """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
 
     Writes the prompts' keys/values into ``slots_N``; with ``resample`` samples each prompt's
@@ -87,7 +88,8 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
     divisor of N with R x P <= ``max_tokens``, at least 1), the cache and slot state carried,
     so the temporary ``[R, P]`` keys/values and activations are all a pass holds. ``all_positions`` is the
     reference program (head on every position, then the last row kept, one pass), same tokens
-    and logprobs; benchmarks/memory.py measures what it costs.
+    and logprobs; benchmarks/memory.py measures what it costs. ``routing``: one more output,
+    the experts [N, layers, k] of each prompt's last position (what routed its first token).
     """
 
     def one_pass(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
@@ -96,8 +98,8 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         N, P = tokens_NxP.shape
         pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
         tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
-        out_NxPxX, tmp = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
-                                 return_hidden=not all_positions)
+        out_NxPxX, tmp, *rout = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
+                                        return_hidden=not all_positions, return_routing=routing)
         # Padding rows use slot index S: every scatter below drops them.
         cache = cache.put_slots(tmp, slots_N)
         if not resample:
@@ -106,6 +108,9 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         last_NxV = last_NxX if all_positions else apply_head(graphdef, params, last_NxX)
         assert last_NxV.shape == (N, cfg.vocab_size), last_NxV.shape
         st, out = first_token(st, last_NxV, lens_N, slots_N, settings, max_len)
+        if routing:  # [layers, N, P, k] -> the last prompt position's [N, layers, k]
+            last = jnp.take_along_axis(rout[0], (lens_N - 1)[None, :, None, None], axis=2)
+            out = (*out, last[:, :, 0].swapaxes(0, 1))
         return cache, st, out
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
@@ -157,9 +162,11 @@ def pass_rows(n: int, length: int, max_tokens: int) -> int:
 
 
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
-                on_trace: Callable[[tuple[int, ...]], Any]) -> Callable:
+                on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
     """decode(params, cache, st, window, rows, lo): ``chunk`` steps of slots [lo, lo + rows)
-    over cache entries [0, window); ``on_trace`` sees each traced window's key shape."""
+    over cache entries [0, window); ``on_trace`` sees each traced window's key shape.
+    ``routing``: one more output, the experts [rows, chunk, layers, k] that routed the forward
+    each token was sampled from."""
 
     def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
                lo: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
@@ -172,11 +179,17 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         start_B = st.pos_B
         out0 = (jnp.full((rows, chunk), -1, jnp.int32), jnp.zeros((rows, chunk), jnp.float32),
                 jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk), jnp.int32))
+        m = model_config(graphdef, params)
+        rout0 = ((jnp.full((rows, chunk, m.num_layers, m.num_experts_per_tok), -1, jnp.int32),)
+                 if routing else ())
 
         def step(i: jax.Array, carry: tuple) -> tuple:
-            win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC) = carry
-            logits_Bx1xV, win = forward(graphdef, params, st.token_B[:, None],
-                                        st.pos_B[:, None], None, win)
+            win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC), rout = carry
+            logits_Bx1xV, win, *layers = forward(graphdef, params, st.token_B[:, None],
+                                                 st.pos_B[:, None], None, win,
+                                                 return_routing=routing)
+            if layers:  # [layers, B, 1, k] -> row i of [B, C, layers, k]
+                rout = (rout[0].at[:, i].set(layers[0][:, :, 0].swapaxes(0, 1)),)
             new_pos_B = st.pos_B + 1
             tok_B, lp_B, raw_B, kept_B = sample_kept(logits_Bx1xV[:, 0], st.temperature_B,
                                                      st.top_k_B, st.top_p_B, st.seed_B,
@@ -185,16 +198,17 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
             st = finish(st, emit_B, tok_B, new_pos_B, max_len)
             tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
             return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B),
-                             kept_BxC.at[:, i].set(kept_B))
+                             kept_BxC.at[:, i].set(kept_B)), rout
 
-        win, st, out = jax.lax.fori_loop(0, chunk, step, (win, st, out0))
+        win, st, out, rout = jax.lax.fori_loop(0, chunk, step, (win, st, out0, rout0))
         # A row writes only at positions [start, start + chunk): copying back that band instead
         # of the whole window halves the cache traffic of a long-window chunk.
         cache = win if whole else cache.put_band(win, start_B, chunk, lo)
         full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, lo, 0),
                                full_st, st)
         tok_BxC, lp_BxC, raw_BxC, kept_BxC = out  # the kept counts last: readback's order
-        return cache, full_st, (tok_BxC, lp_BxC, raw_BxC, st.active_B, st.reason_B, kept_BxC)
+        return cache, full_st, (tok_BxC, lp_BxC, raw_BxC, st.active_B, st.reason_B, kept_BxC,
+                                *rout)
 
     return decode
 

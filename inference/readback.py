@@ -20,7 +20,8 @@ REASONS = {programs.STOP: "stop", programs.LENGTH: "length"}
 
 def first_tokens(comps: Sequence[Completion], tok_N: np.ndarray, lp_N: np.ndarray,
                  raw_N: np.ndarray, active_N: np.ndarray, reason_N: np.ndarray,
-                 kept_N: np.ndarray | None = None) -> list[Completion]:
+                 kept_N: np.ndarray | None = None, routing_NxLxK: np.ndarray | None = None,
+                 ) -> list[Completion]:
     """Fill in the placeholder first token of each admitted completion (row i: ``comps[i]``);
     returns those the first token already finished."""
     finished = []
@@ -29,6 +30,8 @@ def first_tokens(comps: Sequence[Completion], tok_N: np.ndarray, lp_N: np.ndarra
             int(tok_N[i]), float(lp_N[i]), float(raw_N[i])
         if kept_N is not None:
             c.kept[:1] = [int(kept_N[i])]
+        if routing_NxLxK is not None:
+            c.routing[:1] = [routing_NxLxK[i]]
         if not active_N[i]:
             c.finish_reason = REASONS[int(reason_N[i])]
             finished.append(c)
@@ -37,7 +40,8 @@ def first_tokens(comps: Sequence[Completion], tok_N: np.ndarray, lp_N: np.ndarra
 
 def chunk_tokens(comps: Sequence[Completion | None], version: int, tok_BxC: np.ndarray,
                  lp_BxC: np.ndarray, raw_BxC: np.ndarray, active_B: np.ndarray,
-                 reason_B: np.ndarray, kept_BxC: np.ndarray | None = None) -> list[Completion]:
+                 reason_B: np.ndarray, kept_BxC: np.ndarray | None = None,
+                 routing_BxCxLxK: np.ndarray | None = None) -> list[Completion]:
     """Append one decode call's outputs (row r: ``comps[r]``, as dispatched) under weight
     ``version``; rows without a completion, or whose completion had already finished, emit
     nothing. Returns the completions that finished in this call."""
@@ -56,6 +60,8 @@ def chunk_tokens(comps: Sequence[Completion | None], version: int, tok_BxC: np.n
         c.raw_logprobs += raws[r][:n]
         if kepts is not None:
             c.kept += kepts[r][:n]
+        if routing_BxCxLxK is not None:
+            c.routing += list(routing_BxCxLxK[r, :n])
         c.versions += [version] * n
         if not active[r]:
             c.finish_reason = REASONS[int(reason_B[r])]

@@ -43,6 +43,9 @@ class Completion:
     # Per token: how many tokens the distribution sampled from kept (top-k/top-p/min-p; the
     # vocabulary size without them); the RL trainer truncates its own logits to as many.
     kept: list[int] = dataclasses.field(default_factory=list)
+    # Per token, with routing recorded (``Sampler(record_routing=True)``, MoE models): the
+    # experts [layers, k] int32 of the forward it was sampled from (-1 in dense layers).
+    routing: list[np.ndarray] = dataclasses.field(default_factory=list)
 
     @property
     def token_versions(self) -> list[int]:

@@ -65,8 +65,9 @@ class Sampler:
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
                  params: Any = None, *, version: int = 0, workdir: str | None = None,
-                 rules: Rules | None = None, insert_buckets: Sequence[int] | None = None):
-        self.cfg, self.mesh, self.workdir = cfg, mesh, workdir
+                 rules: Rules | None = None, insert_buckets: Sequence[int] | None = None,
+                 record_routing: bool = False):
+        self.cfg, self.mesh, self.workdir, self.record_routing = cfg, mesh, workdir, record_routing
         self.rules = rules if rules is not None else rules_for("sample")
         self.model_cfg = programs.sampler_model_config(model_cfg, cfg)
         abstract = abstract_model(self.model_cfg, mesh=mesh, rules=self.rules)
@@ -107,10 +108,10 @@ class Sampler:
     # ---- compiled functions --------------------------------------------------------------
 
     def _build_jits(self) -> None:
-        T, chunk = self.cfg.max_len, self.cfg.decode_chunk
+        T, chunk, rec = self.cfg.max_len, self.cfg.decode_chunk, self.record_routing
         prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
-                                        max_tokens=self.cfg.prefill_tokens)
-        decode = programs.make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append)
+                                        max_tokens=self.cfg.prefill_tokens, routing=rec)
+        decode = programs.make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
         st_sh, cache_sh = self._repl, self._cache_sh
         self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                                 out_shardings=(cache_sh, st_sh, st_sh))

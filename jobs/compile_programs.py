@@ -41,6 +41,7 @@ from meshrl.trainer import (
 )
 from meshrl.trainer.reference import ref_fields, reference_logprobs
 from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+from meshrl.workflows.setup import routing_shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +93,11 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
                                   updates_per_step(rl) if rl_job else 1)
     rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
     forward = decoder_forward(graphdef, t.logits_chunk)
+    routing = routing_shape(config, model_cfg) if rl_job else None  # MoE routing replay
     if rl_job:
         T = config.sampler.temperature
         batch_sh = batch_shardings(mesh, rules, rows, t.seq_len, RLTrainBatch, *ref_fields(rl),
-                                   *batch_fields(config.sampler))
+                                   *batch_fields(config.sampler), *(("routing",) if routing else ()))
         cap = config.sampler.top_k
         make = functools.partial(make_rl_train_step,
                                  loss_fn=make_rl_loss_fn(rl, temperature=T, kept_cap=cap), tx=tx,
@@ -113,7 +115,8 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
         step, leaves = make(forward), jax.tree.leaves(abstract_state(state_sh, params, tx))
         weights = per_chip_bytes(abstract_tree(params, params_sh))
     jitted = jit_leaf_step(step, state_sh, batch_sh, mesh)
-    lowered = jitted.lower(leaves, abstract_batch(batch_sh, rows, t.seq_len))
+    lowered = jitted.lower(leaves, abstract_batch(batch_sh, rows, t.seq_len,
+                                                  {"routing": routing} if routing else None))
     warnings = split_warning(rows, t.microbatches, batch_sh.input_ids, t.seq_len)
     tokens = rows * t.seq_len * (updates_per_step(rl) if rl_job else 1)
     flops = flops_per_token(model_cfg, t.seq_len) * tokens

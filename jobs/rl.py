@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from meshrl.configs.cross_section import check_routing_replay
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
@@ -34,6 +35,7 @@ from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.utils.params import process_local_copy
+from meshrl.workflows.setup import routing_shape
 
 log = log_lib.get_logger("rl")
 
@@ -48,13 +50,15 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
     workdir, t = paths.as_path(workdir), config.trainer
     mesh, sampler_mesh = create_meshes(config)
     trainee, model_cfg, tokenizer = load_trainee(config, mesh)
+    check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # hf_path's model
     # One prompt per ``next``: the runner then never buffers a prompt the iterator has
     # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
     prompts = make_prompt_iterator(config.data, tokenizer, batch_size=n, seed=t.seed,
                                    process_index=jax.process_index(), process_count=n)
     # Read the held-out set now: a bad file fails before the warm start trains anything.
     examples = eval_examples(config.data, tokenizer)
-    engine = TrainEngine(config, workdir, mesh, trainee, rl_spec(config, mesh))
+    engine = TrainEngine(config, workdir, mesh, trainee,
+                         rl_spec(config, mesh, routing_shape(config, model_cfg)))
     try:  # no orphaned Orbax threads or open metric files when anything below fails
         reference, params, warm = reference_and_params(config, workdir, engine, tokenizer)
         engine.start(params)
@@ -73,7 +77,8 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
         # The sampler applies its own rules on its mesh (the trainer's devices, or its own).
         sampler = Sampler(model_cfg, config.sampler, sampler_mesh,
                           process_local_copy(engine.params), version=start,
-                          workdir=str(workdir), rules=rules_for("sample"))
+                          workdir=str(workdir), rules=rules_for("sample"),
+                          record_routing=config.rl.routing_replay == "rollout")
         reward_pool = RewardPool.from_config(config.reward)
     except BaseException:
         engine.close()

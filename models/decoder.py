@@ -15,11 +15,11 @@ from jax.sharding import Mesh
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, rules_for
-from meshrl.models.attention import Attention
+from meshrl.models.block import Block, add_stats, run_block
 from meshrl.models.context_attention import check_length, context_size, sequence_order
 from meshrl.models.kv_cache import KVCache
-from meshrl.models.layers import MLP, RMSNorm, dtype_of, param
-from meshrl.models.moe import MoE, zero_stats
+from meshrl.models.layers import RMSNorm, dtype_of, param
+from meshrl.models.moe import zero_stats
 from meshrl.models.moe_math import RouterStats
 from meshrl.models.rope import inv_frequencies, rope_tables
 from meshrl.models.sharding import ShardingContext, constrain, param_shardings
@@ -29,51 +29,6 @@ _REMAT_POLICIES = {
     # Keep weight matmul outputs (no batch dims), recompute attention and elementwise work.
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-class Block(nnx.Module):
-    """Pre-norm decoder layer: x + attn(norm(x)); x + mlp(norm(x)), the MLP dense or MoE
-    (``cfg.is_sparse_layer(layer)``). Returns (x, cache, router stats or None)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, sharding: ShardingContext | None,
-                 layer: int = 0):
-        pd, cd = dtype_of(cfg.param_dtype), dtype_of(cfg.compute_dtype)
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
-                                 param_dtype=pd)
-        self.attn = Attention(cfg, rngs=rngs, sharding=sharding)
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, "embed", rngs=rngs,
-                                param_dtype=pd)
-        self.mlp = (MoE(cfg, rngs=rngs, sharding=sharding) if cfg.is_sparse_layer(layer) else
-                    MLP(cfg.hidden_size, cfg.intermediate_size, rngs=rngs, param_dtype=pd,
-                        chunk=cfg.mlp_chunk, compute_dtype=cd, sharding=sharding))
-        self.sharding = sharding
-
-    def __call__(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
-                 positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-                 cache: KVCache | None = None, layer: int | jax.Array = 0,
-                 ) -> tuple[jax.Array, KVCache | None, RouterStats | None]:
-        h, cache = self.attn(self.attn_norm(x_BxLxD), cos_BxLxH, sin_BxLxH, positions_BxL,
-                             segment_ids_BxL, cache, layer)
-        x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
-        stats = None
-        if isinstance(self.mlp, MoE):
-            h, stats = self.mlp(self.mlp_norm(x_BxLxD), segment_ids_BxL > 0)
-        else:
-            h = self.mlp(self.mlp_norm(x_BxLxD))
-        x_BxLxD = constrain(x_BxLxD + h, ("batch", "length", "act_embed"), self.sharding)
-        return x_BxLxD, cache, stats
-
-
-def _run_block(block: Block, x: jax.Array, cos: jax.Array, sin: jax.Array, pos: jax.Array,
-               seg: jax.Array) -> tuple[jax.Array, RouterStats | None]:
-    x, _, stats = block(x, cos, sin, pos, seg)
-    return x, stats
-
-
-def _add_stats(total: RouterStats | None, stats: RouterStats | None) -> RouterStats | None:
-    if stats is None:
-        return total
-    return stats if total is None else jax.tree.map(jnp.add, total, stats)
 
 
 class Decoder(nnx.Module):
@@ -109,7 +64,9 @@ class Decoder(nnx.Module):
 
     def __call__(self, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None = None,
                  segment_ids_BxL: jax.Array | None = None, *, cache: KVCache | None = None,
-                 return_hidden: bool = False, router_stats: bool = False) -> Any:
+                 return_hidden: bool = False, router_stats: bool = False,
+                 replay_NxBxLxK: jax.Array | None = None, return_routing: bool = False,
+                 ) -> Any:
         cfg, ctx = self.cfg, self.sharding
         B, L = input_ids_BxL.shape
         cd = dtype_of(cfg.compute_dtype)
@@ -121,6 +78,9 @@ class Decoder(nnx.Module):
             segment_ids_BxL = jnp.ones((B, L), jnp.int32)
         assert positions_BxL.shape == (B, L), (positions_BxL.shape, (B, L))
         assert segment_ids_BxL.shape == (B, L), (segment_ids_BxL.shape, (B, L))
+        K = cfg.num_experts_per_tok
+        if replay_NxBxLxK is not None:
+            assert replay_NxBxLxK.shape == (cfg.num_layers, B, L, K), replay_NxBxLxK.shape
         C = context_size(ctx, (B, L)) if cache is None else 1
         natural_L = None
         if C > 1 and cfg.context_balance:
@@ -131,32 +91,22 @@ class Decoder(nnx.Module):
             natural_L = np.argsort(order_L)
             input_ids_BxL, positions_BxL, segment_ids_BxL = (
                 a[:, order_L] for a in (input_ids_BxL, positions_BxL, segment_ids_BxL))
+            if replay_NxBxLxK is not None:
+                replay_NxBxLxK = replay_NxBxLxK[:, :, order_L]
         elif C > 1:
             check_length(L, C, False)
 
         x_BxLxD = jnp.take(self.embed[...], input_ids_BxL, axis=0).astype(cd)
         x_BxLxD = constrain(x_BxLxD, ("batch", "length", "act_embed"), ctx)
         cos_BxLxH, sin_BxLxH = rope_tables(positions_BxL, inv_frequencies(cfg))
-
-        kv, stats = cache, None
+        rows = (cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL)
         if cfg.scan_layers:
-            x_BxLxD, kv, stats = self._scan(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                                            segment_ids_BxL, kv)
-        elif kv is not None:
-            for i, block in enumerate(self.layers):
-                x_BxLxD, kv, _ = block(x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                                       segment_ids_BxL, kv, i)
+            x_BxLxD, cache, stats, routing = self._scan(x_BxLxD, *rows, cache, replay_NxBxLxK)
         else:
-            run = _run_block
-            if cfg.remat != "none":
-                run = nnx.remat(_run_block, policy=_REMAT_POLICIES[cfg.remat])
-            for block in self.layers:
-                x_BxLxD, layer_stats = run(block, x_BxLxD, cos_BxLxH, sin_BxLxH, positions_BxL,
-                                           segment_ids_BxL)
-                stats = _add_stats(stats, layer_stats)
-        cache = kv
+            x_BxLxD, cache, stats, routing = self._loop(x_BxLxD, *rows, cache, replay_NxBxLxK)
         if natural_L is not None:
             x_BxLxD = constrain(x_BxLxD[:, natural_L], ("batch", "length", "act_embed"), ctx)
+            routing = routing[:, :, natural_L]
 
         x_BxLxD = self.final_norm(x_BxLxD)
         if return_hidden:
@@ -164,10 +114,38 @@ class Decoder(nnx.Module):
         else:
             out = self.head(x_BxLxD)
             assert out.shape == (B, L, cfg.vocab_size), out.shape
+        # Extras follow the output in this order: cache, router stats, routing.
+        extras = (() if cache is None else (cache,)) + ((stats,) if router_stats else ())
         if router_stats:
             assert cache is None, "router_stats is for the no-cache forward"
-            return out, stats
-        return out if cache is None else (out, cache)
+        extras += (routing,) if return_routing else ()
+        return (out, *extras) if extras else out
+
+    def _loop(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
+              positions_BxL: jax.Array, segment_ids_BxL: jax.Array, kv: KVCache | None,
+              replay_NxBxLxK: jax.Array | None,
+              ) -> tuple[jax.Array, KVCache | None, RouterStats | None, jax.Array]:
+        """The layers one by one: (x, cache, router stats, routing [layers, B, L, k], -1 in
+        dense layers)."""
+        rows = (cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL)
+        run = run_block
+        if self.cfg.remat != "none" and kv is None:
+            run = nnx.remat(run_block, policy=_REMAT_POLICIES[self.cfg.remat])
+        stats, routing = None, []
+        for i, block in enumerate(self.layers):
+            replay = None if replay_NxBxLxK is None else replay_NxBxLxK[i]
+            if kv is None:
+                x_BxLxD, layer_stats, experts = run(block, x_BxLxD, *rows, replay)
+            else:
+                x_BxLxD, kv, layer_stats, experts = block(x_BxLxD, *rows, kv, i, replay)
+            stats = add_stats(stats, layer_stats)
+            routing.append(self._no_experts(x_BxLxD) if experts is None else experts)
+        return x_BxLxD, kv, stats, jnp.stack(routing)
+
+    def _no_experts(self, x_BxLxD: jax.Array) -> jax.Array:
+        """A dense layer's routing: -1 (XLA drops it unless the caller asked for routing)."""
+        B, L, _ = x_BxLxD.shape
+        return jnp.full((B, L, self.cfg.num_experts_per_tok), -1, jnp.int32)
 
     def head_weight(self) -> tuple[jax.Array, bool]:
         """(the output head's matrix, tied): ``lm_head`` [D, V], or the [V, D] embedding."""
@@ -185,8 +163,9 @@ class Decoder(nnx.Module):
         return constrain(logits_xV, axes, self.sharding)
 
     def _scan(self, x_BxLxD: jax.Array, cos_BxLxH: jax.Array, sin_BxLxH: jax.Array,
-              positions_BxL: jax.Array, segment_ids_BxL: jax.Array,
-              kv: KVCache | None) -> tuple[jax.Array, KVCache | None, RouterStats | None]:
+              positions_BxL: jax.Array, segment_ids_BxL: jax.Array, kv: KVCache | None,
+              replay_NxBxLxK: jax.Array | None,
+              ) -> tuple[jax.Array, KVCache | None, RouterStats | None, jax.Array]:
         """Layers as a lax.scan over the stacked params. The KV cache rides in the carry (not
         in xs/ys) so each layer's write is an in-place update at a traced layer index; a
         layer-stacked cache (``KVCache.init`` with ``scan_layers``) is carried as it is."""
@@ -196,11 +175,12 @@ class Decoder(nnx.Module):
 
         def body(carry, xs):
             x, kv, stats = carry
-            layer_params, i = xs
+            layer_params, i, replay = xs
             block = nnx.merge(graphdef, layer_params)
-            x, kv, layer_stats = block(x, cos_BxLxH, sin_BxLxH, positions_BxL, segment_ids_BxL,
-                                       kv, i)
-            return (x, kv, _add_stats(stats, layer_stats) if sparse else None), None
+            x, kv, layer_stats, experts = block(x, cos_BxLxH, sin_BxLxH, positions_BxL,
+                                                segment_ids_BxL, kv, i, replay)
+            experts = self._no_experts(x) if experts is None else experts
+            return (x, kv, add_stats(stats, layer_stats) if sparse else None), experts
 
         if self.cfg.remat != "none" and kv is None:
             # prevent_cse=False is safe (and faster) inside scan, per the jax.checkpoint docs.
@@ -212,9 +192,9 @@ class Decoder(nnx.Module):
         per_layer = kv is not None and not kv.is_stacked
         stacked = kv.stacked() if per_layer else kv
         stats0 = zero_stats(self.cfg.num_experts) if sparse else None
-        (x_BxLxD, stacked, stats), _ = jax.lax.scan(body, (x_BxLxD, stacked, stats0),
-                                                    (layer_params_stack, layer_ids))
-        return x_BxLxD, stacked.unstacked() if per_layer else stacked, stats
+        (x_BxLxD, stacked, stats), routing = jax.lax.scan(
+            body, (x_BxLxD, stacked, stats0), (layer_params_stack, layer_ids, replay_NxBxLxK))
+        return x_BxLxD, stacked.unstacked() if per_layer else stacked, stats, routing
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs, sharding: ShardingContext | None,
@@ -244,28 +224,29 @@ def split_model(model: Decoder) -> tuple[nnx.GraphDef, nnx.State]:
 
 def forward(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
             positions_BxL: jax.Array | None = None, segment_ids_BxL: jax.Array | None = None,
-            cache: KVCache | None = None, *, return_hidden: bool = False) -> Any:
+            cache: KVCache | None = None, *, return_hidden: bool = False,
+            return_routing: bool = False) -> Any:
     """Pure forward over params: logits, or (logits, cache) when a cache is given; with
-    ``return_hidden`` the final hidden states [B, L, D] take the logits' place."""
+    ``return_hidden`` the final hidden states [B, L, D] take the logits' place; with
+    ``return_routing`` the experts of every token, [layers, B, L, k] (-1 in dense layers),
+    come last."""
     model = nnx.merge(graphdef, params)
-    if cache is None:
-        return model(input_ids_BxL, positions_BxL, segment_ids_BxL,
-                     return_hidden=return_hidden)
     return model(input_ids_BxL, positions_BxL, segment_ids_BxL, cache=cache,
-                 return_hidden=return_hidden)
+                 return_hidden=return_hidden, return_routing=return_routing)
 
 
 def forward_hidden(graphdef: nnx.GraphDef, params: nnx.State, input_ids_BxL: jax.Array,
                    positions_BxL: jax.Array | None = None,
                    segment_ids_BxL: jax.Array | None = None, *, router_stats: bool = False,
-                   ) -> tuple[Any, ...]:
+                   replay_NxBxLxK: jax.Array | None = None) -> tuple[Any, ...]:
     """(final hidden states [B, L, D] in the compute dtype, head matrix, tied): the forward
     without its output head, for losses that compute the logits chunk by chunk. The head is
     ``lm_head`` [D, V], or with ``tied`` the [V, D] embedding (its param dtype). With
-    ``router_stats`` a fourth item: the MoE router sums (``Decoder``)."""
+    ``router_stats`` a fourth item: the MoE router sums (``Decoder``). ``replay_NxBxLxK``:
+    routing replay, [layers, B, L, k] expert ids (-1: the model's own routing)."""
     model = nnx.merge(graphdef, params)
     out = model(input_ids_BxL, positions_BxL, segment_ids_BxL, return_hidden=True,
-                router_stats=router_stats)
+                router_stats=router_stats, replay_NxBxLxK=replay_NxBxLxK)
     if router_stats:
         return (out[0], *model.head_weight(), out[1])
     return (out, *model.head_weight())

@@ -60,23 +60,26 @@ class MoE(nnx.Module):
                        ep_axis, ep_size, et_axis)
 
     def __call__(self, x_BxLxD: jax.Array, mask_BxL: jax.Array,
-                 ) -> tuple[jax.Array, RouterStats]:
+                 replay_BxLxK: jax.Array | None = None,
+                 ) -> tuple[jax.Array, RouterStats, jax.Array]:
+        """(y, router stats, the experts each token went to [B, L, k]); ``replay_BxLxK``
+        routes the tokens whose row holds ids to those experts (``moe_math.route``)."""
         B, L, D = x_BxLxD.shape
+        k = self.cfg.num_experts_per_tok
         cd = dtype_of(self.cfg.compute_dtype)
         x_BxLxD = x_BxLxD.astype(cd)
         weights = (self.router[...], self.gate[...], self.up[...], self.down[...])
-        if resolved_impl(self.cfg) == "dense":
-            y, stats = dense_moe_ffn(x_BxLxD.reshape(B * L, D), mask_BxL.reshape(-1), *weights,
-                                     self.spec())
-            return y.reshape(B, L, D), stats
-        if self.sharding is None:
-            y, stats = moe_ffn(x_BxLxD.reshape(B * L, D), mask_BxL.reshape(-1), *weights,
-                               self.spec())
-            return y.reshape(B, L, D), stats
-        return self._sharded(x_BxLxD, mask_BxL, weights)
+        replay = None if replay_BxLxK is None else replay_BxLxK.reshape(B * L, k)
+        if self.sharding is None or resolved_impl(self.cfg) == "dense":
+            fn = dense_moe_ffn if resolved_impl(self.cfg) == "dense" else moe_ffn
+            y, stats, experts = fn(x_BxLxD.reshape(B * L, D), mask_BxL.reshape(-1), *weights,
+                                   self.spec(), replay)
+            return y.reshape(B, L, D), stats, experts.reshape(B, L, k)
+        return self._sharded(x_BxLxD, mask_BxL, weights, replay_BxLxK)
 
     def _sharded(self, x_BxLxD: jax.Array, mask_BxL: jax.Array, weights: tuple[jax.Array, ...],
-                 ) -> tuple[jax.Array, RouterStats]:
+                 replay_BxLxK: jax.Array | None,
+                 ) -> tuple[jax.Array, RouterStats, jax.Array]:
         ctx = self.sharding
         assert ctx is not None
         mesh = ctx.mesh
@@ -84,22 +87,27 @@ class MoE(nnx.Module):
         ep = "expert" if mesh.shape["expert"] > 1 else None
         et = "expert_tensor" if mesh.shape["expert_tensor"] > 1 else None
         spec = self.spec(ep, mesh.shape["expert"], et)
+        k = spec.top_k
         # The axes this shard's tokens are split over: router sums add over exactly these.
         token_axes = tuple(a for part in x_spec[:2] if part is not None
                            for a in ((part,) if isinstance(part, str) else part))
 
-        def local(x, m, r, g, u, d):
+        def local(x, m, r, g, u, d, *rep):
             b, n, D = x.shape
-            y, stats = moe_ffn(x.reshape(b * n, D), m.reshape(-1), r, g, u, d, spec)
+            y, stats, experts = moe_ffn(x.reshape(b * n, D), m.reshape(-1), r, g, u, d, spec,
+                                        rep[0].reshape(b * n, k) if rep else None)
             if token_axes:
                 stats = jax.lax.psum(stats, token_axes)
-            return y.reshape(b, n, D), stats
+            return y.reshape(b, n, D), stats, experts.reshape(b, n, k)
 
         w_in, w_out = P(ep, None, et), P(ep, et, None)
+        tok_spec = P(*x_spec[:2], None)
+        replay = () if replay_BxLxK is None else (replay_BxLxK,)
         # check_vma off: where the batch cannot be split over ``expert`` (a small decode), every
         # expert shard routes the same tokens and gets the same result back, which the vma
         # types cannot see through the all-to-all.
         return jax.shard_map(local, mesh=mesh,
-                             in_specs=(x_spec, P(*x_spec[:2]), P(), w_in, w_in, w_out),
-                             out_specs=(x_spec, P()), check_vma=False)(
-            x_BxLxD, mask_BxL, *weights)
+                             in_specs=(x_spec, P(*x_spec[:2]), P(), w_in, w_in, w_out)
+                             + (tok_spec,) * len(replay),
+                             out_specs=(x_spec, P(), tok_spec), check_vma=False)(
+            x_BxLxD, mask_BxL, *weights, *replay)

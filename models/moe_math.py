@@ -44,11 +44,18 @@ class MoESpec:
     et_axis: str | None = None  # mesh axis of each expert's FFN width (inside shard_map)
 
 
-def route(logits_TxE: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
+def route(logits_TxE: jax.Array, spec: MoESpec, replay_TxK: jax.Array | None = None,
+          ) -> tuple[jax.Array, jax.Array]:
     """(weights [T, k] float32, experts [T, k] int32). ``softmax_topk`` (Qwen3-MoE): softmax
     over all experts, top-k, renormalised when ``norm_topk``; ``topk_softmax`` (Mixtral): top-k
-    logits, softmax over those k."""
+    logits, softmax over those k.
+
+    ``replay_TxK``: routing replay. A token whose row holds expert ids (>= 0) goes to exactly
+    those experts, weighted by this router's own probabilities of them, normalised as the top-k
+    is (so the router still gets gradients); a row of -1 routes as usual."""
     logits_TxE = logits_TxE.astype(jnp.float32)
+    if replay_TxK is not None:
+        return _replayed(logits_TxE, spec, replay_TxK)
     if spec.router == "topk_softmax":
         top_TxK, experts_TxK = jax.lax.top_k(logits_TxE, spec.top_k)
         return jax.nn.softmax(top_TxK, axis=-1), experts_TxK.astype(jnp.int32)
@@ -56,6 +63,22 @@ def route(logits_TxE: jax.Array, spec: MoESpec) -> tuple[jax.Array, jax.Array]:
     if spec.norm_topk:
         weights_TxK = weights_TxK / weights_TxK.sum(-1, keepdims=True)
     return weights_TxK, experts_TxK.astype(jnp.int32)
+
+
+def _replayed(logits_TxE: jax.Array, spec: MoESpec, replay_TxK: jax.Array,
+              ) -> tuple[jax.Array, jax.Array]:
+    assert replay_TxK.shape == (logits_TxE.shape[0], spec.top_k), replay_TxK.shape
+    _, own_TxK = route(logits_TxE, spec)
+    given_T = (replay_TxK >= 0).all(-1, keepdims=True)
+    experts_TxK = jnp.where(given_T, replay_TxK.astype(jnp.int32), own_TxK)
+    picked_TxK = jnp.take_along_axis(logits_TxE, experts_TxK, axis=-1)
+    if spec.router == "topk_softmax":
+        return jax.nn.softmax(picked_TxK, axis=-1), experts_TxK
+    # softmax over all experts at the picked ones: exp(l - logsumexp(l)).
+    weights_TxK = jnp.exp(picked_TxK - jax.nn.logsumexp(logits_TxE, axis=-1, keepdims=True))
+    if spec.norm_topk:
+        weights_TxK = weights_TxK / weights_TxK.sum(-1, keepdims=True)
+    return weights_TxK, experts_TxK
 
 
 def router_stats(logits_TxE: jax.Array, experts_TxK: jax.Array, mask_T: jax.Array,
@@ -115,13 +138,15 @@ def capacity(tokens: int, spec: MoESpec) -> int:
 
 def moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array, w_gate_ExDxF: jax.Array,
             w_up_ExDxF: jax.Array, w_down_ExFxD: jax.Array, spec: MoESpec,
-            ) -> tuple[jax.Array, RouterStats]:
-    """The sparse FFN of one shard's tokens (module docstring): (y [T, D], router stats). The
-    expert weights hold this shard's ``E / ep_size`` experts (and FFN-width slice)."""
+            replay_TxK: jax.Array | None = None,
+            ) -> tuple[jax.Array, RouterStats, jax.Array]:
+    """The sparse FFN of one shard's tokens (module docstring): (y [T, D], router stats, the
+    experts each token was routed to [T, k]; ``replay_TxK`` as in ``route``). The expert
+    weights hold this shard's ``E / ep_size`` experts (and FFN-width slice)."""
     T, D = x_TxD.shape
     E, k = spec.num_experts, spec.top_k
     logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
-    weights_TxK, experts_TxK = route(logits_TxE, spec)
+    weights_TxK, experts_TxK = route(logits_TxE, spec, replay_TxK)
     A = T * k
     valid_A = jnp.repeat(mask_T.astype(bool), k)
     # Padding tokens get no copies: they cost nothing and never take an expert's capacity.
@@ -149,7 +174,8 @@ def moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array, w_gate_E
     y_TxD = jnp.zeros((T, D), jnp.float32).at[tok_A].add(y_AxD)
     if spec.et_axis is not None:
         y_TxD = jax.lax.psum(y_TxD, spec.et_axis)
-    return y_TxD.astype(x_TxD.dtype), router_stats(logits_TxE, experts_TxK, mask_T, dropped)
+    return (y_TxD.astype(x_TxD.dtype), router_stats(logits_TxE, experts_TxK, mask_T, dropped),
+            experts_TxK)
 
 
 def _expert_parallel(rows_AxD: jax.Array, e_A: jax.Array, keep_A: jax.Array, wg: jax.Array,
@@ -178,12 +204,13 @@ def _expert_parallel(rows_AxD: jax.Array, e_A: jax.Array, keep_A: jax.Array, wg:
 
 def dense_moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array,
                   w_gate_ExDxF: jax.Array, w_up_ExDxF: jax.Array, w_down_ExFxD: jax.Array,
-                  spec: MoESpec) -> tuple[jax.Array, RouterStats]:
+                  spec: MoESpec, replay_TxK: jax.Array | None = None,
+                  ) -> tuple[jax.Array, RouterStats, jax.Array]:
     """Every expert on every token, weighted by the routing (0 off the top-k): the same
     function as ``moe_ffn`` dropless, at E / k times its FLOPs."""
     T, _ = x_TxD.shape
     logits_TxE = jnp.dot(x_TxD.astype(jnp.float32), router_DxE.astype(jnp.float32))
-    weights_TxK, experts_TxK = route(logits_TxE, spec)
+    weights_TxK, experts_TxK = route(logits_TxE, spec, replay_TxK)
     weights_TxK = weights_TxK * mask_T.astype(jnp.float32)[:, None]
     combine_TxE = jnp.zeros((T, spec.num_experts), jnp.float32).at[
         jnp.arange(T)[:, None], experts_TxK].add(weights_TxK)
@@ -192,4 +219,5 @@ def dense_moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array,
                       jnp.einsum("td,edf->tef", x_TxD, w_up_ExDxF.astype(dt)))
     y_TxExD = jnp.einsum("tef,efd->ted", h_TxExF, w_down_ExFxD.astype(dt))
     y_TxD = jnp.einsum("ted,te->td", y_TxExD.astype(jnp.float32), combine_TxE)
-    return y_TxD.astype(dt), router_stats(logits_TxE, experts_TxK, mask_T, jnp.zeros(()))
+    return (y_TxD.astype(dt), router_stats(logits_TxE, experts_TxK, mask_T, jnp.zeros(())),
+            experts_TxK)

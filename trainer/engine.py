@@ -191,7 +191,8 @@ class TrainEngine:
         jitted = jit_leaf_step(step_fn, state_sh, self.batch_sh, mesh)
         self.step_fn: Callable[[list[jax.Array], TrainBatch], tuple[list[jax.Array], Any]] = (
             jitted if spec.row_buckets is None
-            else BucketedStep(jitted, self.batch_sh, t.seq_len, spec.row_buckets))
+            else BucketedStep(jitted, self.batch_sh, t.seq_len, spec.row_buckets,
+                              spec.trailing))
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
                                      process_index=jax.process_index(),
                                      resume_step=None if self.restored is None

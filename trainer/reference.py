@@ -60,7 +60,7 @@ def sample_values(values_BxL: jax.Array, sample_ids_BxL: jax.Array, samples: int
     return jnp.zeros((samples,), values_BxL.dtype).at[ids_BxL].set(values_BxL, mode="drop")
 
 
-def _by_microbatch(fn: Any, batch: TrainBatch, m: int) -> jax.Array:
+def _by_microbatch(fn: Any, batch: Any, m: int) -> jax.Array:
     """``fn`` over ``m`` strided microbatches (row i in microbatch i % m, as the train step
     splits), results put back in row order."""
     if m == 1:
@@ -69,10 +69,15 @@ def _by_microbatch(fn: Any, batch: TrainBatch, m: int) -> jax.Array:
 
 
 def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch, *,
-                       temperature: float, microbatches: int = 1) -> jax.Array:
-    """``[B, L]`` log p_ref(target) under softmax(logits / temperature); 0 off the loss mask."""
-    def one(mb: TrainBatch) -> jax.Array:
-        out = forward_fn(ref_params, mb.input_ids, mb.positions, mb.segment_ids)
+                       temperature: float, microbatches: int = 1,
+                       routing: jax.Array | None = None) -> jax.Array:
+    """``[B, L]`` log p_ref(target) under softmax(logits / temperature); 0 off the loss mask.
+    ``routing``: the batch's MoE routing replay (``RLTrainBatch.routing``), for forwards of the
+    model that sampled it (never a distillation teacher's)."""
+    def one(mbr: tuple[TrainBatch, Any]) -> jax.Array:
+        mb, replay = mbr
+        out = forward_fn(ref_params, mb.input_ids, mb.positions, mb.segment_ids,
+                         *(() if replay is None else (replay,)))
         logp_BxL = token_logprobs(out, mb.targets, temperature)
         return jnp.where(mb.loss_mask > 0, logp_BxL, 0.0)
 
@@ -80,7 +85,7 @@ def reference_logprobs(forward_fn: ForwardFn, ref_params: Any, batch: TrainBatch
     core = TrainBatch(input_ids=batch.input_ids, targets=batch.targets,
                       loss_mask=batch.loss_mask, positions=batch.positions,
                       segment_ids=batch.segment_ids)
-    ref_BxL = _by_microbatch(one, core, microbatches)
+    ref_BxL = _by_microbatch(one, (core, routing), microbatches)
     assert ref_BxL.shape == batch.targets.shape, (ref_BxL.shape, batch.targets.shape)
     return ref_BxL
 
@@ -98,8 +103,9 @@ def _kl_apply(rl: RLConfig, forward_fn: ForwardFn, *, samples: int, temperature:
     in_loss = rl.kl_where == "loss"
 
     def apply(ref_params: Any, batch: RLTrainBatch) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
+        # The frozen reference is the sampled model's step-0 params: it replays the routing too.
         ref_BxL = reference_logprobs(forward_fn, ref_params, batch, temperature=temperature,
-                                     microbatches=microbatches)
+                                     microbatches=microbatches, routing=batch.routing)
         mask_BxL = batch.loss_mask.astype(jnp.float32)
         behaviour_BxL = jnp.where(mask_BxL > 0, batch.behaviour_logprobs, 0.0)
         kl_BxL = kl_fn(behaviour_BxL, ref_BxL) * mask_BxL

@@ -33,7 +33,7 @@ from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
 from meshrl.workflows import make_rl_batch, make_runner, rows_needed
 from meshrl.workflows.rollout_state import TrainedPromptsLog
-from meshrl.workflows.setup import aevaluate_held_out
+from meshrl.workflows.setup import aevaluate_held_out, routing_shape
 from meshrl.workflows.watch import window_metrics
 
 log = log_lib.get_logger("rl")
@@ -127,7 +127,8 @@ class RLLoop:
     def host_batch(self, groups: list[list[Any]]) -> RLTrainBatch:
         """The step's batch on the host, packed into the smallest row bucket that holds it."""
         rows = self._rows(groups) if self.config.rl.pack_sequences else None
-        return make_rl_batch(self.config, groups, self.tokenizer.pad_id, rows)
+        return make_rl_batch(self.config, groups, self.tokenizer.pad_id, rows,
+                             routing_shape(self.config, self.parts.model_cfg))
 
     def train_batch(self, host: RLTrainBatch, version: int
                     ) -> tuple[RLTrainBatch, np.ndarray]:

@@ -32,6 +32,10 @@ computes -- current, proximal, the trainer side of the mismatch -- is under the 
 logits truncated to each token's kept count and renormalised; a loss token outside the
 trainer's kept set is taken out of the loss mask (step 1 decides it for the whole batch, the
 loss again per update) and counted in ``rl/truncation_mismatch_frac``.
+
+MoE routing replay (the batch's ``routing``, ``rl.routing_replay``): every forward of the
+step -- the loss's, step 1's and the KL reference's -- routes the recorded positions to the
+sampler's experts.
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ from meshrl.trainer.step import (
     make_grads_fn,
     make_train_step,
     merge_rows,
+    replay_args,
     split_rows,
 )
 
@@ -76,7 +81,7 @@ def truncated_logprobs(forward_fn: ForwardFn, params: Any, batch: RLTrainBatch, 
     token's ``batch.kept`` largest entries, and ``[B, L]`` 1.0 where the target is outside
     that set; both 0 off the loss mask. Microbatched like ``reference_logprobs``."""
     def one(mb: RLTrainBatch) -> tuple[jax.Array, jax.Array]:
-        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
+        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids, *replay_args(mb))
         t = token_stats(out, mb.targets, temperature, kept_BxL=mb.kept, kept_cap=kept_cap)
         on_BxL = mb.loss_mask > 0
         return jnp.where(on_BxL, t.logprobs_BxL, 0.0), jnp.where(on_BxL, t.outside_BxL, 0.0)
@@ -94,7 +99,7 @@ def _before_updates(forward_fn: ForwardFn, params: Any, batch: RLTrainBatch, *,
     the truncation metric); the batch as is and no metric without ``batch.kept``."""
     if batch.kept is None:
         return reference_logprobs(forward_fn, params, batch, temperature=temperature,
-                                  microbatches=microbatches), batch, {}
+                                  microbatches=microbatches, routing=batch.routing), batch, {}
     logp_BxL, outside_BxL = truncated_logprobs(forward_fn, params, batch,
                                                temperature=temperature, kept_cap=kept_cap,
                                                microbatches=microbatches)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 from jax.sharding import Mesh
 
@@ -28,7 +29,8 @@ class StepSpec:
     by ``batch_sh``; ``row_buckets``: compile one step per row count (packed RL batches) instead
     of one plain jitted step. Metric records name the step's metrics ``metric_prefix + name``;
     ``what`` names the loss in a non-finite error; ``updates_per_step``: optimizer updates per
-    step (the learning-rate schedule then counts steps)."""
+    step (the learning-rate schedule then counts steps); ``trailing``: the dims after
+    ``[rows, L]`` of the batch fields that have more (``{"routing": (layers, k)}``)."""
 
     loss_fn: LossFn
     batch_sh: TrainBatch
@@ -37,6 +39,7 @@ class StepSpec:
     metric_prefix: str
     what: str
     updates_per_step: int
+    trailing: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
 
 
 def rl_batch_size(config: Config) -> int:
@@ -56,15 +59,17 @@ def sft_spec(config: Config, mesh: Mesh) -> StepSpec:
         row_buckets=None, metric_prefix="", what="loss", updates_per_step=1)
 
 
-def rl_spec(config: Config, mesh: Mesh) -> StepSpec:
+def rl_spec(config: Config, mesh: Mesh, routing: tuple[int, int] | None = None) -> StepSpec:
     """RL: ``RLTrainBatch``es of ``rl_batch_size x trainer.seq_len`` (with ``ref_logprobs`` when
-    the KL is in the loss), one compiled step per packed row bucket, ``rl.ppo_minibatches x
-    rl.ppo_epochs`` updates a step, metrics as ``train/*``."""
+    the KL is in the loss; with ``routing``, the loaded model's ``(layers, k)`` when
+    ``rl.routing_replay = 'rollout'``, the replayed experts), one compiled step per packed row
+    bucket, ``rl.ppo_minibatches x rl.ppo_epochs`` updates a step, metrics as ``train/*``."""
     t = config.trainer
     B = rl_batch_size(config)
+    replay = ("routing",) if routing is not None else ()
     batch_sh = batch_shardings(mesh, rules_for("train", config.mesh.fsdp), B, t.seq_len,
                                RLTrainBatch, *ref_fields(config.rl),
-                               *batch_fields(config.sampler))
+                               *batch_fields(config.sampler), *replay)
     rows_per_shard = batch_sh.input_ids.shard_shape((B, t.seq_len))[0]
     # Every bucket splits into rl.ppo_minibatches minibatches of trainer.microbatches
     # microbatches, each spread over all data shards.
@@ -81,7 +86,8 @@ def rl_spec(config: Config, mesh: Mesh) -> StepSpec:
         make_step=functools.partial(make_rl_train_step, rl=config.rl, temperature=T,
                                     microbatches=t.microbatches, kept_cap=cap),
         row_buckets=buckets, metric_prefix="train/", what="RL loss",
-        updates_per_step=updates_per_step(config.rl))
+        updates_per_step=updates_per_step(config.rl),
+        trailing={} if routing is None else {"routing": routing})
 
 
 def dpo_spec(config: Config, mesh: Mesh) -> StepSpec:

@@ -13,7 +13,7 @@ The forward hands the loss either logits or (``decoder_forward``, what the jobs 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -36,7 +36,8 @@ from meshrl.trainer.state import TrainState
 
 Batch = TrainBatch  # or a subclass (``RLTrainBatch``): device arrays, ``[B, L]`` each
 Metrics = dict[str, jax.Array]
-# forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV or Hidden
+# forward(params, input_ids_BxL, positions_BxL, segment_ids_BxL) -> logits_BxLxV or Hidden;
+# decoder_forward takes a fifth, replay_BxLxNxK (``replay_args``)
 ForwardFn = Callable[[Any, jax.Array, jax.Array | None, jax.Array | None], ModelOutput]
 StepFn = Callable[[TrainState, Batch], tuple[TrainState, Metrics]]
 # make_step(forward, loss_fn, tx, schedule) -> the pure step (e.g. make_train_step, partial)
@@ -46,14 +47,20 @@ BATCH_AXES = ("batch", "length")
 
 def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
     """The trainer's forward of a meshrl ``Decoder`` (``graphdef``): a ``Hidden`` whose logits
-    the losses compute in float32, ``logits_chunk`` tokens at a time (0: all at once)."""
+    the losses compute in float32, ``logits_chunk`` tokens at a time (0: all at once). Its
+    optional ``replay_BxLxNxK`` (``[B, L, layers, k]`` expert ids, -1: the model's own
+    routing) is MoE routing replay (``replay_args``)."""
     if logits_chunk < 0:
         raise ValueError(f"logits_chunk = {logits_chunk}: must be >= 0")
 
     def forward(params: Any, input_ids_BxL: jax.Array, positions_BxL: jax.Array | None,
-                segment_ids_BxL: jax.Array | None) -> Hidden:
+                segment_ids_BxL: jax.Array | None,
+                replay_BxLxNxK: jax.Array | None = None) -> Hidden:
+        # Routing replay (``RLTrainBatch.routing``): the decoder takes the layers first.
+        replay = None if replay_BxLxNxK is None else jnp.transpose(replay_BxLxNxK, (2, 0, 1, 3))
         hidden_BxLxD, head, tied, router = forward_hidden(
-            graphdef, params, input_ids_BxL, positions_BxL, segment_ids_BxL, router_stats=True)
+            graphdef, params, input_ids_BxL, positions_BxL, segment_ids_BxL, router_stats=True,
+            replay_NxBxLxK=replay)
         mesh, vocab_axes, batch_axes = loss_vocab_axes(
             graphdef, params, head.shape[0 if tied else 1], hidden_BxLxD.shape[0])
         cfg = model_config(graphdef, params)
@@ -64,6 +71,15 @@ def decoder_forward(graphdef: Any, logits_chunk: int) -> ForwardFn:
                       aux_loss_coef=cfg.router_aux_loss_coef, z_loss_coef=cfg.router_z_loss_coef)
 
     return forward
+
+
+def replay_args(batch: Batch) -> tuple[jax.Array, ...]:
+    """The forward's routing replay argument for ``batch``: its ``routing`` when it has one
+    (an ``RLTrainBatch`` of an MoE run with ``rl.routing_replay``), else nothing, so forwards
+    that do not take it (dense test models) are called as before. Positional: wrappers such
+    as the LoRA forward pass ``*args`` on."""
+    routing = getattr(batch, "routing", None)
+    return () if routing is None else (routing,)
 
 
 def split_rows(x_BxL: jax.Array, m: int) -> jax.Array:
@@ -91,7 +107,8 @@ def make_grads_fn(forward_fn: ForwardFn, loss_fn: LossFn, microbatches: int = 1)
     summed over ``microbatches`` strided microbatches (``add_outputs``)."""
 
     def micro_loss(params: Any, mb: Batch) -> tuple[jax.Array, tuple[jax.Array, Metrics]]:
-        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids)
+        out = forward_fn(params, mb.input_ids, mb.positions, mb.segment_ids,
+                         *replay_args(mb))
         loss_sum, weight, aux = loss_fn(out, mb)
         loss_sum, aux = router_terms(out, loss_sum, weight, aux)
         return loss_sum, (weight, aux)
@@ -214,15 +231,17 @@ class BucketedStep:
     state's leaves, see ``jit_leaf_step``)."""
 
     def __init__(self, jitted: Callable, batch_sh: TrainBatch, seq_len: int,
-                 buckets: Sequence[int]) -> None:
+                 buckets: Sequence[int],
+                 trailing: Mapping[str, tuple[int, ...]] | None = None) -> None:
         self.jitted, self.batch_sh, self.seq_len = jitted, batch_sh, seq_len
+        self.trailing = dict(trailing or {})
         self.buckets = tuple(sorted(buckets))
         self._compiled: dict[int, Any] = {}
 
     def compiled(self, state: Any, rows: int) -> Any:
         fn = self._compiled.get(rows)
         if fn is None:
-            batch = abstract_batch(self.batch_sh, rows, self.seq_len)
+            batch = abstract_batch(self.batch_sh, rows, self.seq_len, self.trailing)
             fn = self._compiled[rows] = self.jitted.lower(state, batch).compile()
         return fn
 

@@ -29,7 +29,9 @@ class Trajectory:
     """One sampled episode. Completion-side lists are aligned with ``completion_ids``, which holds
     model tokens and (multi-turn) environment feedback tokens; feedback has ``loss_mask`` 0,
     ``logprobs`` 0.0 and ``versions`` -1. ``kept`` (None: not recorded, sampling without
-    top-k/top-p/min-p) is the sampler's ``Completion.kept`` per token, 0 on feedback."""
+    top-k/top-p/min-p) is the sampler's ``Completion.kept`` per token, 0 on feedback.
+    ``routing`` (None: not recorded) is the sampler's ``Completion.routing``: per token the
+    ``[layers, k]`` experts of the forward it was sampled from, None on feedback."""
 
     prompt_ids: list[int]
     completion_ids: list[int]
@@ -41,14 +43,18 @@ class Trajectory:
     finish_reason: str = ""
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
     kept: list[int] | None = None
+    routing: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completion_ids)
         n_kept = n if self.kept is None else len(self.kept)
-        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_kept == n):
+        n_routed = n if self.routing is None else len(self.routing)
+        if not (len(self.logprobs) == len(self.versions) == len(self.loss_mask) == n_kept
+                == n_routed == n):
             raise ValueError(f"trajectory lists disagree: {n} completion ids, "
                              f"{len(self.logprobs)} logprobs, {len(self.versions)} versions, "
-                             f"{len(self.loss_mask)} mask entries, {n_kept} kept counts")
+                             f"{len(self.loss_mask)} mask entries, {n_kept} kept counts, "
+                             f"{n_routed} routing entries")
 
     @property
     def num_generated(self) -> int:
@@ -91,8 +97,9 @@ def _pack(padded: RLTrainBatch, lengths: list[int], rows: int | Sequence[int],
     if not fits:
         raise ValueError(f"{B} sequences need {need} rows of {L} tokens; got rows = {rows}")
     rows = min(fits)
-    fill = {"input_ids": pad_id, "targets": pad_id, "versions": -1, "sample_ids": -1}
-    out = padded.map(lambda k, v: np.full((rows, L), fill.get(k, 0), v.dtype))
+    fill = {"input_ids": pad_id, "targets": pad_id, "versions": -1, "sample_ids": -1,
+            "routing": -1}
+    out = padded.map(lambda k, v: np.full((rows, L, *v.shape[2:]), fill.get(k, 0), v.dtype))
     pairs = [(getattr(padded, f.name), getattr(out, f.name)) for f in dataclasses.fields(out)
              if getattr(padded, f.name) is not None]
     used, count = [0] * rows, [0] * rows
@@ -126,10 +133,25 @@ def _shaped_rewards(trajs: Sequence[Trajectory], overlong_buffer: int, overlong_
     return rewards_B.astype(np.float32)
 
 
+def _routing(trajs: Sequence[Trajectory], L: int, shape: tuple[int, int]) -> np.ndarray:
+    """``[B, L + 1, layers, k]`` int32: each generated token's recorded experts at its own
+    position (shifted to its predicting position with the other fields), -1 elsewhere (the
+    trainer's forward routes those positions itself)."""
+    out = np.full((len(trajs), L + 1, *shape), -1, np.int32)
+    for b, t in enumerate(trajs):
+        p = len(t.prompt_ids)
+        for j, (experts, m) in enumerate(zip(t.routing, t.loss_mask)):
+            if m:
+                out[b, p + j] = np.asarray(experts, np.int32).reshape(shape)
+    return out
+
+
 def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndarray,
-            advantages_B: np.ndarray, kept: bool = False) -> RLTrainBatch:
+            advantages_B: np.ndarray, kept: bool = False,
+            routing: tuple[int, int] | None = None) -> RLTrainBatch:
     """One sequence per row, target-aligned, right-padded to ``L``; with ``kept`` the
-    trajectories' kept counts (0: the whole vocabulary) in the batch's ``kept``."""
+    trajectories' kept counts (0: the whole vocabulary) in the batch's ``kept``; with
+    ``routing`` (``(layers, k)``) their recorded experts in the batch's ``routing``."""
     B = len(trajs)
     tokens_BxL = np.full((B, L + 1), pad_id, np.int32)  # one more column: the last target
     loss_mask_BxL = np.zeros((B, L + 1), np.float32)
@@ -156,9 +178,10 @@ def _padded(trajs: Sequence[Trajectory], L: int, pad_id: int, rewards_B: np.ndar
         advantages=(advantages_B[:, None] * target_mask_BxL).astype(np.float32),
         versions=versions_BxL[:, 1:], sample_ids=sample_ids_BxL.astype(np.int32),
         rewards=np.where(real_BxL, rewards_B[:, None], 0.0).astype(np.float32),
-        kept=kept_BxL[:, 1:] if kept else None)
+        kept=kept_BxL[:, 1:] if kept else None,
+        routing=None if routing is None else _routing(trajs, L, routing)[:, 1:])
     for name, value in batch.set_fields().items():
-        assert value.shape == (B, L), (name, value.shape)
+        assert value.shape[:2] == (B, L), (name, value.shape)
     return batch
 
 
@@ -166,7 +189,8 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
                    pad_id: int = 0, advantage: str | None = "grpo", adv_eps: float = 1e-6,
                    overlong_buffer: int = 0, overlong_max_len: int = 0,
                    overlong_penalty: float = 1.0, rows: int | Sequence[int] | None = None,
-                   kept: bool = False) -> RLTrainBatch:
+                   kept: bool = False, routing: tuple[int, int] | None = None
+                   ) -> RLTrainBatch:
     """The RL step's batch of full groups (sample ``g * N + i`` is group g's i-th): rewards
     shaped with the DAPO overlong penalty, advantages from the registered estimator
     ``advantage`` over each group (None: advantages 0, left to the device, as when the KL
@@ -174,6 +198,8 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
     sequence. ``rows=None``: one sequence per row; otherwise packed into ``rows`` rows (at
     least ``rows_needed``), or into the smallest of the row counts ``rows`` that holds them.
     ``kept``: set the batch's ``kept`` (the sampler truncates; ``algorithms.truncation``).
+    ``routing``: ``(layers, k)`` of an MoE model; set the batch's ``routing`` (MoE routing
+    replay, ``rl.routing_replay``) from each trajectory's recorded experts.
 
     Multi-process runs must pass a single bucket (``length_buckets=(trainer.seq_len,)``): each
     process builds its own rows, and a per-process bucket choice would make processes compile
@@ -189,6 +215,11 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
         raise ValueError(f"{len(missing)} trajectories (first: sample {missing[0]}) have no "
                          f"kept counts: a batch of truncated sampling (top-k/top-p/min-p) "
                          f"needs each generated token's kept count to score it")
+    if routing is not None and (missing := [i for i, t in enumerate(trajs)
+                                            if t.routing is None]):
+        raise ValueError(f"{len(missing)} trajectories (first: sample {missing[0]}) have no "
+                         f"recorded routing: routing replay (rl.routing_replay = 'rollout') "
+                         f"needs each generated token's experts")
     L = bucket_for(max(len(t) for t in trajs), length_buckets, what="trajectory length",
                    fix="raise the bucket or cap sampler.max_new_tokens")
     rewards_B = _shaped_rewards(trajs, overlong_buffer, overlong_max_len, overlong_penalty)
@@ -196,7 +227,7 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
     # the train step and stall the event loop that runs this.
     advantages_B = (np.zeros_like(rewards_B) if advantage is None else
                     np.asarray(adv_lib.compute(advantage, rewards_B, n, eps=adv_eps), np.float32))
-    padded = _padded(trajs, L, pad_id, rewards_B, advantages_B, kept)
+    padded = _padded(trajs, L, pad_id, rewards_B, advantages_B, kept, routing)
     if rows is None:
         return padded
     return _pack(padded, [len(t) for t in trajs], rows, pad_id)

@@ -107,6 +107,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
     versions: list[int] = []
     loss_mask: list[int] = []
     kept: list[int] | None = []  # None once a completion did not record its kept counts
+    routing: list[Any] | None = []  # None once a completion did not record its routing
     finish_reason, env_reward = "", None
     max_turns = settings.max_turns if env is not None else 1
     for turn in range(max_turns):
@@ -133,6 +134,8 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         logprobs += [float(x) for x in out.logprobs]
         recorded = kept is not None and len(out.kept) == len(out.tokens)
         kept = kept + [int(k) for k in out.kept] if recorded else None
+        routed = routing is not None and len(out.routing) == len(out.tokens)
+        routing = routing + list(out.routing) if routed else None
         versions += [int(v) for v in out.versions]
         loss_mask += [1] * len(out.tokens)
         finish_reason = out.finish_reason
@@ -156,6 +159,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         versions += [-1] * len(step.feedback_ids)
         loss_mask += [0] * len(step.feedback_ids)
         kept = None if kept is None else kept + [0] * len(step.feedback_ids)
+        routing = None if routing is None else routing + [None] * len(step.feedback_ids)
     if not any(loss_mask):
         return None
     if env_reward is None:
@@ -165,7 +169,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
     return Trajectory(prompt_ids=prompt_ids, completion_ids=completion_ids, logprobs=logprobs,
                       versions=versions, loss_mask=loss_mask, reward=float(env_reward),
                       group_id=group_id, finish_reason=finish_reason,
-                      metadata={"sample_index": sample_index}, kept=kept)
+                      metadata={"sample_index": sample_index}, kept=kept, routing=routing)
 
 
 async def arun_group(engine: SamplerClient, item: dict, *, group_size: int, group_id: int,

@@ -31,7 +31,7 @@ from meshrl.workflows.batch import Trajectory
 
 TRAINED_PROMPTS = "trained_prompts.jsonl"
 _TRAJ_FIELDS = ("prompt_ids", "completion_ids", "logprobs", "versions", "loss_mask", "reward",
-                "group_id", "finish_reason", "metadata", "kept")
+                "group_id", "finish_reason", "metadata", "kept", "routing")
 
 
 def _plain(value: Any) -> Any:

@@ -56,12 +56,22 @@ def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer
                          status_every_s=r.status_every_s)
 
 
+def routing_shape(config: Config, model_cfg: Any) -> tuple[int, int] | None:
+    """``(layers, k)`` of the loaded model (``model.hf_path``'s, not ``config.model``'s) when
+    the RL step replays the sampler's routing (``rl.routing_replay = 'rollout'``), else None."""
+    if config.rl.routing_replay != "rollout":
+        return None
+    return (model_cfg.num_layers, model_cfg.num_experts_per_tok)
+
+
 def make_rl_batch(config: Config, groups: Sequence[Sequence[Trajectory]], pad_id: int,
-                  rows: int | Sequence[int] | None = None) -> RLTrainBatch:
+                  rows: int | Sequence[int] | None = None,
+                  routing: tuple[int, int] | None = None) -> RLTrainBatch:
     """The RL step's batch with ``rl.*`` shaping and advantages, its rows of
     ``trainer.seq_len`` tokens (one static shape on every process), packed into ``rows`` rows
     when given. With the KL reference in the reward the advantages depend on the reference's
-    logprobs: the device computes them (``trainer.reference``), the host leaves them 0."""
+    logprobs: the device computes them (``trainer.reference``), the host leaves them 0.
+    ``routing``: ``routing_shape``; the batch then carries the recorded experts."""
     rl = config.rl
     kl_in_reward = rl.kl_coef > 0.0 and rl.kl_where == "reward"
     return build_rl_batch(groups, length_buckets=(config.trainer.seq_len,), pad_id=pad_id,
@@ -69,7 +79,7 @@ def make_rl_batch(config: Config, groups: Sequence[Sequence[Trajectory]], pad_id
                           overlong_buffer=rl.overlong_buffer,
                           overlong_max_len=rl.overlong_max_len,
                           overlong_penalty=rl.overlong_penalty, rows=rows,
-                          kept=truncates(config.sampler))
+                          kept=truncates(config.sampler), routing=routing)
 
 
 async def aevaluate_held_out(config: Config, engine: Any, reward_pool: Any, examples: Any,

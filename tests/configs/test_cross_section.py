@@ -49,6 +49,14 @@ CROSS_SECTION_ERRORS = [
     ("rl", {"sampler.top_p": 0.9, "sampler.min_p": 0.1, "agent.env": "tools"},
      "sampler.top_p = 0.9, sampler.min_p = 0.1: agent episodes (agent.env = 'tools') do not "
      "record the sampler's kept token counts"),
+    ("rl", {"rl.routing_replay": "rollout"},
+     "rl.routing_replay = 'rollout': the model is dense (model.num_experts = 0)"),
+    ("rl", {"rl.routing_replay": "rollout", "model.arch": "qwen3_moe", "model.num_experts": 4,
+            "agent.env": "tools"},
+     "rl.routing_replay = 'rollout': agent episodes (agent.env = 'tools') do not record"),
+    ("rl", {"rl.routing_replay": "rollout", "model.arch": "qwen3_moe", "model.num_experts": 4,
+            "sampler.kv_cache": "paged"},
+     "rl.routing_replay = 'rollout': the paged KV cache's prefix programs do not record"),
     ("rl", {"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
      "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
     ("rl", {"data.max_prompt_len": 200},
@@ -149,3 +157,13 @@ def test_rl_config_with_truncated_sampling_loads(overrides):
     config = from_config_dict(_cfg("rl", overrides))
 
     assert getattr(config.sampler, key.split(".")[1]) == value
+
+
+def test_routing_replay_on_a_dense_checkpoint_is_rejected_when_the_model_is_known():
+    # With model.hf_path the RL job checks the loaded model's expert count (jobs/rl.py).
+    from meshrl.configs.cross_section import check_routing_replay
+
+    with pytest.raises(ConfigError, match="^rl.routing_replay = 'rollout': the model is dense"):
+        check_routing_replay("rollout", 0)
+    check_routing_replay("rollout", 4)
+    check_routing_replay("off", 0)

@@ -65,7 +65,7 @@ def test_grouped_moe_equals_the_per_expert_loop(impl, router):
     mask = jnp.ones((T,), bool).at[3].set(False)
     spec = MoESpec(E, K, norm_topk=False, router=router, impl=impl)
 
-    y, stats = moe_ffn(x, mask, r, wg, wu, wd, spec)
+    y, stats, _ = moe_ffn(x, mask, r, wg, wu, wd, spec)
 
     np.testing.assert_allclose(np.asarray(y), _loop_reference(x, mask, r, wg, wu, wd, spec),
                                rtol=RTOL, atol=ATOL)
@@ -81,7 +81,7 @@ def test_grouped_and_dense_paths_agree_in_values_and_gradients(impl):
     probe = jax.random.normal(jax.random.key(9), (T, D))
 
     def loss(fn, *args):
-        y, stats = fn(*args[:1], mask, *args[1:], spec)
+        y, stats, _ = fn(*args[:1], mask, *args[1:], spec)
         return (y * probe).sum() + stats["prob_sum"].sum()
 
     grouped = jax.value_and_grad(lambda *a: loss(moe_ffn, *a), argnums=range(5))(x, r, wg, wu, wd)
@@ -110,8 +110,8 @@ def test_capacity_drops_the_later_copies_of_an_overfull_expert_and_counts_them()
     _, e_TxK = route(x @ r, spec)
     counts = np.bincount(np.asarray(e_TxK).ravel(), minlength=E)
 
-    y, stats = moe_ffn(x, mask, r, wg, wu, wd, spec)
-    roomy, roomy_stats = moe_ffn(x, mask, r, wg, wu, wd, dataclasses.replace(
+    y, stats, _ = moe_ffn(x, mask, r, wg, wu, wd, spec)
+    roomy, roomy_stats, _ = moe_ffn(x, mask, r, wg, wu, wd, dataclasses.replace(
         spec, capacity_factor=float(E)))
 
     assert float(stats["dropped"]) == np.maximum(counts - cap, 0).sum() > 0
