@@ -346,6 +346,7 @@ def test_next_chunk_is_dispatched_before_the_previous_one_is_read(tiny_params):
     assert not sampler.has_work()
 
 
+@pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_slot_ending_by_length_in_flight_is_refilled_without_an_idle_round(tiny_params):
     # One slot, two requests of 1 + 4 tokens (one chunk): B is admitted while A's last chunk is
     # still in flight, because A certainly ends there; B's prefill runs after that chunk.

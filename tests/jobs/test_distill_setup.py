@@ -76,6 +76,7 @@ def test_missing_teacher_path_is_one_line_naming_it(tmp_path):
                             f"it at a Hugging Face checkpoint directory or a meshrl run's workdir")
 
 
+@pytest.mark.slow  # main.py in a subprocess; the in-process test checks the line
 def test_missing_teacher_path_is_one_error_line_from_main_in_a_dry_run(tmp_path):
     teacher = tmp_path / "nope"
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",

@@ -172,6 +172,7 @@ def direct_sampler(run_dir) -> Sampler:
     return Sampler(run_config.model, config.sampler, create_mesh(config.mesh))
 
 
+@pytest.mark.slow  # trains a run first; the generate job's fast end-to-end test stays
 @pytest.mark.parametrize("source, expected_version", [
     ("checkpoint", 2),  # the state's weight version after 2 steps
     ("version", RUN_VERSIONS[-1]),  # generate.version = -1: the newest published

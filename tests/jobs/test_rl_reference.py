@@ -183,6 +183,7 @@ def test_reference_params_survive_donated_train_steps_unchanged_while_the_policy
     assert ref_sh == state_sh
 
 
+@pytest.mark.slow  # a second RL run; the reference logic is checked by the first
 @pytest.mark.distributed
 def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retraining(
         tmp_path):

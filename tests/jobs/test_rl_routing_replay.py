@@ -28,6 +28,7 @@ def _mismatch(tmp_path, **overrides) -> list[dict]:
     return trainer.history
 
 
+@pytest.mark.slow  # an RL run per mesh; the batch and compiled-step routing tests stay fast
 @pytest.mark.parametrize("mesh", [{}, pytest.param({"mesh.expert": 2},
                                                    marks=[pytest.mark.distributed,
                                                           pytest.mark.slow])],

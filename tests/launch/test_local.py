@@ -50,7 +50,8 @@ MESHES = {
 }
 
 
-@pytest.mark.parametrize("mesh", ["data4_tensor2", pytest.param("fsdp", marks=pytest.mark.slow),
+@pytest.mark.parametrize("mesh", [pytest.param("data4_tensor2", marks=pytest.mark.slow),
+                                  pytest.param("fsdp", marks=pytest.mark.slow),
                                   pytest.param("hsdp", marks=pytest.mark.slow)])
 def test_two_processes_train_sft_like_one_process_of_eight_devices(tmp_path, mesh):
     extra = MESHES[mesh]

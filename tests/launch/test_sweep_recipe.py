@@ -84,6 +84,7 @@ def get_sweep(hyper):
 """
 
 
+@pytest.mark.slow  # runs main.py per trial; test_sweep_e2e stays
 def test_get_sweep_config_file_sweeps_through_the_script_and_the_real_main_py(tmp_path):
     path, workdir = tmp_path / "one.py", tmp_path / "w"
     path.write_text(textwrap.dedent(ONE_TRIAL))

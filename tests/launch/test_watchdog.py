@@ -23,6 +23,7 @@ SFT_ARGS = ["--config", str(ROOT / "configs" / "sft_synthetic.py") + ":smoke",
             "--config.logging.progress_bar=false"]
 
 
+@pytest.mark.slow  # three processes and a watchdog timeout; test_local's failing-process run stays
 def test_a_process_that_skips_a_collective_ends_in_watchdog_reports(tmp_path):
     env = {**os.environ, "MESHRL_TEST_FAULT": "hang_at_step:3"}
     t0 = time.monotonic()

@@ -146,7 +146,8 @@ def _loss(params: nnx.State, graphdef: nnx.GraphDef, ids_BxL: jax.Array) -> jax.
 _value_and_grad = jax.jit(jax.value_and_grad(_loss), static_argnums=1)
 
 
-@pytest.mark.parametrize("remat, scan", [("full", False), ("dots", False), ("dots", True)])
+@pytest.mark.parametrize("remat, scan", [("full", False), pytest.param("dots", False, marks=pytest.mark.slow),
+                                         ("dots", True)])
 def test_remat_and_scan_keep_logits_and_gradients(remat, scan):
     cfg = CONFIGS["qwen3"]
     ids_BxL = random_ids(2, 8)

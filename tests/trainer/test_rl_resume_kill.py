@@ -41,7 +41,7 @@ TINY = Job((str(ROOT / "configs/default.py:smoke"), "--config.data.num_examples=
             "--config.rollout.max_staleness=2", "--config.checkpoint.every_steps=2",
             "--config.trainer.eval_every=0", "--config.data.eval_examples=2",
             "--config.rl.warm_start_steps=0"), examples=12, steps=16, max_staleness=2,
-           kill_window_s=1.5)
+           kill_window_s=0.6)
 # The default job as shipped (300 steps, a checkpoint every 100).
 DEFAULT = Job((str(ROOT / "configs/default.py"),), examples=2000, steps=300, max_staleness=2,
               kill_window_s=20.0, timeout_s=900)
