@@ -180,7 +180,9 @@ class TrainEngine:
             self.watchdog.stop()
         self.start_step = 0 if self.restored is None else int(self.restored.counters["step"])
         step_fn = (spec.make_step(trainee.forward, spec.loss_fn, self.tx, self.schedule)
-                   if self.lora is None else self._lora_step(trainee.forward, spec))
+                   if self.lora is None else self.lora.step(
+                       trainee.forward,
+                       lambda fwd: spec.make_step(fwd, spec.loss_fn, self.tx, self.schedule)))
         # The step runs on the state's leaves; ``state`` is a view built when read.
         self._treedef = jax.tree.structure(self.state_sh)
         self._params_def, self._params_at = _params_slice(self.state_sh)
@@ -361,17 +363,6 @@ class TrainEngine:
 
     def _frozen_tree(self) -> Any:
         return jax.tree.unflatten(jax.tree.structure(self.lora.frozen_sh), self._frozen)
-
-    def _lora_step(self, base_forward: ForwardFn, spec: StepSpec) -> Callable:
-        """``step((state, frozen), batch)``: the spec's step over the adapters, its forward
-        merging them into the frozen base passed alongside (a traced argument, not a
-        constant), which comes back unchanged."""
-        def lora_step(ext: tuple[TrainState, Any], batch: Any) -> tuple[Any, Any]:
-            state, frozen = ext
-            fwd = self.lora.forward(base_forward, frozen)
-            new, metrics = spec.make_step(fwd, spec.loss_fn, self.tx, self.schedule)(state, batch)
-            return (new, frozen), metrics
-        return lora_step
 
     def publish(self, version: int) -> None:
         """Orbax weight version ``<workdir>/weights/<version>`` (replacing a killed run's
