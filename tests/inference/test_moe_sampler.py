@@ -31,7 +31,8 @@ def references(moe_model):
     return [reference_greedy(graphdef, params, p, 6) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("mesh_cfg", [None, MeshConfig(data=1, expert=2, tensor=2)],
+@pytest.mark.parametrize("mesh_cfg", [pytest.param(None, marks=pytest.mark.slow),
+                                      MeshConfig(data=1, expert=2, tensor=2)],
                          ids=["one_device", "expert2_tensor2"])
 def test_moe_sampler_greedy_equals_the_full_forward_argmax(moe_model, references, mesh_cfg):
     _, params = moe_model

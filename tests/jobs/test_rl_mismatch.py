@@ -9,7 +9,7 @@ import pytest
 from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 
 
-@pytest.mark.parametrize("minibatches", [1, 2])
+@pytest.mark.parametrize("minibatches", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_float32_synchronous_rl_logprob_mismatch_is_rounding_only(tmp_path, minibatches):
     config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.dtype": "float32",
                                "model.compute_dtype": "float32",

@@ -83,7 +83,7 @@ def test_abstract_load_then_with_weights_reads_config_json_once_in_all(hf_dir, m
 
 @pytest.mark.parametrize("role, fsdp, embed_sharded", [
     ("train", True, True),  # FSDP: params sharded over data
-    ("train", False, False),
+    pytest.param("train", False, False, marks=pytest.mark.slow),
     ("sample", True, False),  # the sampler keeps params replicated over data, whatever mesh.fsdp
 ])
 def test_load_places_params_in_the_roles_shardings(role, fsdp, embed_sharded):

@@ -22,7 +22,7 @@ def _paged(cfg, table):
     return pool.replace(page_table=jnp.asarray(table, jnp.int32))
 
 
-@pytest.mark.parametrize("scan_layers", [False, True])
+@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_prefill_then_decode_over_pages_equals_dense_cache(scan_layers):
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
     graphdef, params = split_model(create_model(cfg, seed=0))

@@ -19,7 +19,7 @@ from meshrl.tests.trainer.tiny import tiny_config
 
 
 @pytest.mark.parametrize(("shape", "n_lead"), [((128, 8), 0), ((2, 192, 3, 4), 1),
-                                                ((7, 5), 0), ((3, 33, 6), 1)])
+    pytest.param((7, 5), 0, marks=pytest.mark.slow), pytest.param((3, 33, 6), 1, marks=pytest.mark.slow)])
 def test_packed_nf4_dequantises_bitwise_to_the_one_code_a_byte_form(shape, n_lead):
     w = jax.random.normal(jax.random.key(0), shape)
     packed, plain = (quant.quantize(w, "nf4", n_lead, pack=p) for p in (True, False))

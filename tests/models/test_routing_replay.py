@@ -68,7 +68,7 @@ def test_replayed_ids_replace_the_selection_and_keep_the_router_weights():
         np.testing.assert_allclose(np.asarray(w)[given], picked, rtol=1e-6)
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_replaying_the_models_own_routing_gives_the_same_logits(scan):
     cfg = dataclasses.replace(MOE, scan_layers=True, mlp_only_layers=()) if scan else MOE
     graphdef, params = _model(None, cfg=cfg)
@@ -97,7 +97,8 @@ def test_sampler_decode_records_the_routing_the_trainer_forward_computes():
 
 
 @pytest.mark.parametrize("mesh_cfg, devices", [
-    (None, 1), pytest.param(MeshConfig(data=1, expert=2), 2, marks=pytest.mark.distributed)])
+    (None, 1), pytest.param(MeshConfig(data=1, expert=2), 2,
+                 marks=[pytest.mark.distributed, pytest.mark.slow])])
 def test_replay_routes_a_perturbed_router_to_the_recorded_experts_with_router_grads(
         mesh_cfg, devices):
     graphdef, params = _model(mesh_cfg, devices)

@@ -123,7 +123,7 @@ def test_restore_onto_other_mesh_keeps_values(tmp_path):
     assert all("data" not in str(s) for s in specs)
 
 
-@pytest.mark.parametrize("damage", ["truncate", "drop_manifest"])
+@pytest.mark.parametrize("damage", ["truncate", pytest.param("drop_manifest", marks=pytest.mark.slow)])
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, damage):
     config = tiny_config(**{"trainer.steps": 4, "checkpoint.every_steps": 2})
     _run(config, tmp_path)

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.distributed
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("strategy", [pytest.param("all_gather", marks=pytest.mark.slow), "ring"])
 def test_context4_data2_step_matches_one_device(strategy):
     ref_state, ref_hist = _single_device_reference()
 

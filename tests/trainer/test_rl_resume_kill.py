@@ -121,9 +121,9 @@ def run_killed(job: Job, workdir: pathlib.Path, seed: int, kills: int) -> int:
     return landed
 
 
-def test_three_seeded_kills_then_rerun_train_every_prompt_exactly_once(tmp_path):
-    # One run killed up to three times at seeded moments: at most four starts in all.
-    assert run_killed(TINY, tmp_path / "run", seed=0, kills=3) >= 2
+def test_two_seeded_kills_then_rerun_train_every_prompt_exactly_once(tmp_path):
+    # One run killed up to twice at seeded moments, each resuming the last: three starts at most.
+    assert run_killed(TINY, tmp_path / "run", seed=0, kills=2) == 2
 
 
 @pytest.mark.slow  # 20 x (a killed run and a rerun)

@@ -91,8 +91,9 @@ def _single_device_reference() -> tuple[TrainState, list[dict]]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mesh_overrides", [
-    {"mesh.data": 8},
-    {"mesh.data": 2, "mesh.tensor": 4},
+    # Plain data and data x tensor are the fsdp cases without fsdp: slow only.
+    pytest.param({"mesh.data": 8}, marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 2, "mesh.tensor": 4}, marks=pytest.mark.slow),
     {"mesh.data": 8, "mesh.fsdp": True},
     {"mesh.data": 2, "mesh.tensor": 4, "mesh.fsdp": True, "trainer.microbatches": 2},
     {"mesh.data": 2, "mesh.dcn_data": 2, "mesh.tensor": 2, "mesh.fsdp": True},
