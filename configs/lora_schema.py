@@ -29,8 +29,9 @@ class LoraConfig(Section):
     base_dtype: Literal["float32", "bfloat16", "int8", "nf4"] = field(
         "float32", "Storage of the frozen base projections: float32, bfloat16, int8 "
                    "(per-channel absmax) or nf4 (QLoRA 4-bit normal-float, blocks of 64).")
-    dropout: float = field(0.0, "Dropout on the adapter input; only 0 is implemented (the "
-                                "train step has no per-step dropout key).", at_least(0.0))
+    dropout: float = field(0.0, "Dropout rate p on each adapter's input (PEFT's lora_dropout), "
+                                "0 <= p < 1; the train step draws a new mask each step.",
+                           at_least(0.0))
     seed: int = field(0, "Seed of the adapters' A initialisation (B starts at zero).")
 
     def validate(self) -> None:
@@ -39,6 +40,6 @@ class LoraConfig(Section):
         except re.error as e:
             raise ConfigError(f"lora.targets = {self.targets!r}: not a valid regex ({e}); "
                               f"write a Python regex such as 'attn/(q|v)'") from None
-        if self.dropout != 0.0:
-            raise ConfigError(f"lora.dropout = {self.dropout}: only 0.0 is supported; "
-                              f"drop the override")
+        if not self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout = {self.dropout}: must be < 1 (1 drops every "
+                              f"adapter input); use 0 <= p < 1")

@@ -18,7 +18,8 @@ Contract:
 * ``export.format = 'peft'``: a LoRA run's checkpoint as ``OUT/adapter_model.safetensors`` +
   ``OUT/adapter_config.json`` that ``peft.PeftModel.from_pretrained`` loads onto the run's base,
   which must be a Hugging Face directory (``model.hf_path``; ``models/peft_export.py``). A
-  published version (merged weights), a run without LoRA or a base that is no HF directory (a
+  published version holds the merged weights the sampler loads, not adapters, so a PEFT export
+  reads the trainer checkpoint; a published version, a run without LoRA or a base that is no HF directory (a
   warm start, a random init) is one ``ConfigError`` line that names ``export.format = 'merged'``
   where that exports the same model.
 * Processes: on several (``distributed.*``), every process restores its shards and takes part
@@ -117,8 +118,9 @@ def check_peft(src: weights_source.WeightSource, workdir: str) -> str:
     head = "export.format = 'peft'"
     if src.kind == "version":
         raise ConfigError(f"{head}: weight version {src.version} holds merged weights, not "
-                          f"adapters: export a LoRA checkpoint (export.version = -1, "
-                          f"export.step), or the merged model with export.format = 'merged'")
+                          f"adapters: export the adapters from the run's trainer checkpoint "
+                          f"(export.version = -1, export.step = the step to export), or this "
+                          f"version as a merged model with export.format = 'merged'")
     if src.base is None:
         raise ConfigError(f"{head}: checkpoint step {src.step} of {workdir} is no LoRA run "
                           f"(lora.rank = 0): export it with export.format = 'merged'")

@@ -113,11 +113,16 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
     if config.distill.enabled:
         reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer)
     else:
+        # With LoRA the reference is the adapter-disabled forward over the engine's frozen
+        # base (the params the engine starts from): no second copy of the weights.
+        lora = engine.lora
         reference = None if not kl else ReferencePolicy(
-            config.rl, trainee.forward, params, engine.params_sh, engine.mesh,
-            engine.batch_sh, samples=rl_batch_size(config),
+            config.rl, trainee.forward if lora is None else lora.reference_forward(
+                trainee.forward), params, engine.params_sh if lora is None else lora.frozen_sh,
+            engine.mesh, engine.batch_sh, samples=rl_batch_size(config),
             temperature=config.sampler.temperature, group_size=config.rollout.group_size,
-            microbatches=config.trainer.microbatches)
+            microbatches=config.trainer.microbatches,
+            base=None if lora is None else engine.frozen_base)
     return reference, params, warm_start_steps(config) if restored is None else 0
 
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshrl.models.lora_kernel import AdaptedKernel
 from meshrl.models.sharding import LogicalAxes, ShardingContext, constrain
 
 _INIT_STD = 0.02  # HF initializer_range for Llama/Qwen.
@@ -59,9 +60,13 @@ class Projection(nnx.Module):
                      if use_bias else None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        k = self.kernel[...].astype(self.compute_dtype)
-        contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
-        y = jax.lax.dot_general(x.astype(self.compute_dtype), k, (contract, ((), ())))
+        k = self.kernel[...]
+        if isinstance(k, AdaptedKernel):  # LoRA's unmerged forward (models/lora_kernel.py)
+            y = k.project(x, self.n_in, self.compute_dtype)
+        else:
+            contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
+            y = jax.lax.dot_general(x.astype(self.compute_dtype), k.astype(self.compute_dtype),
+                                    (contract, ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.compute_dtype)
         return y

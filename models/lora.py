@@ -3,9 +3,10 @@
 The trainer's forward is a pure function of an ``nnx.State`` (``trainer.step.decoder_forward``),
 so LoRA is applied to that state rather than to the module graph: each targeted ``Projection``
 kernel ``W`` (shape ``lead + in + out``, ``lead`` the stacked ``layers`` axis if any) gets
-``A: lead + in + (r,)`` and ``B: lead + (r,) + out`` and the forward sees
-``W + alpha / r * A @ B``. ``A`` starts normal with std ``1 / sqrt(fan_in)``, ``B`` at zero, so
-step 0 is the base model. The frozen base can be stored quantised (``models/quant.py``).
+``A: lead + in + (r,)`` and ``B: lead + (r,) + out``. The train step's forward runs them
+unmerged (``x W + dropout(x) A B * alpha / r``, ``models/lora_kernel.py``); the weights the
+sampler, evaluations and exports read are merged, ``W + alpha / r * A @ B``. ``A`` starts
+normal with std ``1 / sqrt(fan_in)``, ``B`` at zero, so step 0 is the base model. The frozen base can be stored quantised (``models/quant.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.lora_schema import LoraConfig
 from meshrl.models import quant
 from meshrl.models.layers import Projection
+from meshrl.models.lora_kernel import AdaptedKernel
 from meshrl.utils.params import path_name
 
 Adapters = dict[str, dict[str, jax.Array]]  # "layers/0/attn/q/kernel" -> {"a": A, "b": B}
@@ -104,7 +106,8 @@ def merge_frozen(frozen: dict[str, Any], adapters: Adapters | None,
                  ) -> dict[str, jax.Array]:
     """Flat full params from a frozen base (``Lora.freeze``'s dict, quantised leaves
     dequantised) and the scaled adapters, each leaf in ``dtypes``; ``adapters = None``: the
-    base alone. The trainer's forward and the sampler's merge both run this."""
+    base alone. The trainer's full params (``engine.params``) and the sampler's merge both
+    run this."""
     by_path = {t.path: t for t in targets}
     out = {}
     for path, stored in frozen.items():
@@ -192,6 +195,36 @@ class Lora:
         flat = merge_frozen(frozen, adapters, self.targets, self.scale, dtypes)
         return jax.tree.unflatten(treedef, list(flat.values()))
 
+    def unmerged(self, treedef: Any, frozen: dict[str, Any], adapters: Adapters | None,
+                 dtypes: dict[str, Any], key: jax.Array | None = None, dropout: float = 0.0
+                 ) -> Any:
+        """The param state of the unmerged forward: every projection kernel an
+        ``AdaptedKernel`` over its stored base (a target's with its adapter, dropout keyed by
+        ``key``), every other leaf in its dtype; ``adapters = None``: the base alone."""
+        by_path = {t.path: t for t in self.targets}
+        keys = self.dropout_keys(key) if key is not None and dropout > 0.0 else {}
+        leaves = []
+        for path, stored in frozen.items():
+            ad = None if adapters is None else adapters.get(path)
+            if ad is not None:
+                leaves.append(AdaptedKernel(stored, ad["a"], ad["b"], keys.get(path),
+                                            self.scale, dropout, dtypes[path]))
+            elif path in by_path or path in self.quantised:
+                leaves.append(AdaptedKernel(stored, None, None, None, self.scale, 0.0,
+                                            dtypes[path]))
+            else:
+                leaves.append(stored.astype(dtypes[path]))
+        return jax.tree.unflatten(treedef, leaves)
+
+    def dropout_keys(self, key: jax.Array) -> dict[str, jax.Array]:
+        """One key per target and stacked layer (``lead + (2,)`` key data), from ``key``."""
+        out = {}
+        for i, t in enumerate(self.targets):
+            k = jax.random.fold_in(key, i)
+            lead = t.shape[:t.n_lead]
+            out[t.path] = jax.random.key_data(jax.random.split(k, lead) if lead else k)
+        return out
+
 
 class LoraSetup:
     """LoRA bound to one placed base: shardings of the frozen base and the adapters, and the
@@ -245,22 +278,35 @@ class LoraSetup:
 
     def step(self, base_forward: Any, make_step: Any) -> Any:
         """``step((state, frozen), batch)``: ``make_step(forward)``'s step over the adapters,
-        its forward merging them into the frozen base passed alongside, which comes back
-        unchanged (the step donates it, so its buffer is aliased, not copied)."""
+        its forward applying them to the frozen base passed alongside, which comes back
+        unchanged (the step donates it, so its buffer is aliased, not copied). The dropout key
+        is the state's ``rng`` folded with its step: a resumed run draws the same masks."""
         def lora_step(ext: tuple[Any, Any], batch: Any) -> tuple[Any, Any]:
             state, frozen = ext
-            new, metrics = make_step(self.forward(base_forward, frozen))(state, batch)
+            key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), state.step)
+            new, metrics = make_step(self.forward(base_forward, frozen, key))(state, batch)
             return (new, frozen), metrics
         return lora_step
 
-    def forward(self, base_forward: Any, frozen: dict[str, Any]) -> Any:
-        """``forward(adapters, ...)``: ``base_forward`` on the merged state. ``frozen`` is a
-        traced argument of the step (never a closed-over constant: jit would embed it)."""
-        def fwd(adapters: Adapters, *args: Any) -> Any:
-            base = jax.lax.stop_gradient(frozen)
-            return base_forward(self.lora.merged(self.treedef, base, adapters, self.dtypes),
-                                *args)
+    def forward(self, base_forward: Any, frozen: dict[str, Any], key: jax.Array | None = None
+                ) -> Any:
+        """``forward(adapters, ...)``: ``base_forward`` with the adapters applied to ``frozen``
+        unmerged (``Lora.unmerged``), never merged: a merge materialises the dequantised
+        float32 base inside the step (docs/lora.md has the compile figures). ``frozen`` is a
+        traced argument of the step (never a closed-over constant: jit would embed it);
+        ``adapters = None`` runs the base alone (the frozen reference)."""
+        def fwd(adapters: Adapters | None, *args: Any) -> Any:
+            params = self.lora.unmerged(self.treedef, jax.lax.stop_gradient(frozen), adapters,
+                                        self.dtypes, key, self.cfg.dropout)
+            return base_forward(params, *args)
         return fwd
+
+
+    def reference_forward(self, base_forward: Any) -> Any:
+        """``forward(frozen, ...)``: the adapter-disabled forward over the frozen base, the
+        KL reference of a LoRA run (the step-0 policy, since ``B`` starts at zero) with no
+        second copy of the weights."""
+        return lambda frozen, *args: self.forward(base_forward, frozen)(None, *args)
 
 
 def frozen_sharding(abstract: Any, kernel_sh: NamedSharding) -> Any:

@@ -239,14 +239,14 @@ class TrainEngine:
         """``state.params`` without building the rest of the state (what a weight handoff
         reads every RL step); with LoRA the full params, base and adapters merged."""
         if self.lora is not None and self._leaves is not None:
-            return self.lora.merged(self._frozen_tree(), self.trained_params)
+            return self.lora.merged(self.frozen_base(), self.trained_params)
         return self.trained_params
 
     def adapter_update(self, with_base: bool) -> AdapterUpdate:
         """With LoRA: the adapter-only weight handoff of the current adapters (``with_base``:
         carrying the frozen base's full params, for a sampler that has none yet)."""
         assert self.lora is not None and self._frozen is not None, "adapter_update needs LoRA"
-        return self.lora.update(self.trained_params, self._frozen_tree(), with_base)
+        return self.lora.update(self.trained_params, self.frozen_base(), with_base)
 
     @property
     def trained_params(self) -> Any:
@@ -361,7 +361,9 @@ class TrainEngine:
         assert self._leaves is not None
         return self._leaves if self._frozen is None else self._leaves + self._frozen
 
-    def _frozen_tree(self) -> Any:
+    def frozen_base(self) -> Any:
+        """With LoRA: the frozen base as the step holds it now (its buffers change each step:
+        the step donates the base and returns it)."""
         return jax.tree.unflatten(jax.tree.structure(self.lora.frozen_sh), self._frozen)
 
     def publish(self, version: int) -> None:

@@ -26,11 +26,13 @@ the device by ``algorithms.distill.distill_advantages`` (log p_teacher - log p_b
 token, no group baseline), its metric ``distill_reverse_kl``.
 
 Cost: one more copy of the params (no optimizer state) on the trainer mesh, and one forward
-pass per step without activations kept for a backward pass.
+pass per step without activations kept for a backward pass. A LoRA run's reference holds no
+copy: it is the adapter-disabled forward over the engine's frozen base (``base``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -152,9 +154,16 @@ class ReferencePolicy:
     def __init__(self, rl: RLConfig, forward_fn: ForwardFn, params: Any, params_sh: Any,
                  mesh: Mesh, batch_sh: RLTrainBatch, *, samples: int, temperature: float,
                  group_size: int, microbatches: int = 1, distill: DistillConfig | None = None,
-                 arch: Any = None) -> None:
+                 arch: Any = None, base: Callable[[], Any] | None = None) -> None:
         check_temperature(temperature)
-        if distill is not None:
+        # ``base``: a LoRA run's reference reads the engine's frozen base at each apply (the
+        # train step donates and returns it, so it is neither held nor copied here).
+        self._base = base
+        if base is not None:
+            self.params = None
+            apply = _kl_apply(rl, forward_fn, samples=samples, temperature=temperature,
+                              group_size=group_size, microbatches=microbatches)
+        elif distill is not None:
             # The teacher's params are its own (no train state donates them): no copy.
             self.params = params
             apply = _distill_apply(distill, forward_fn, temperature=temperature,
@@ -174,4 +183,4 @@ class ReferencePolicy:
     def apply(self, batch: RLTrainBatch) -> tuple[RLTrainBatch, dict[str, jax.Array]]:
         """(the train step's batch, ``{"kl_behaviour_ref" or "distill_reverse_kl": scalar}``);
         no host sync."""
-        return self._apply(self.params, batch)
+        return self._apply(self.params if self._base is None else self._base(), batch)

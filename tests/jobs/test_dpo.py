@@ -54,6 +54,7 @@ def test_dpo_job_raises_held_out_preference_accuracy_and_writes_summary(tmp_path
     assert summary["eval_pairs"] == 64.0 and 0.0 <= summary["reward_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # the LoRA reference forward has its own unit tests
 def test_dpo_with_lora_builds_its_reference_on_the_full_params_shardings(tmp_path):
     summary = job.run(_config(**{"lora.rank": 4, "trainer.steps": 4}), str(tmp_path))
     assert summary["steps"] == 4 and math.isfinite(summary["final_loss"])

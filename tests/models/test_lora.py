@@ -92,7 +92,8 @@ def test_unknown_quant_kind_is_refused():
         quant.quantize(jnp.ones((4, 4)), "fp3")
 
 
-def test_nonzero_dropout_is_one_config_error():
+def test_dropout_of_one_or_more_is_one_config_error():
     from meshrl.configs.fields import ConfigError
-    with pytest.raises(ConfigError, match="lora.dropout = 0.1: only 0.0"):
-        dataclasses.replace(LoraConfig(rank=4), dropout=0.1).validate()
+    with pytest.raises(ConfigError, match="lora.dropout = 1.0: must be < 1"):
+        dataclasses.replace(LoraConfig(rank=4), dropout=1.0).validate()
+    dataclasses.replace(LoraConfig(rank=4), dropout=0.1).validate()

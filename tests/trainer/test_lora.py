@@ -73,6 +73,7 @@ def test_qlora_nf4_base_trains(tmp_path):
     assert any(x.dtype == np.uint8 for x in engine._frozen)  # nf4 codes, two a byte
 
 
+@pytest.mark.slow  # the dropout test resumes bitwise too
 def test_lora_resume_is_bitwise(tmp_path):
     over = {**LORA, "trainer.steps": 4, "checkpoint.every_steps": 2,
             "checkpoint.async_save": False}
@@ -98,3 +99,26 @@ def test_a_regex_matching_no_projection_is_one_config_error(tmp_path):
 def test_a_bad_regex_is_one_config_error():
     with pytest.raises(ConfigError, match=r"lora.targets = '\(': not a valid regex"):
         tiny_config(**{**LORA, "lora.targets": "("})
+
+
+def test_lora_dropout_changes_training_and_resumes_bitwise(tmp_path):
+    over = {**LORA, "trainer.steps": 4, "checkpoint.every_steps": 2,
+            "checkpoint.async_save": False}
+    plain, _ = _engine(tiny_config(**over), tmp_path / "plain")
+    run_sft(plain)
+    plain.close()
+    drop = {**over, "lora.dropout": 0.3}
+    straight, _ = _engine(tiny_config(**drop), tmp_path / "a")
+    run_sft(straight)
+    straight.close()
+    first, _ = _engine(tiny_config(**{**drop, "trainer.steps": 2}), tmp_path / "b")
+    run_sft(first)
+    first.close()
+    resumed, _ = _engine(tiny_config(**drop), tmp_path / "b")
+    run_sft(resumed)
+    resumed.close()
+    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+        np.testing.assert_array_equal(a, b)
+    moved = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(straight.state.params))]
+    assert any(moved)  # the masks reached the adapters' updates
