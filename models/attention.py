@@ -106,16 +106,18 @@ class Attention(nnx.Module):
                 values_PxSxKxH.astype(self.compute_dtype), cache.page_table, positions_BxL)
         else:
             cache = kvc.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
-            keys_BxKxHxT, values_BxKxTxH = cache.layer(layer)
-            keys_BxKxHxT = keys_BxKxHxT.astype(self.compute_dtype)
+            keys, values_BxKxTxH = cache.layer(layer)  # keys in ``cache.key_layout``
+            keys = keys.astype(self.compute_dtype)
             values_BxKxTxH = values_BxKxTxH.astype(self.compute_dtype)
             if self.impl != "einsum" and x_BxLxD.shape[1] > BLOCK:
+                keys_BxKxHxT = jnp.swapaxes(keys, 2, 3) if cache.keys_like_values else keys
                 out_BxLxNxH = blockwise_cache_attention(q_BxLxNxH, keys_BxKxHxT, values_BxKxTxH,
                                                         positions_BxL)
             else:
-                T = keys_BxKxHxT.shape[-1]
+                T = values_BxKxTxH.shape[2]
                 mask_BxLxT = jnp.arange(T)[None, None, :] <= positions_BxL[:, :, None]
-                out_BxLxNxH = _attend_cache(q_BxLxNxH, keys_BxKxHxT, values_BxKxTxH, mask_BxLxT)
+                out_BxLxNxH = _attend_cache(q_BxLxNxH, keys, values_BxKxTxH, mask_BxLxT,
+                                            cache.key_layout)
         out_BxLxNxH = constrain(out_BxLxNxH, ("batch", "length", "act_heads", "head_dim"), ctx)
         return self.o(out_BxLxNxH), cache
 
@@ -153,15 +155,17 @@ def _platform(ctx: ShardingContext | None) -> str:
     return jax.default_backend()
 
 
-def _attend_cache(q_BxLxNxH: jax.Array, k_BxKxHxT: jax.Array, v_BxKxTxH: jax.Array,
-                  mask_BxLxT: jax.Array) -> jax.Array:
-    """Attention over the cache layout: (B, K) batch dims, canonical matmul operands, so the
-    cache is read in place (only the few queries are transposed)."""
+def _attend_cache(q_BxLxNxH: jax.Array, keys: jax.Array, v_BxKxTxH: jax.Array,
+                  mask_BxLxT: jax.Array, key_layout: str = kvc.TRANSPOSED) -> jax.Array:
+    """Attention over the cache layout: (B, K) batch dims, the keys contracted in the layout
+    they are stored in (``key_layout``: [B, K, H, T] or [B, K, T, H]), so the cache is read in
+    place (only the few queries are transposed)."""
     B, L, N, H = q_BxLxNxH.shape
-    K, T = k_BxKxHxT.shape[1], k_BxKxHxT.shape[-1]
+    K, T = v_BxKxTxH.shape[1], v_BxKxTxH.shape[2]
     G = N // K
     q_BxKxQxH = q_BxLxNxH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * L, H)
-    scores_BxKxQxT = jnp.einsum("bkqh,bkht->bkqt", q_BxKxQxH, k_BxKxHxT,
+    spec = "bkqh,bkht->bkqt" if key_layout == kvc.TRANSPOSED else "bkqh,bkth->bkqt"
+    scores_BxKxQxT = jnp.einsum(spec, q_BxKxQxH, keys,
                                 preferred_element_type=jnp.float32) * (H ** -0.5)
     scores_BxKxGxLxT = scores_BxKxQxT.reshape(B, K, G, L, T)
     scores_BxKxGxLxT = jnp.where(mask_BxLxT[:, None, None], scores_BxKxGxLxT, MASK_VALUE)

@@ -3,13 +3,19 @@
 Per layer, in the canonical batched-matmul layouts for ``q @ k^T`` and ``p @ v`` with (B, K)
 as batch dims:
 
-* keys ``k[layer]``:   [slots B, kv_heads K, head_dim H, max_len T]  (stored transposed)
+* keys ``k[layer]``:   [slots B, kv_heads K, head_dim H, max_len T] (``key_layout`` "BKHT",
+  stored transposed) or [B, K, T, H] ("BKTH", like the values)
 * values ``v[layer]``: [slots B, kv_heads K, max_len T, head_dim H]
 
-Why this shape: with a [layers, B, T, K, H] stack, XLA on CPU copied every layer's keys and
+Why these shapes: with a [layers, B, T, K, H] stack, XLA on CPU copied every layer's keys and
 values on every decode step, once to slice the layer out of the stack and once to transpose
 it for the matmul. That is a full read and write of the attended cache per step and made
-decode 4-5x slower at long windows. Per-layer arrays in matmul order are read in place.
+decode 4-5x slower at long windows. Per-layer arrays in matmul order are read in place. The
+key layout is the platform's: CPU reads transposed keys in place, while the TPU compiler keeps
+head_dim minor and copied a transposed key cache to that layout and back on every decode call
+(the whole key cache twice per call). ``key_layout_for(mesh)`` picks by the mesh's devices (a
+compile for TPU from a CPU host gets the TPU layout); the layout is static data on the cache,
+so every method and the attention read it from the cache they get.
 
 Entry ``t`` of slot ``b`` holds the key/value of the token at *position* t of the sequence in
 slot b: the forward writes each token at its position and a query at position p attends to
@@ -44,6 +50,8 @@ from meshrl.mesh.rules import Rules, logical_to_sharding
 
 K_CACHE_AXES = ("cache_slots", "kv_heads", "head_dim", "cache_len")
 V_CACHE_AXES = ("cache_slots", "kv_heads", "cache_len", "head_dim")
+TRANSPOSED, TIME_MAJOR = "BKHT", "BKTH"  # key layouts: [B, K, H, T] (CPU) / [B, K, T, H]
+KEY_AXES = {TRANSPOSED: K_CACHE_AXES, TIME_MAJOR: V_CACHE_AXES}
 
 Layers = tuple[jax.Array, ...] | jax.Array  # per-layer tuple, or stacked over layers
 LayerFn = Callable[..., jax.Array]
@@ -51,48 +59,56 @@ LayerFn = Callable[..., jax.Array]
 
 @struct.dataclass
 class KVCache:
-    """Per layer: keys [B, K, H, T] and values [B, K, T, H] (see the module docstring)."""
+    """Per layer: keys [B, K, H, T] or [B, K, T, H] (``key_layout``) and values [B, K, T, H]
+    (see the module docstring)."""
 
     k: Layers
     v: Layers
+    key_layout: str = struct.field(pytree_node=False, default=TRANSPOSED)
 
     @classmethod
     def init(cls, cfg: ModelConfig, batch: int, max_len: int,
-             dtype: jnp.dtype | str = jnp.float32) -> KVCache:
+             dtype: jnp.dtype | str = jnp.float32, key_layout: str = TRANSPOSED) -> KVCache:
         """Zeros; stacked over layers when ``cfg.scan_layers``, else one array per layer."""
-        k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+        k_shape, v_shape = cls.shapes(cfg, batch, max_len, key_layout)
         if cfg.scan_layers:
             return cls(jnp.zeros((cfg.num_layers, *k_shape), dtype),
-                       jnp.zeros((cfg.num_layers, *v_shape), dtype))
+                       jnp.zeros((cfg.num_layers, *v_shape), dtype), key_layout)
         return cls(tuple(jnp.zeros(k_shape, dtype) for _ in range(cfg.num_layers)),
-                   tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)))
+                   tuple(jnp.zeros(v_shape, dtype) for _ in range(cfg.num_layers)), key_layout)
 
     @staticmethod
-    def shapes(cfg: ModelConfig, batch: int, max_len: int,
+    def shapes(cfg: ModelConfig, batch: int, max_len: int, key_layout: str = TRANSPOSED,
                ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Per-layer (key shape, value shape)."""
+        _check_layout(key_layout)
         K, H = cfg.num_kv_heads, cfg.resolved_head_dim
-        return (batch, K, H, max_len), (batch, K, max_len, H)
+        v_shape = (batch, K, max_len, H)
+        return (batch, K, H, max_len) if key_layout == TRANSPOSED else v_shape, v_shape
 
     @classmethod
     def shardings(cls, cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh,
-                  rules: Rules) -> KVCache:
-        """A KVCache of NamedShardings (for jit in/out_shardings), in ``init``'s layout."""
-        k_shape, v_shape = cls.shapes(cfg, batch, max_len)
+                  rules: Rules, key_layout: str | None = None) -> KVCache:
+        """A KVCache of NamedShardings (for jit in/out_shardings), in ``init``'s layout; the key
+        layout defaults to the mesh platform's (``key_layout_for``)."""
+        key_layout = key_layout or key_layout_for(mesh)
+        k_shape, v_shape = cls.shapes(cfg, batch, max_len, key_layout)
+        k_axes = KEY_AXES[key_layout]
         if cfg.scan_layers:
             L = cfg.num_layers
-            return cls(logical_to_sharding(("layers", *K_CACHE_AXES), mesh, rules, (L, *k_shape)),
-                       logical_to_sharding(("layers", *V_CACHE_AXES), mesh, rules, (L, *v_shape)))
-        k_sh = logical_to_sharding(K_CACHE_AXES, mesh, rules, k_shape)
+            return cls(logical_to_sharding(("layers", *k_axes), mesh, rules, (L, *k_shape)),
+                       logical_to_sharding(("layers", *V_CACHE_AXES), mesh, rules, (L, *v_shape)),
+                       key_layout)
+        k_sh = logical_to_sharding(k_axes, mesh, rules, k_shape)
         v_sh = logical_to_sharding(V_CACHE_AXES, mesh, rules, v_shape)
-        return cls((k_sh,) * cfg.num_layers, (v_sh,) * cfg.num_layers)
+        return cls((k_sh,) * cfg.num_layers, (v_sh,) * cfg.num_layers, key_layout)
 
     @classmethod
     def slots_per_shard(cls, cfg: ModelConfig, batch: int, max_len: int, mesh: Mesh,
                         rules: Rules) -> int:
         """Cache slots each device holds under ``shardings``."""
         sh = cls.shardings(cfg, batch, max_len, mesh, rules)
-        k_shape = cls.shapes(cfg, batch, max_len)[0]
+        k_shape = cls.shapes(cfg, batch, max_len, sh.key_layout)[0]
         if sh.is_stacked:
             return sh.k.shard_shape((cfg.num_layers, *k_shape))[1]
         return sh.k[0].shard_shape(k_shape)[0]
@@ -104,17 +120,38 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return (self.k if self.is_stacked else self.k[0]).shape[-1]
+        return self.v_first.shape[-2]
+
+    @property
+    def v_first(self) -> jax.Array:
+        """Layer 0's values (or the stack): [.., B, K, T, H] in every layout."""
+        return self.v if self.is_stacked else self.v[0]
+
+    @property
+    def keys_like_values(self) -> bool:
+        """True when keys are [B, K, T, H] like the values (``TIME_MAJOR``)."""
+        return self.key_layout == TIME_MAJOR
+
+    def with_key_layout(self, key_layout: str) -> KVCache:
+        """This cache in ``key_layout`` (the keys transposed: a copy unless already in it)."""
+        if key_layout == self.key_layout:
+            return self
+        _check_layout(key_layout)
+        return KVCache(_per_layer(lambda k: jnp.swapaxes(k, -1, -2), self.k), self.v, key_layout)
 
     @property
     def slots(self) -> int:
-        return (self.k if self.is_stacked else self.k[0]).shape[-4]
+        return self.v_first.shape[-4]
 
     def window(self, length: int, rows: int | None = None, lo: int = 0) -> KVCache:
         """Entries [0, length) of slots [lo, lo + rows) (a copy the decode loop updates in place)."""
         hi = None if rows is None else lo + rows
-        return KVCache(_per_layer(lambda k: k[lo:hi, ..., :length], self.k),
-                       _per_layer(lambda v: v[lo:hi, :, :length], self.v))
+
+        def cut_k(k: jax.Array) -> jax.Array:
+            return k[lo:hi, :, :length] if self.keys_like_values else k[lo:hi, ..., :length]
+
+        return KVCache(_per_layer(cut_k, self.k),
+                       _per_layer(lambda v: v[lo:hi, :, :length], self.v), self.key_layout)
 
     def put_band(self, window: KVCache, start_B: jax.Array, width: int, lo: int = 0) -> KVCache:
         """Write back entries [start_B[b], start_B[b] + width) of each window row b into slot
@@ -134,34 +171,48 @@ class KVCache:
             band_BxKxCxH = jnp.take_along_axis(part, idx_BxC[:, None, :, None], axis=2)
             return full.at[b_BxC, :, idx_BxC].set(band_BxKxCxH.transpose(0, 2, 1, 3))
 
-        return KVCache(_per_layer(put_k, self.k, window.k), _per_layer(put_v, self.v, window.v))
+        window = window.with_key_layout(self.key_layout)
+        return KVCache(_per_layer(put_v if self.keys_like_values else put_k, self.k, window.k),
+                       _per_layer(put_v, self.v, window.v), self.key_layout)
 
     def put_slots(self, part: KVCache, slots_N: jax.Array) -> KVCache:
         """Write ``part`` (N slots, P entries) over entries [0, P) of slots ``slots_N``;
-        out-of-range slot indices are dropped (padding rows)."""
-        P = part.max_len
-        return KVCache(
-            _per_layer(lambda f, p: f.at[slots_N, :, :, :P].set(p, mode="drop"), self.k, part.k),
-            _per_layer(lambda f, p: f.at[slots_N, :, :P].set(p, mode="drop"), self.v, part.v))
+        out-of-range slot indices are dropped (padding rows). A ``part`` in the other key
+        layout is transposed to this one first (a copy of the part's keys)."""
+        P, part = part.max_len, part.with_key_layout(self.key_layout)
+
+        def put_k(f: jax.Array, p: jax.Array) -> jax.Array:
+            return f.at[slots_N, :, :, :P].set(p, mode="drop")
+
+        def put_v(f: jax.Array, p: jax.Array) -> jax.Array:
+            return f.at[slots_N, :, :P].set(p, mode="drop")
+
+        return KVCache(_per_layer(put_v if self.keys_like_values else put_k, self.k, part.k),
+                       _per_layer(put_v, self.v, part.v), self.key_layout)
 
     def move_slots(self, src_M: jax.Array, dst_M: jax.Array) -> KVCache:
         """Copy slot ``src_M[i]`` to ``dst_M[i]``; out-of-range destinations are dropped."""
         def move(x: jax.Array) -> jax.Array:
             return x.at[dst_M].set(x[src_M], mode="drop")
 
-        return KVCache(_per_layer(move, self.k), _per_layer(move, self.v))
+        return KVCache(_per_layer(move, self.k), _per_layer(move, self.v), self.key_layout)
 
     def stacked(self) -> KVCache:
         """Layers stacked on a leading axis (a copy unless already stacked)."""
-        return self if self.is_stacked else KVCache(jnp.stack(self.k), jnp.stack(self.v))
+        return self if self.is_stacked else self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
 
     def unstacked(self) -> KVCache:
         """One array per layer (a copy unless already per layer)."""
-        return KVCache(tuple(self.k), tuple(self.v)) if self.is_stacked else self
+        return self.replace(k=tuple(self.k), v=tuple(self.v)) if self.is_stacked else self
 
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
-        """(keys B x K x H x T, values B x K x T x H) of one layer."""
+        """(keys in ``key_layout``, values B x K x T x H) of one layer."""
         return self.k[layer], self.v[layer]
+
+
+def key_layout_for(mesh: Mesh) -> str:
+    """The key layout the platform of ``mesh``'s devices reads in place (module docstring)."""
+    return TRANSPOSED if mesh.devices.flat[0].platform == "cpu" else TIME_MAJOR
 
 
 def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array,
@@ -173,16 +224,23 @@ def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKx
     b_BxL = jnp.broadcast_to(jnp.arange(k_BxLxKxH.shape[0])[:, None], positions_BxL.shape)
     # Advanced indices split by slices: numpy puts their (B, L) dims first, so each update is
     # [B, L, K, H] whatever the layout.
+    def put(x: jax.Array, new: jax.Array, transposed: bool, *lead: int | jax.Array) -> jax.Array:
+        idx = (*lead, b_BxL, slice(None), *((slice(None),) if transposed else ()), positions_BxL)
+        return x.at[idx].set(new.astype(x.dtype), mode="drop")
+
+    transposed = not cache.keys_like_values
     if not cache.is_stacked:
-        k_l, v_l = cache.k[layer], cache.v[layer]
-        k_l = k_l.at[b_BxL, :, :, positions_BxL].set(k_BxLxKxH.astype(k_l.dtype), mode="drop")
-        v_l = v_l.at[b_BxL, :, positions_BxL].set(v_BxLxKxH.astype(v_l.dtype), mode="drop")
-        return KVCache(_replace(cache.k, layer, k_l), _replace(cache.v, layer, v_l))
-    k = cache.k.at[layer, b_BxL, :, :, positions_BxL].set(
-        k_BxLxKxH.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[layer, b_BxL, :, positions_BxL].set(
-        v_BxLxKxH.astype(cache.v.dtype), mode="drop")
-    return KVCache(k, v)
+        k_l = put(cache.k[layer], k_BxLxKxH, transposed)
+        v_l = put(cache.v[layer], v_BxLxKxH, False)
+        return cache.replace(k=_replace(cache.k, layer, k_l), v=_replace(cache.v, layer, v_l))
+    return cache.replace(k=put(cache.k, k_BxLxKxH, transposed, layer),
+                         v=put(cache.v, v_BxLxKxH, False, layer))
+
+
+def _check_layout(key_layout: str) -> None:
+    if key_layout not in KEY_AXES:
+        raise ValueError(f"kv cache key_layout: {key_layout!r}: must be one of "
+                         f"{sorted(KEY_AXES)}")
 
 
 def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:

@@ -135,8 +135,10 @@ class PagedKVCache:
         table_NxM = jnp.take(self.page_table, slots_N, axis=0, mode="fill", fill_value=-1)
         pos_NxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
         page_NxT, off_NxT = slot_index(table_NxM, pos_NxT, self.page_size)
-        # Dense keys are [N, K, H, T], values [N, K, T, H]: the pages take [N, T, K, H].
-        keys_NxTxKxH = _per_layer(lambda x: jnp.moveaxis(x, -1, -3), part.k)
+        # Dense keys are [N, K, H, T] or [N, K, T, H], values [N, K, T, H]: the pages take
+        # [N, T, K, H].
+        keys_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3) if part.keys_like_values
+                                  else jnp.moveaxis(x, -1, -3), part.k)
         values_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3), part.v)
 
         def put(pool: jax.Array, x: jax.Array) -> jax.Array:

@@ -7,14 +7,17 @@ import importlib.util
 import math
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.aot import hlo
 from meshrl.configs import base_config, from_config_dict
 from meshrl.jobs import compile as compile_job
 from meshrl.jobs.compile_programs import BUILDERS
-from meshrl.mesh import create_mesh
-from meshrl.models import resolve_model_config
+from meshrl.mesh import create_mesh, rules_for
+from meshrl.models import KVCache, paged_kernel, resolve_model_config
+from meshrl.models.kv_cache import TIME_MAJOR
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -84,6 +87,45 @@ def test_sampler_prefill_and_decode_compile_tensor_parallel_with_known_loops(tmp
     chunk = config.sampler.decode_chunk
     assert decode["steps_per_call"] == chunk and math.isfinite(decode["hbm_traffic_bytes"])
     assert jax.devices()[0].platform == "cpu"  # the runtime backend is untouched
+
+
+def test_decode_reads_the_key_cache_in_place_in_the_tpu_key_layout(tmp_path):
+    # A cache larger than a v5e core's VMEM, so the compiler streams it from HBM as on a real
+    # model; with keys stored transposed the program copied the whole key cache (temporaries
+    # of one key cache, 1.30x weights + KV per step).
+    config = _config("rl", mesh__data=1, mesh__tensor=4, model__num_kv_heads=4,
+                     model__head_dim=128, sampler__dtype="bfloat16", sampler__slots=128,
+                     sampler__max_len=4096, compile__programs=("decode",))
+    devices, _, _ = compile_job.target(config.compile)
+    mesh = create_mesh(config.mesh, devices)
+    assert KVCache.shardings(resolve_model_config(config.model), 4, 8, mesh,
+                             rules_for("sample")).key_layout == TIME_MAJOR
+
+    (decode,) = compile_job.run(config, str(tmp_path))
+
+    kv_bytes = decode["state_bytes_per_chip"]  # keys + values, one chip
+    assert decode["memory_gib"]["temps"] * 2**30 < kv_bytes / 20  # no key-cache copy
+    moved = decode["hbm_traffic_bytes"] / (decode["weights_bytes_per_chip"] + kv_bytes)
+    assert moved <= 1.15, moved
+
+
+def test_ragged_paged_attention_kernel_compiles_for_the_slice_within_its_mesh():
+    config = _config("rl", mesh__data=1)
+    devices, _, _ = compile_job.target(config.compile)
+    mesh = create_mesh(config.mesh, devices[:1])
+    B, N, K, H, S, M, P = 8, 8, 2, 128, 16, 8, 64  # decode: one query per sequence
+    repl = NamedSharding(mesh, PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, dtype, sharding=repl) for shape, dtype in [
+        ((B, 1, N, H), jnp.bfloat16), ((P, S, 2 * K, H), jnp.bfloat16), ((B, M), jnp.int32),
+        ((B, 1), jnp.int32)]]
+    jitted = jax.jit(paged_kernel.ragged_paged_attention)
+
+    with pytest.raises(ValueError, match="Unsupported TPU device kind: cpu"):
+        jitted.lower(*args)  # the Mosaic lowering asks the host's default device
+    with paged_kernel.lowering_for(mesh):
+        text = jitted.lower(*args).compile().as_text()
+
+    assert "tpu_custom_call" in text
 
 
 @pytest.mark.slow  # ~17 s: three compiles; the TPU code paths above stay in the default run
