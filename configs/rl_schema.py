@@ -95,6 +95,12 @@ class RLConfig(Section):
     sampler_devices: int = field(0, "split: devices given to the sampler (the last n of "
                                     "jax.devices()); mesh.* must multiply to the remaining ones. "
                                     "Must be 0 when colocated.", at_least(0))
+    release_sampler_cache: bool = field(
+        True, "colocated: free the sampler's KV cache while the train step runs and allocate it "
+              "again after the weight handoff (live sequences re-prefill under the new weights "
+              "anyway), so the step has the cache's memory; the sampler then idles during the "
+              "step. false: the cache stays allocated and, with rollout.max_staleness > 0, the "
+              "sampler keeps decoding during the step. No effect with split.")
     behav_cap_mode: Literal["zero", "drop"] = field(
         "zero", "decoupled_ppo: tokens above rl.behav_weight_cap get weight 0 but still count "
                 "in the loss normaliser (zero, AReaL), or leave the loss mask with their KL and "

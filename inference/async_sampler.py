@@ -31,7 +31,7 @@ class AsyncSampler:
         self._inbox: collections.deque[Request] = collections.deque()
         self._futures: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
-        self._paused = self._stepping = self._shutdown = False
+        self._paused = self._stepping = self._shutdown = self._released = False
         self._thread = threading.Thread(target=self._run, name="meshrl-sampler", daemon=True)
         self._thread.start()
 
@@ -67,6 +67,22 @@ class AsyncSampler:
             self._paused = False
             self._cv.notify_all()
 
+    def release_cache(self) -> None:
+        """Free the sampler's KV cache after the current chunk; the loop stays stopped, across
+        pauses and weight updates, until ``restore_cache`` (sequences in flight are kept)."""
+        with self._cv:
+            self._released = True
+            self._cv.wait_for(lambda: not self._stepping)
+        # Outside the condition: it waits for the device, and agenerate takes the condition
+        # on the event loop; the loop thread stays stopped while ``_released``.
+        self.sampler.release_cache()
+
+    def restore_cache(self) -> None:
+        with self._cv:
+            self.sampler.restore_cache()
+            self._released = False
+            self._cv.notify_all()
+
     def update_weights(self, params: Any, version: int) -> None:
         """Copy and cast the weights while decoding goes on, then pause, swap them in
         (in-flight sequences are re-prefilled) and resume.
@@ -100,8 +116,9 @@ class AsyncSampler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._shutdown or (not self._paused and (
-                    self._inbox or self.sampler.has_work())))
+                self._cv.wait_for(lambda: self._shutdown or (
+                    not (self._paused or self._released)
+                    and bool(self._inbox or self.sampler.has_work())))
                 if self._shutdown:
                     return
                 while self._inbox:

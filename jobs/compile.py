@@ -78,34 +78,61 @@ def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
     return results
 
 
+TRAIN_PHASE, SAMPLING_PHASE = ("train", "reference"), ("prefill", "decode")
+
+
 def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """RL with a colocated sampler keeps the train state, the sampler's weights and its KV cache
-    in HBM together, and runs one program at a time: its peak per chip is that resident set
-    plus the largest program's own temporaries. None when that does not apply or a program is
-    missing."""
+    """The per-chip peak of RL with a colocated sampler, which runs one program at a time. The
+    train state, the sampler's weights (and the KL reference's frozen copy) stay resident. With
+    ``rl.release_sampler_cache`` the KV cache is freed for the train step (``trainer.rl_loop``),
+    so the peak is the larger of two phases: train (resident + the train/reference programs'
+    own temporaries) and sampling (resident + KV cache + the prefill/decode programs' own);
+    without it the cache is resident too and the largest program's own share comes on top.
+    None when that does not apply or a program is missing."""
     by = {r["program"]: r for r in results}
     if (config.compile.job != "rl" or config.rl.placement != "colocated"
             or not {"train", "decode"} <= set(by) or any(r.get("error") for r in results)):
         return None
     resident = (by["train"]["weights_bytes_per_chip"] + by["train"]["state_bytes_per_chip"]
-                + by["decode"]["weights_bytes_per_chip"] + by["decode"]["state_bytes_per_chip"])
+                + by["decode"]["weights_bytes_per_chip"])
     if "reference" in by:
         resident += by["reference"]["weights_bytes_per_chip"]  # the frozen copy
+    kv = by["decode"]["state_bytes_per_chip"]
     # A program's own share: what it needs beyond the resident buffers it takes as arguments.
     own = {r["program"]: r["hbm_per_chip_gib"] * GiB - r["weights_bytes_per_chip"]
            - r["state_bytes_per_chip"] for r in results}
-    peak = resident + max(own.values())
+    released = config.rl.release_sampler_cache
+    phases = {"train": (resident, TRAIN_PHASE), "sampling": (resident + kv, SAMPLING_PHASE)}
+    if not released:
+        phases = {"all": (resident + kv, tuple(own))}
+    peaks = {}
+    for phase, (held, names) in phases.items():
+        largest = max((n for n in names if n in own), key=own.get)
+        peaks[phase] = (held + own[largest], held, largest)
+    phase = max(peaks, key=lambda k: peaks[k][0])
+    peak, held, largest = peaks[phase]
     cap = results[0]["hbm_capacity_gib"]
-    out = {"resident_gib": resident / GiB, "peak_gib": peak / GiB,
-           "largest_program": max(own, key=own.get), "hbm_capacity_gib": cap,
+    out = {"kv_cache_released": released, "peak_phase": phase,
+           "phases_gib": {k: v[0] / GiB for k, v in peaks.items()},
+           "resident_gib": held / GiB, "kv_cache_gib": kv / GiB, "peak_gib": peak / GiB,
+           "largest_program": largest, "hbm_capacity_gib": cap,
            "fits": None if cap is None else peak / GiB <= cap,
            "headroom": None if cap is None else 1 - peak / GiB / cap}
     if out["fits"] is False:
-        kv = by["decode"]["state_bytes_per_chip"] / GiB
-        out["advice"] = (f"{out['peak_gib'] - cap:.1f} GiB over: half the sampler.slots (or "
-                         f"sampler.max_len) frees {kv / 2:.1f} GiB of KV cache per chip; or a "
-                         f"slice with twice the chips; or rl.placement = 'split'")
+        out["advice"] = _colocated_advice(out, phase, kv / GiB,
+                                          by["decode"]["weights_bytes_per_chip"] / GiB)
     return out
+
+
+def _colocated_advice(out: dict[str, Any], phase: str, kv_gib: float, sampler_gib: float
+                      ) -> str:
+    over = f"{out['peak_gib'] - out['hbm_capacity_gib']:.1f} GiB over in the {phase} phase"
+    if phase == "train":
+        return (f"{over}, where the sampler's weights hold {sampler_gib:.1f} GiB a chip: a "
+                f"slice with twice the chips; or more trainer.microbatches where the step's "
+                f"own share is activations; or rl.placement = 'split'")
+    return (f"{over}: half the sampler.slots (or sampler.max_len) frees {kv_gib / 2:.1f} GiB "
+            f"of KV cache per chip; or a slice with twice the chips; or rl.placement = 'split'")
 
 
 def run(config: Config, workdir: str) -> list[dict[str, Any]]:

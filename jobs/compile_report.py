@@ -24,6 +24,21 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.3g}"
 
 
+def _colocated_line(both: Mapping[str, Any], fit: str) -> str:
+    """The colocated RL peak: per phase when the KV cache is freed for the train step."""
+    tail = (f"peak {both['peak_gib']:.1f} GiB/chip in the {both['peak_phase']} phase "
+            f"({both['resident_gib']:.1f} held + {both['largest_program']}'s temporaries): "
+            f"{fit}" + (f"; {both['advice']}" if both.get("advice") else ""))
+    if not both["kv_cache_released"]:
+        return ("colocated RL (train state + sampler weights + KV cache resident, then the "
+                "largest program): " + tail)
+    ph = both["phases_gib"]
+    return (f"colocated RL, KV cache freed for the train step: train phase {ph['train']:.1f} "
+            f"GiB (train state + sampler weights + step temporaries), sampling phase "
+            f"{ph['sampling']:.1f} GiB (+ {both['kv_cache_gib']:.1f} KV cache + sampler "
+            f"temporaries); " + tail)
+
+
 def table(report: Mapping[str, Any]) -> str:
     """One header line (target, chip figures and source), one line per program, and the line
     that says these are estimates."""
@@ -64,10 +79,7 @@ def table(report: Mapping[str, Any]) -> str:
     if both:
         fit = "n/a" if both["fits"] is None else (
             f"{'fits' if both['fits'] else 'DOES NOT FIT'} ({both['headroom']:+.0%})")
-        lines.append(f"colocated RL (train state + sampler weights + KV cache resident, then "
-                     f"the largest program, {both['largest_program']}): "
-                     f"{both['peak_gib']:.1f} GiB/chip of which {both['resident_gib']:.1f} "
-                     f"resident: {fit}" + (f"; {both['advice']}" if both.get("advice") else ""))
+        lines.append(_colocated_line(both, fit))
     if report.get("search"):
         lines.append(f"mesh search: {len(report['search'])} meshes tried (compile.json 'search')")
     lines.append("Per step on one chip; step time and MFU are roofline estimates (max of compute, "

@@ -110,6 +110,7 @@ class RLLoop:
         self.reward_pool, self.prompts, self.reference = (parts.reward_pool, parts.prompts,
                                                           parts.reference)
         self.counters = parts.counters
+        self._sampler_programs = 0  # the sampler's compiled programs at the last step's end
         # The host's fields: the reference adds ``ref_logprobs`` on the device.
         self.host_batch_sh = self.engine.batch_sh.replace(ref_logprobs=None)
 
@@ -166,7 +167,16 @@ class RLLoop:
         jax.block_until_ready(params)
         t_trained = time.perf_counter()
         sampler.update_weights(process_local_copy(params), version)
+        if self.releases_cache:  # after the swap: the next round re-prefills into it
+            sampler.restore_cache()
         return t_trained
+
+    @property
+    def releases_cache(self) -> bool:
+        """Whether the sampler's KV cache is freed while the train step runs: colocated, and
+        ``rl.release_sampler_cache`` (the cache is dead across the weight update anyway)."""
+        rl = self.config.rl
+        return rl.placement == "colocated" and rl.release_sampler_cache
 
     def precompile(self) -> None:
         """Compile the step for every row bucket now, not in the step that first needs it."""
@@ -259,6 +269,8 @@ class RLLoop:
         batch, lags = self.train_batch(host, version)
         prepare = None if self.reference is None else self.reference.apply
         t_built = time.perf_counter()
+        if self.releases_cache:  # the step gets the cache's memory (``_handoff`` restores it)
+            await asyncio.to_thread(sampler.release_cache)
         train.dispatch(step, batch, prepare)  # the previous step was read already
         # The handoff waits for this step (the sampler needs its result); off the loop.
         t_trained = await asyncio.to_thread(self._handoff, sampler, step)
@@ -281,6 +293,10 @@ class RLLoop:
                        "perf/samples_per_s": samples / record["perf/step_time_s"]})
         record.update(runner.metrics())
         record.update(self.reward_pool.metrics())
+        # Sampler programs compiled on first use during the step: none after the first step.
+        programs = self.sampler.compile_count()
+        record["sampler/programs_compiled"] = float(programs - self._sampler_programs)
+        self._sampler_programs = programs
         # A step line's all-groups figures cover every group scored since the last one.
         t = c.trainer
         if step == self.start_step + 1 or step % t.log_every == 0 or step == t.steps:

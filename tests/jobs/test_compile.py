@@ -12,6 +12,7 @@ from meshrl.configs import ConfigError, base_config, from_config_dict, load_conf
 from meshrl.jobs import compile as compile_job
 from meshrl.jobs import compile_analysis
 from meshrl.jobs.compile_programs import default_programs
+from meshrl.jobs.compile_report import table
 from meshrl.utils.errors import UserError
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,19 +102,47 @@ def _entry(program: str, gib: float, weights_gib: float, state_gib: float) -> di
             "weights_bytes_per_chip": weights_gib * GiB, "state_bytes_per_chip": state_gib * GiB}
 
 
-def test_colocated_rl_peak_is_resident_state_plus_the_largest_program_own_share():
+def _colocated_results() -> list[dict]:
+    return [_entry("train", 55.0, 7.5, 15.0), _entry("prefill", 50.0, 15.0, 32.0),
+            _entry("decode", 80.0, 15.0, 32.0)]
+
+
+def test_colocated_rl_peak_with_the_kv_cache_released_is_the_larger_phase():
     config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
-    results = [_entry("train", 55.0, 7.5, 15.0), _entry("prefill", 50.0, 15.0, 32.0),
-               _entry("decode", 80.0, 15.0, 32.0)]
-    both = compile_job.colocated(config, results)
-    # Resident: train params + moments (22.5) + sampler weights and KV (47); decode's own share
-    # (80 - 47 = 33) is larger than the train step's (55 - 22.5 = 32.5).
-    assert both["resident_gib"] == pytest.approx(69.5)
-    assert both["peak_gib"] == pytest.approx(102.5) and both["largest_program"] == "decode"
-    assert both["fits"] is False and "7.5 GiB over" in both["advice"]
+    both = compile_job.colocated(config, _colocated_results())
+    # Held in both phases: train params + moments (22.5) + sampler weights (15). Train phase:
+    # + the step's own share (55 - 22.5 = 32.5) = 70; sampling phase: + KV (32) + decode's own
+    # share (80 - 47 = 33) = 102.5.
+    assert both["kv_cache_released"] is True
+    assert both["phases_gib"] == pytest.approx({"train": 70.0, "sampling": 102.5})
+    assert both["peak_phase"] == "sampling" and both["largest_program"] == "decode"
+    assert both["peak_gib"] == pytest.approx(102.5) and both["resident_gib"] == pytest.approx(69.5)
+    assert both["fits"] is False and "7.5 GiB over in the sampling phase" in both["advice"]
     assert "16.0 GiB of KV cache" in both["advice"]
     sft = from_config_dict({**base_config("sft").to_dict(), "job": "compile"})
-    assert compile_job.colocated(sft, results) is None  # no sampler beside SFT
+    assert compile_job.colocated(sft, _colocated_results()) is None  # no sampler beside SFT
+
+
+def test_colocated_rl_train_phase_peak_names_the_step_and_its_fix():
+    config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
+    results = [_entry("train", 90.0, 7.5, 15.0), _entry("decode", 60.0, 15.0, 32.0)]
+    both = compile_job.colocated(config, results)
+    # Train phase 22.5 + 15 + 67.5 = 105 beats sampling 37.5 + 32 + 13 = 82.5.
+    assert both["peak_phase"] == "train" and both["peak_gib"] == pytest.approx(105.0)
+    assert both["largest_program"] == "train" and "sampler's weights hold 15.0 GiB" in both["advice"]
+    assert "train phase 105.0 GiB" in table({"job": "rl", "target": "t", "chip": None,
+                                             "programs": [], "colocated": both})
+
+
+def test_colocated_rl_without_release_keeps_the_kv_cache_resident_through_the_step():
+    config = from_config_dict({**base_config("rl").to_dict(), "job": "compile",
+                               "rl": {**base_config("rl").rl.to_dict(),
+                                      "release_sampler_cache": False}})
+    results = [_entry("train", 55.0, 7.5, 15.0), _entry("decode", 50.0, 15.0, 32.0)]
+    both = compile_job.colocated(config, results)
+    # Train state, sampler weights and KV all resident (69.5) + the step's own share (32.5).
+    assert both["kv_cache_released"] is False and both["peak_phase"] == "all"
+    assert both["peak_gib"] == pytest.approx(102.0) and both["largest_program"] == "train"
 
 
 def test_program_refused_for_hbm_reports_how_much_it_needs_and_what_to_change():
