@@ -45,11 +45,13 @@ Figures (targets in brackets):
   completions (compiling on first use, no warm-up call), one cold measurement;
   compiled_programs: the programs that sampler compiled over the whole benchmark;
   compiles_while_timed: those compiled during timed rounds (0: warm-up covered every variant).
-* grpo_paged_speedup: the GRPO-shaped workload (prompts of 64 sampled G = 4 times each,
-  submitted together, temperature 1.0, a seed per sample, up to 128 new tokens (32 with
-  ``--quick``) ending on any of a few stop ids, so lengths are unknown), paged cache tokens/s
-  over dense cache tokens/s (``sampler.kv_cache``), same sampler settings, interleaved rounds
-  after one warm-up pass each; grpo_dense_tok_s / grpo_paged_tok_s the tokens/s;
+* grpo_paged_speedup: the GRPO workload (``sampler_vs_commit.grpo_requests``: 32 prompts of
+  512 tokens sampled G = 8 times each, submitted together, temperature 1.0, a seed per sample,
+  up to 256 new tokens ending on any of a few stop ids, so lengths are unknown; ``--quick``: 8
+  prompts of 256, G = 8, up to 64 new tokens), paged cache tokens/s over dense cache tokens/s
+  (``sampler.kv_cache``) in this process, same sampler settings, interleaved rounds after one
+  warm-up pass each (benchmarks/sampler_vs_commit.py compares against another commit's
+  sampler); grpo_dense_tok_s / grpo_paged_tok_s the tokens/s;
   grpo_prompt_pages (the pool's pages holding live prompts with all requests admitted) over
   grpo_prompt_pages_unshared (the same prompts one copy per sample). [reported]
 There is no floor: nothing cheap bounds a scheduler's seconds from below.
@@ -68,6 +70,9 @@ import jax
 import numpy as np
 
 from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
+from meshrl.benchmarks.sampler_vs_commit import FULL as GRPO_FULL
+from meshrl.benchmarks.sampler_vs_commit import QUICK as GRPO_QUICK
+from meshrl.benchmarks.sampler_vs_commit import grpo_requests
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
 from meshrl.inference.sampler import Request, Sampler
 from meshrl.mesh import create_mesh
@@ -281,9 +286,6 @@ def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: i
             "compiles_while_timed": big.compile_count() - before}
 
 
-GROUP, GRPO_STOPS = 4, tuple(range(3, 11))  # samples per prompt; stop ids (~1/128 per token)
-
-
 class GrpoSide:
     """One timed ``generate`` of the GRPO workload; records the tokens it produced."""
 
@@ -298,16 +300,15 @@ class GrpoSide:
         return dt
 
 
-def _grpo_figures(params, prompts: int, max_new: int, rounds: int,
-                  rng: np.random.Generator) -> dict:
+def _grpo_figures(params, work: dict, rounds: int) -> dict:
     """grpo_paged_speedup and its tokens/s and prompt-page figures (docstring)."""
     mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
-    prompts_NxP = rng.integers(GRPO_STOPS[-1] + 1, CFG.vocab_size, size=(prompts, PROMPT))
-    reqs = [Request(p.tolist(), max_new_tokens=max_new, temperature=1.0, seed=g * GROUP + i,
-                    stop_ids=GRPO_STOPS) for g, p in enumerate(prompts_NxP) for i in range(GROUP)]
+    reqs = grpo_requests(**work)
+    print(f"GRPO: {work}", flush=True)
     samplers = {kv: Sampler(CFG, SamplerConfig(
-        max_len=PROMPT + max_new, slots=SLOTS, max_new_tokens=max_new, decode_chunk=16,
-        prompt_buckets=(PROMPT,), kv_cache=kv), mesh, params) for kv in ("dense", "paged")}
+        max_len=work["prompt_len"] + work["max_new"], slots=SLOTS,
+        max_new_tokens=work["max_new"], decode_chunk=16, prompt_buckets=(work["prompt_len"],),
+        kv_cache=kv), mesh, params) for kv in ("dense", "paged")}
     sides = {f"{kv} cache, GRPO": GrpoSide(s, reqs) for kv, s in samplers.items()}
     dense, paged = interleave(sides, rounds).values()
     d_side, p_side = sides.values()
@@ -324,8 +325,9 @@ def _grpo_figures(params, prompts: int, max_new: int, rounds: int,
     return {**spread("grpo_paged_speedup", paired_ratios(p_tok, d_tok), 3),
             **spread("grpo_dense_tok_s", d_tok, 1), **spread("grpo_paged_tok_s", p_tok, 1),
             "grpo_prompt_pages": shared,
-            "grpo_prompt_pages_unshared": len(live) * -(-PROMPT // pool.cfg.page_size),
-            "grpo_requests": len(reqs), "grpo_group": GROUP}
+            "grpo_prompt_pages_unshared": len(live) * -(-work["prompt_len"] //
+                                                        pool.cfg.page_size),
+            "grpo_requests": len(reqs), **{f"grpo_{k}": v for k, v in work.items()}}
 
 
 def main() -> None:
@@ -348,6 +350,7 @@ def main() -> None:
     n_requests, max_new, median = (64, 128, 24.0) if args.quick else (256, 512, 48.0)
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
+    grpo_work = GRPO_QUICK if args.quick else GRPO_FULL
 
     with tempfile.TemporaryDirectory() as tmp:
         save_hf_checkpoint(create_model(CFG, seed=0), tmp)
@@ -355,9 +358,8 @@ def main() -> None:
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
     if args.grpo_only:
-        emit({"benchmark": "sampler", **_grpo_figures(params, 8 if args.quick else 32,
-                                                      32 if args.quick else 128, args.rounds,
-                                                      rng), "quick": args.quick}, Floors())
+        emit({"benchmark": "sampler", **_grpo_figures(params, grpo_work, args.rounds),
+              "quick": args.quick}, Floors())
         return
     fixed_prompts_BxP = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
     first = [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts_BxP]
@@ -373,8 +375,7 @@ def main() -> None:
     tail = _long_tail(big, n_requests, max_new, median, rng)
     floors = Floors()
     result |= _long_tail_figures(big, hf, tail, max_new, args.rounds, floors)
-    result |= _grpo_figures(params, 8 if args.quick else 32, 32 if args.quick else 128,
-                            args.rounds, rng)
+    result |= _grpo_figures(params, grpo_work, args.rounds)
     result |= {"first_call_s": round(first_call_s, 2), "compiled_programs": big.compile_count(),
                "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
                "quick": args.quick, "platform": jax.devices()[0].platform}

@@ -68,9 +68,9 @@ class SamplerConfig(Section):
         0.0, "What one more pass over the weights costs per decode step, as a share of reading "
              "as many KV-cache elements; decode_split_windows weighs it against the cache reads "
              "a split saves. 0: 1 on an accelerator (both stream from HBM); on a CPU, where a "
-             "small model's weights stay in cache, measured when the sampler's first weights "
-             "land (a short timing of the decode program at two windows against a pass over "
-             "the weights, once per process, clipped to [1/64, 1]).", at_least(0.0))
+             "small model's weights stay in cache, measured when a decode plan first needs it "
+             "(a short timing of the decode program at two windows on a scratch cache against "
+             "a pass over the weights, once per process, clipped to [1/64, 1]).", at_least(0.0))
 
     def validate(self) -> None:
         if self.decode_split_weights_pass == float("inf"):  # NaN fails at_least already

@@ -3,21 +3,25 @@ from prompt pages another holds (its group leader's, the prefix cache's), and a 
 re-prefilled over pages it shares.
 
 Pure functions over (params, ``PagedKVCache`` carrying the slots' page table, ``SlotState``);
-``SlotPages`` jits them with donation. Prefill and decode proper are the dense sampler's own
-programs (``programs``): the paged cache is a drop-in for them.
+``SlotPages`` jits them with donation. Prefill is the dense sampler's own program
+(``programs``); decode is too, run over a dense window gathered from the pages once per chunk
+(``make_decode``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from meshrl.inference.programs import SlotState, first_token
+from meshrl.inference.programs import make_decode as make_dense_decode
+from meshrl.models import KVCache
 from meshrl.models.decoder import apply_head, forward
-from meshrl.models.paged_attention import PagedKVCache
+from meshrl.models.paged_attention import PagedKVCache, slot_index
 
 
 def rows_view(cache: PagedKVCache, slots_N: jax.Array) -> PagedKVCache:
@@ -83,3 +87,75 @@ def make_tail(graphdef: nnx.GraphDef) -> Callable:
         return cache.replace(page_table=table), st
 
     return tail
+
+
+def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
+                on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
+    """decode(params, cache, st, window, rows, lo) on the paged cache: every slot's positions
+    [0, window) gathered from its pages into a dense window (``dense_window``), the dense
+    sampler's ``chunk`` steps over it, then the band of positions the chunk wrote scattered
+    back into the pages (``put_band``). Attention over pages gathers each slot's pages on every
+    step; a chunk over a gathered window reads them once, as the dense cache's window copy
+    does. Only a band past the shared prompt pages is written back, so no shared page changes."""
+    dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
+
+    def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, window: int, rows: int,
+               lo: int) -> tuple[PagedKVCache, SlotState, tuple]:
+        assert (lo, rows) == (0, cache.slots), (lo, rows, cache.slots)  # paged_shapes
+        win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
+                                 rows=rows, lo=lo)
+        return put_band(cache, win, st.pos_B, chunk), st_out, out
+
+    return decode
+
+
+def dense_window(cache: PagedKVCache, window: int) -> KVCache:
+    """Positions [0, ``window``) of every slot as a dense ``KVCache`` (keys [B, K, H, T], values
+    [B, K, T, H]); a position whose page-table entry is -1 holds page 0's data, which attention
+    masks (past the slot's position) and ``put_band`` never writes back."""
+    S = cache.page_size
+    table_BxM = jnp.clip(cache.page_table[:, :window // S], 0, cache.num_pages - 1)
+    B, M = table_BxM.shape
+
+    def gather(pool: jax.Array) -> jax.Array:  # [.., P, S, K, H] -> [.., B, T, K, H]
+        x = jnp.take(pool, table_BxM, axis=-4)
+        return x.reshape(*x.shape[:-5], B, M * S, *x.shape[-2:])
+
+    def keys(pool: jax.Array) -> jax.Array:
+        return jnp.moveaxis(gather(pool), -3, -1)
+
+    def values(pool: jax.Array) -> jax.Array:
+        return jnp.swapaxes(gather(pool), -2, -3)
+
+    if cache.is_stacked:
+        return KVCache(keys(cache.k), values(cache.v))
+    return KVCache(tuple(map(keys, cache.k)), tuple(map(values, cache.v)))
+
+
+def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int
+             ) -> PagedKVCache:
+    """``cache`` with positions [start_B[b], start_B[b] + width) of each slot b copied from the
+    dense ``win`` into its pages (``KVCache.put_band``'s band, shifted left to fit the window);
+    positions on no page of the slot are dropped."""
+    T = win.max_len
+    width = min(width, T)
+    idx_BxC = jnp.clip(start_B, 0, T - width)[:, None] + jnp.arange(width)
+    page_BxC, off_BxC = slot_index(cache.page_table[:, :T // cache.page_size], idx_BxC,
+                                   cache.page_size)
+
+    def band_k(k_BxKxHxT: jax.Array) -> jax.Array:  # -> [B, C, K, H]
+        return jnp.take_along_axis(k_BxKxHxT, idx_BxC[:, None, None, :], axis=3
+                                   ).transpose(0, 3, 1, 2)
+
+    def band_v(v_BxKxTxH: jax.Array) -> jax.Array:
+        return jnp.take_along_axis(v_BxKxTxH, idx_BxC[:, None, :, None], axis=2
+                                   ).transpose(0, 2, 1, 3)
+
+    def put(pool: jax.Array, band: jax.Array) -> jax.Array:
+        return pool.at[page_BxC, off_BxC].set(band.astype(pool.dtype), mode="drop")
+
+    if cache.is_stacked:
+        return cache.replace(k=jax.vmap(lambda p, k: put(p, band_k(k)))(cache.k, win.k),
+                             v=jax.vmap(lambda p, v: put(p, band_v(v)))(cache.v, win.v))
+    return cache.replace(k=tuple(put(p, band_k(k)) for p, k in zip(cache.k, win.k)),
+                         v=tuple(put(p, band_v(v)) for p, v in zip(cache.v, win.v)))

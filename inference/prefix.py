@@ -1,7 +1,8 @@
 """Admission and re-prefill on the paged cache, with shared prompt prefixes.
 
-Requests admitted in one round with identical prompt token ids (a GRPO group's G samples) form
-a group: the first (the leader) is prefilled as usual; every other member lists the leader's
+Requests with identical prompt token ids (a GRPO group's G samples) form a group: the first
+admitted (the leader) is prefilled as usual; every later member, admitted in the same round or
+while a live sequence holds the prompt's pages under the current weights, lists the leader's
 full prompt pages as its own (refcounted, ``PageAllocator.share``) and gets a copy of the page
 holding the last prompt token, whose entry it writes again in a one-token forward that gives
 its first token's logits (``paged_programs.make_extend``). The prompt runs through the model
@@ -38,7 +39,10 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     the part past its cached prefix, if any), start the other members from the leader's pages."""
     pages, queue = sampler.pages, sampler._queue
     pages.release(ending)
-    leaders: dict[tuple[int, ...], int] = {}
+    # A live sequence whose prompt pages hold this version's entries leads its prompt's later
+    # samples too: a group admitted over several rounds (slots free up one by one) runs its
+    # prompt once, not once per round.
+    leaders = {tuple(p): s for s, (p, v) in pages.owner.items() if v == pages.version}
     solo: list[tuple[int, Request]] = []
     cached: list[Row] = []
     members: list[Row] = []

@@ -81,9 +81,11 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
                  routing: bool = False) -> Callable:
     """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
 
-    Writes the prompts' keys/values into ``slots_N``; with ``resample`` samples each prompt's
-    next token from the logits at its last position only: the head runs on N hidden states,
-    not N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
+    Writes the prompts' keys/values into ``slots_N`` and samples each prompt's next token from
+    the logits at its last position only; ``resample`` (a traced bool) false keeps the slot
+    state as it is (a re-prefill): one compiled program serves admission and re-prefill alike,
+    at the price of a sampling the re-prefill drops. The head runs on N hidden states, not
+    N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
     With ``max_tokens`` > 0 the N rows run as a ``lax.scan`` of passes of R rows (R the largest
     divisor of N with R x P <= ``max_tokens``, at least 1), the cache and slot state carried,
     so the temporary ``[R, P]`` keys/values and activations are all a pass holds. ``all_positions`` is the
@@ -94,20 +96,22 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
 
     def one_pass(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
                  lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
-                 resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+                 resample: Any) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         N, P = tokens_NxP.shape
         pos_NxP = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (N, P))
-        tmp = KVCache.init(cfg, N, P, cfg.compute_dtype)
+        # The prompt's cache in the sampler's key layout: put_slots then copies, not transposes.
+        tmp = KVCache.init(cfg, N, P, cfg.compute_dtype,
+                           getattr(cache, "key_layout", KVCache.key_layout))
         out_NxPxX, tmp, *rout = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
                                         return_hidden=not all_positions, return_routing=routing)
         # Padding rows use slot index S: every scatter below drops them.
         cache = cache.put_slots(tmp, slots_N)
-        if not resample:
-            return cache, st, ()
         last_NxX = jnp.take_along_axis(out_NxPxX, (lens_N - 1)[:, None, None], axis=1)[:, 0]
         last_NxV = last_NxX if all_positions else apply_head(graphdef, params, last_NxX)
         assert last_NxV.shape == (N, cfg.vocab_size), last_NxV.shape
-        st, out = first_token(st, last_NxV, lens_N, slots_N, settings, max_len)
+        # Out of range (slot S): a re-prefill's state writes are dropped.
+        state_slots_N = jnp.where(resample, slots_N, st.pos_B.shape[0])
+        st, out = first_token(st, last_NxV, lens_N, state_slots_N, settings, max_len)
         if routing:  # [layers, N, P, k] -> the last prompt position's [N, layers, k]
             last = jnp.take_along_axis(rout[0], (lens_N - 1)[None, :, None, None], axis=2)
             out = (*out, last[:, :, 0].swapaxes(0, 1))
@@ -115,7 +119,7 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
                 lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
-                resample: bool) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+                resample: Any) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         N, P = tokens_NxP.shape
         R = pass_rows(N, P, 0 if all_positions else max_tokens)
         rows = (tokens_NxP, lens_N, slots_N, settings)

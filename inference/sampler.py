@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
-from meshrl.inference import prefix, programs, readback
+from meshrl.inference import admission, cache_release, paged_programs, prefix, programs, readback
 from meshrl.inference import weights as wts
 from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
@@ -86,11 +86,10 @@ class Sampler:
                           KVCache.shardings(self.model_cfg, S, T, mesh, self.rules))
         self.split_call_overhead = SPLIT_CALL_OVERHEAD  # a call's fixed cost (schedule)
         self._weights_size = sum(math.prod(v.shape) for v in self.weights.expected.values())
-        self._weights_pass: int | None = None  # priced when the first weights land (_install)
+        self._weights_pass_price: int | None = None  # priced when a plan first needs it
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
-        self.cache = self.pages.init_cache() if self.pages else jax.jit(
-            lambda: KVCache.init(self.model_cfg, S, T, cfg.dtype), out_shardings=self._cache_sh)()
+        self.cache = self.pages.init_cache() if self.pages else self.dense_cache()
         self.state = jax.device_put(SlotState.init(S), self._repl)
         self.window_trace_shapes: list[tuple[int, ...]] = []  # cache shapes decode was traced at
         self._build_jits()
@@ -111,9 +110,11 @@ class Sampler:
         T, chunk, rec = self.cfg.max_len, self.cfg.decode_chunk, self.record_routing
         prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
                                         max_tokens=self.cfg.prefill_tokens, routing=rec)
-        decode = programs.make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
+        # The paged cache decodes over a window gathered from its pages (paged_programs).
+        make_decode = paged_programs.make_decode if self.pages else programs.make_decode
+        decode = make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
         st_sh, cache_sh = self._repl, self._cache_sh
-        self._prefill = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
+        self._prefill = jax.jit(prefill, donate_argnums=(1, 2),  # resample traced: one program
                                 out_shardings=(cache_sh, st_sh, st_sh))
         self._decode = jax.jit(decode, static_argnames=("window", "rows", "lo"),
                                donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
@@ -121,6 +122,18 @@ class Sampler:
                              out_shardings=(cache_sh, st_sh))
         if self.pages:
             self.pages.build_jits(self.graphdef, T, st_sh)
+
+    def dense_cache(self) -> Any:
+        """An empty ``slots x max_len`` cache laid out as the sampler's own."""
+        return cache_release.dense_cache(self)
+
+    @property
+    def _weights_pass(self) -> int | None:
+        """One more weights pass in cache-entry elements (``schedule``); priced when a plan
+        first needs it (a measurement compiles and times decode windows a run may not reach)."""
+        if self._weights_pass_price is None and self.params is not None:
+            self._weights_pass_price = weights_pass_cost(self._weights_size, sampler_share(self))
+        return self._weights_pass_price
 
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
@@ -137,8 +150,6 @@ class Sampler:
     def _install(self, flat: dict[str, jax.Array], version: int) -> None:
         with self._lock:
             self.params = self.weights.tree(flat)
-            if self._weights_pass is None:
-                self._weights_pass = weights_pass_cost(self._weights_size, sampler_share(self))
             self.version = int(version)
             self.slots.mark_stale()
             if self.pages:
@@ -166,6 +177,9 @@ class Sampler:
             raise ValueError("load_weights needs a workdir (Sampler(workdir=...) or argument)")
         self._install(self.weights.restore(workdir, version), version)
         log.debug("sampler weights -> version %d (from %s)", version, workdir)
+
+    # Free the KV cache while it is dead (across a weight update) / allocate it again.
+    release_cache, restore_cache = cache_release.release, cache_release.restore
 
     # ---- scheduling ----------------------------------------------------------------------
 
@@ -215,6 +229,7 @@ class Sampler:
         with self._lock:
             if self.params is None:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
+            cache_release.check_cache(self)
             finished: list[Completion] = []
             if self.slots.stale:  # re-prefill needs every token, the in-flight ones included
                 rnd, self._inflight = self._inflight, None
@@ -260,7 +275,7 @@ class Sampler:
             lens_N[i], slots_N[i] = len(seq), s
         self.cache, self.state, out = self._prefill(
             self.params, self._bound(), self.state, tokens_NxP, lens_N, slots_N,
-            slot_settings(reqs, n, self.cfg), resample=resample)
+            slot_settings(reqs, n, self.cfg), resample=np.asarray(resample))
         return out
 
     def _admit(self, ending: Sequence[int] = ()) -> list[tuple[tuple[jax.Array, ...],
@@ -275,25 +290,8 @@ class Sampler:
         return self._prefill_admitted([(s, self._queue.popleft())
                                        for s in free[:min(len(free), len(self._queue))]])
 
-    def _prefill_admitted(self, picked: Sequence[tuple[int, Request]]
-                          ) -> list[tuple[tuple[jax.Array, ...], list[Completion]]]:
-        """Prefill each (slot, request) picked, by prompt bucket; see ``_admit``."""
-        by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
-        for s, r in picked:
-            by_bucket[bucket_for(len(r.prompt_ids), self.prompt_buckets)].append((s, r))
-        admitted = []
-        for bucket, group in by_bucket.items():
-            for lo in range(0, len(group), self.insert_buckets[-1]):
-                part = group[lo:lo + self.insert_buckets[-1]]
-                n = bucket_for(len(part), self.insert_buckets)
-                reqs = [r for _, r in part]
-                out = self._run_prefill([r.prompt_ids for r in reqs], [s for s, _ in part], reqs,
-                                        bucket, n, True)
-                comps = [Completion(r, [-1], [0.0], [0.0], [self.version]) for r in reqs]
-                for (s, _), c in zip(part, comps):
-                    self.slots.out[s] = c
-                admitted.append((out, comps))
-        return admitted
+    def _prefill_admitted(self, picked: Sequence[tuple[int, Request]]) -> admission.Admitted:
+        return admission.prefill_admitted(self, picked)  # ``prefix`` calls it too
 
     def _in_flight_chunk(self, c: Completion) -> bool:
         return self._inflight is not None and id(c) in self._inflight.decoding
@@ -347,6 +345,9 @@ class Sampler:
         if not self._split:
             return [(0, S, self.window_for(max(pos.values())))]
         ranked = sorted(live, key=lambda s: (-pos[s], s))  # ties: keep slots already low
+        top = self.window_for(pos[ranked[0]])
+        if all(self.window_for(pos[ranked[c]]) == top for c in self.split_cuts if c < len(live)):
+            return [(0, S, top)]  # no cut shortens a window: one call is cheapest at any price
         calls = plan_windows([pos[s] for s in ranked], S, self.split_cuts, self.window_for,
                              self._weights_pass + self.split_call_overhead, self._entry_size)
         members = [self.slots.out[s] for s in ranked]
@@ -373,17 +374,7 @@ class Sampler:
         self._reprefill(live)
 
     def _reprefill(self, live: Sequence[tuple[int, Completion]]) -> None:
-        """Re-prefill each (slot, completion)'s prompt + tokens but the last, from position 0."""
-        by_bucket: dict[int, list[tuple[int, list[int]]]] = collections.defaultdict(list)
-        for s, c in live:
-            seq = list(c.request.prompt_ids) + c.tokens[:-1]
-            by_bucket[bucket_for(len(seq), self.recompute_buckets)].append((s, seq))
-        step = self.insert_buckets[-1]
-        for bucket, group in by_bucket.items():
-            for lo in range(0, len(group), step):
-                part = group[lo:lo + step]
-                self._run_prefill([p for _, p in part], [s for s, _ in part], [], bucket,
-                                  bucket_for(len(part), self.insert_buckets), False)
+        admission.reprefill(self, live)  # ``prefix`` calls it too
 
     @property
     def recompute_buckets(self) -> tuple[int, ...]:

@@ -13,7 +13,7 @@ members into place before dispatch.
 What a weights pass costs next to cache reads depends on the machine: on an accelerator both
 stream from HBM; on a CPU the weights of a small model stay in the last-level cache over a
 chunk's steps while the cache windows stream from DRAM. ``sampler.decode_split_weights_pass``
-sets the share; 0 measures it when the sampler's first weights land (``measure_weights_pass``).
+sets the share; 0 measures it when a plan first needs it (``measure_weights_pass``).
 Only a sampler on this process's devices measures: a timing differs between processes, and
 every process of one program must plan the same calls.
 """
@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from meshrl.configs.schema import SamplerConfig
+from meshrl.inference.programs import SlotState
 
 # A decode call's fixed cost per step (dispatch, sampling, slot bookkeeping), in cache-entry
 # elements read: what one more call costs beyond its weights pass and its own window.
@@ -64,14 +65,18 @@ def weights_pass_share(cfg: SamplerConfig, platform: str, may_split: bool, key: 
 
 
 def sampler_share(sampler: Any) -> float:
-    """``weights_pass_share`` for an idle ``Sampler`` holding its weights. A measurement times
-    the sampler's own decode program as ``warmup`` runs it: on inactive slots, nothing that
-    matters in the cache changing, and the compiled variants stay for the windows' later use."""
+    """``weights_pass_share`` for a ``Sampler`` holding its weights, at any point of a run. A
+    measurement times the sampler's own decode program on a scratch cache of inactive slots
+    (the live cache and slots stay as they are; the scratch is freed after), and the compiled
+    variants stay for the windows' later use."""
     cfg, S = sampler.cfg, sampler.cfg.slots
+    scratch: list[Any] = []
 
     def decode_at(window: int) -> Any:
-        sampler.cache, sampler.state, out = sampler._decode(
-            sampler.params, sampler.cache, sampler.state, window=window, rows=S, lo=0)
+        if not scratch:
+            scratch[:] = [sampler.dense_cache(), jax.device_put(SlotState.init(S), sampler._repl)]
+        scratch[0], scratch[1], out = sampler._decode(
+            sampler.params, scratch[0], scratch[1], window=window, rows=S, lo=0)
         return out
 
     platform = sampler.mesh.devices.flat[0].platform

@@ -22,6 +22,7 @@ from meshrl.algorithms.losses import get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.algorithms.truncation import batch_fields
 from meshrl.configs.schema import Config, ModelConfig
+from meshrl.inference import paged_programs
 from meshrl.inference import programs as sampler_programs
 from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
@@ -153,20 +154,29 @@ def split_warning(rows: int, microbatches: int, sharding: Any, seq_len: int) -> 
 
 
 def reference_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
-    """The frozen reference's log-probabilities of the RL batch (the KL's forward pass)."""
+    """The frozen reference's log-probabilities of the RL batch (the KL's forward pass); with
+    ``lora.rank > 0`` over the LoRA step's frozen base (the weights it reads are the ones the
+    train step holds, not a second copy)."""
     t = config.trainer
     graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
     rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
     batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
 
+    forward = decoder_forward(graphdef, t.logits_chunk)
+    if config.lora.rank > 0:  # the adapter-disabled forward over the step's frozen base
+        setup = LoraSetup(config.lora, graphdef, params, params_sh)
+        forward, params_sh = setup.reference_forward(forward), setup.frozen_sh
+        params = setup.abstract_frozen(params)
+    else:
+        params = abstract_tree(params, params_sh)
+
     def reference(ref_params: Any, batch: TrainBatch) -> jax.Array:
-        return reference_logprobs(decoder_forward(graphdef, t.logits_chunk), ref_params, batch,
+        return reference_logprobs(forward, ref_params, batch,
                                   temperature=config.sampler.temperature,
                                   microbatches=t.microbatches)
 
     jitted = jax.jit(reference, in_shardings=(params_sh, batch_sh),
                      out_shardings=batch_sh.input_ids)
-    params = abstract_tree(params, params_sh)
     lowered = jitted.lower(params, abstract_batch(batch_sh, rows, t.seq_len))
     flops = flops_per_token(model_cfg, t.seq_len) / 3 * rows * t.seq_len
     return Program("reference", lowered, 1, flops, flops, per_chip_bytes(params))
@@ -181,8 +191,9 @@ def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
         pages = SlotPages(cfg, s, mesh, rules)
         cache_sh, cache = pages.sharding, pages.abstract_cache()
     else:
-        cache_sh = KVCache.shardings(cfg, s.slots, s.max_len, mesh, rules)
-        cache = jax.eval_shape(lambda: KVCache.init(cfg, s.slots, s.max_len, s.dtype))
+        cache_sh = KVCache.shardings(cfg, s.slots, s.max_len, mesh, rules)  # mesh's layout
+        cache = jax.eval_shape(lambda: KVCache.init(cfg, s.slots, s.max_len, s.dtype,
+                                                    cache_sh.key_layout))
     cache = abstract_tree(cache, cache_sh)
     repl = NamedSharding(mesh, PartitionSpec())
     state = abstract_tree(jax.eval_shape(lambda: SlotState.init(s.slots)), repl)
@@ -215,7 +226,9 @@ def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Progra
     """One decode chunk (``sampler.decode_chunk`` steps) of every slot over the whole cache."""
     s = config.sampler
     cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
-    decode = sampler_programs.make_decode(graphdef, s.max_len, s.decode_chunk, lambda _: None)
+    # The paged cache decodes over a window gathered from its pages, as Sampler builds it.
+    make = paged_programs.make_decode if s.kv_cache == "paged" else sampler_programs.make_decode
+    decode = make(graphdef, s.max_len, s.decode_chunk, lambda _: None)
     jitted = jax.jit(decode, static_argnames=("window", "rows", "lo"), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
     lowered = jitted.lower(params, cache, state, window=s.max_len, rows=s.slots, lo=0)

@@ -85,6 +85,20 @@ def test_group_members_the_pool_cannot_hold_wait_and_start_a_group_of_their_own(
     assert sampler.pages.prompt_prefills == 2 and sampler.pages.fanouts == 2
 
 
+def test_group_admitted_over_rounds_shares_a_live_members_prompt_pages(tiny_params):
+    _, params = tiny_params
+    budgets = (3, 10, 4, 10)
+    want, _ = _run(make_sampler(params, **KW), _group(budgets=budgets))
+    # Two slots: the last two samples are admitted as the first two end, one by one.
+    sampler = make_sampler(params, kv_cache="paged", slots=2, **KW)
+
+    got, _ = _run(sampler, _group(budgets=budgets))
+
+    _assert_same(got, want)
+    assert sampler.pages.prompt_prefills == 1 and sampler.pages.fanouts == 3
+    assert sampler.pages.pages_in_use == 0
+
+
 @pytest.mark.slow  # compiles every variant of a sampler: most of its time is the compiler
 def test_warmup_compiles_every_paged_variant_a_group_run_uses(tiny_params):
     _, params = tiny_params

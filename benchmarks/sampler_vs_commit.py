@@ -1,0 +1,193 @@
+"""The GRPO workload on this tree (paged KV cache) against a git worktree of another commit
+(that commit's sampler as its ``SamplerConfig`` takes it: dense), in separate processes.
+
+  python benchmarks/sampler_vs_commit.py --commit b816cf4            # the full workload
+  python benchmarks/sampler_vs_commit.py --commit b816cf4 --quick    # a small one
+  python benchmarks/sampler_vs_commit.py --tree /path/to/checkout    # an existing checkout
+
+Workload (``grpo_requests``, shared with benchmarks/sampler.py): ``--prompts`` random prompts
+(32) of ``--prompt_len`` tokens (512), each sampled G = ``--group`` (8) times, submitted
+together first come first served, temperature 1.0, a seed per sample, up to ``--max_new``
+(256) new tokens ending on any of a few stop ids (the scheduler cannot know the lengths).
+``--quick``: 8 prompts of 256 tokens, G = 8, up to 64 new tokens.
+
+Each side is one long-lived worker process (this file with ``--serve``) importing ``meshrl``
+from its own tree: it builds the tiny Llama-shaped model of benchmarks/sampler.py (same seed,
+so the same weights), a sampler, times its first ``generate`` of the workload (compiling on
+first use: ``first_call_s``) as the warm-up, then runs the workload once per request of the
+driver. Rounds are interleaved (one side, then the other, the order rotating), and only one
+side runs at a time. Figures: ``speedup`` (this tree's tokens/s over the commit's, paired round
+by round) with its ``_spread`` [min, max], each side's tokens/s, ``prompt_kv_per_group``: the
+pages holding live prompts with the slots full of admitted requests over the same prompts held
+one copy per sample (from the page pool: 1 / G when every group shares its prompt), each side's
+``compiled_programs`` and ``first_call_s``. Last line: one JSON object.
+
+A created worktree is removed at the end (``git worktree remove``); ``--tree`` is never touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+SLOTS, DECODE_CHUNK, PAGE_SIZE = 32, 16, 16
+STOPS = tuple(range(3, 11))  # stop ids: about 1 in 128 tokens ends a sample
+FULL = dict(prompts=32, prompt_len=512, group=8, max_new=256)
+QUICK = dict(prompts=8, prompt_len=256, group=8, max_new=64)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def grpo_requests(prompts: int, prompt_len: int, group: int, max_new: int, seed: int = 0
+                  ) -> list:
+    """``prompts`` x ``group`` sampled requests, a group's samples next to each other."""
+    from meshrl.inference.sampler import Request
+
+    rng = np.random.default_rng(seed)
+    prompts_NxP = rng.integers(STOPS[-1] + 1, 1024, size=(prompts, prompt_len))
+    return [Request(p.tolist(), max_new_tokens=max_new, temperature=1.0, seed=g * group + i,
+                    stop_ids=STOPS) for g, p in enumerate(prompts_NxP) for i in range(group)]
+
+
+def _serve(kv_cache: str, work: dict) -> None:
+    """Worker: build, warm up (timed: first_call_s), then one timed run per stdin line."""
+    import jax
+
+    from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
+    from meshrl.inference.sampler import Sampler
+    from meshrl.mesh import create_mesh
+    from meshrl.models import create_model, split_model
+
+    # benchmarks/sampler.py's model, spelled out: the baseline tree's copy may differ.
+    CFG = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4,
+                      num_heads=4, num_kv_heads=2, max_position_embeddings=2048)
+    params = split_model(create_model(CFG, seed=0))[1]
+    paged = dict(kv_cache="paged", page_size=PAGE_SIZE) if kv_cache == "paged" else {}
+    cfg = SamplerConfig(max_len=work["prompt_len"] + work["max_new"], slots=SLOTS,
+                        max_new_tokens=work["max_new"], decode_chunk=DECODE_CHUNK,
+                        prompt_buckets=(work["prompt_len"],), **paged)
+    reqs = grpo_requests(**work)
+    mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
+    t = time.perf_counter()
+    sampler = Sampler(CFG, cfg, mesh, params)
+    sampler.generate(reqs, longest_first=False)
+    info = {"first_call_s": round(time.perf_counter() - t, 2),
+            "prompt_kv_per_group": _prompt_share(sampler, reqs) if paged else 1.0}
+    print(json.dumps(info), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "run":
+            break
+        t = time.perf_counter()
+        outs = sampler.generate(reqs, longest_first=False)
+        dt = time.perf_counter() - t
+        print(json.dumps({"s": dt, "tokens": sum(len(c.tokens) for c in outs),
+                          "compiled_programs": sampler.compile_count()}), flush=True)
+
+
+def _prompt_share(sampler, reqs: list) -> float:
+    """Pages holding the live prompts with the slots full of admitted requests, over those
+    prompts held one copy per sample (``SlotPages.prompt_pages``)."""
+    for r in reqs[:SLOTS]:
+        sampler.submit(r)
+    sampler.step()
+    live = [c for c in sampler.slots.out if c is not None]
+    shared = sampler.pages.prompt_pages(sampler.slots.out)
+    while sampler.has_work():
+        sampler.step()
+    per_prompt = -(-len(reqs[0].prompt_ids) // sampler.cfg.page_size)
+    return round(shared / (len(live) * per_prompt), 4)
+
+
+@contextlib.contextmanager
+def _worktree(commit: str, tree: str | None) -> Iterator[str]:
+    """A checkout of ``commit`` named ``meshrl`` (so its parent on PYTHONPATH imports it)."""
+    if tree:
+        yield tree
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "meshrl")
+        subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", path, commit],
+                       check=True, capture_output=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", path],
+                           check=False, capture_output=True)
+
+
+class Worker:
+    """One ``--serve`` process importing ``meshrl`` from ``tree``."""
+
+    def __init__(self, tree: str, kv_cache: str, work: dict):
+        link = tempfile.mkdtemp()
+        os.symlink(os.path.abspath(tree), os.path.join(link, "meshrl"))
+        env = dict(os.environ, PYTHONPATH=link + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--serve", kv_cache,
+             "--work", json.dumps(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=env, text=True, cwd=link)
+        self.info = self._reply()
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.proc.args} exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def run(self) -> dict:
+        self.proc.stdin.write("run\n")
+        self.proc.stdin.flush()
+        return self._reply()
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--commit", default="b816cf4", help="the baseline commit (dense sampler)")
+    ap.add_argument("--tree", help="an existing checkout of the baseline (instead of --commit)")
+    ap.add_argument("--rounds", type=int, default=3, help=">= 3 interleaved rounds")
+    ap.add_argument("--quick", action="store_true", help=f"the small workload {QUICK}")
+    for k, v in FULL.items():
+        ap.add_argument(f"--{k}", type=int, help=f"default {v} ({QUICK[k]} with --quick)")
+    ap.add_argument("--serve", choices=("dense", "paged"), help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve:
+        return _serve(args.serve, json.loads(args.work))
+    if args.rounds < 3:
+        ap.error(f"--rounds must be >= 3, got {args.rounds}")
+    work = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
+    from meshrl.benchmarks.figures import emit, paired_ratios, spread
+
+    with _worktree(args.commit, args.tree) as base_tree:
+        sides = {"base": Worker(base_tree, "dense", work), "this": Worker(REPO, "paged", work)}
+        runs: dict[str, list[dict]] = {k: [] for k in sides}
+        for i in range(args.rounds):
+            for name in list(sides)[i % 2:] + list(sides)[:i % 2]:
+                runs[name].append(sides[name].run())
+                print(f"  round {i} {name}: {runs[name][-1]}", flush=True)
+        for w in sides.values():
+            w.close()
+    tok_s = {k: [r["tokens"] / r["s"] for r in v] for k, v in runs.items()}
+    emit({"benchmark": "sampler_vs_commit", "commit": args.tree or args.commit, **work,
+          **spread("speedup", paired_ratios(tok_s["this"], tok_s["base"]), 3),
+          **spread("base_tok_s", tok_s["base"], 1), **spread("this_tok_s", tok_s["this"], 1),
+          "prompt_kv_per_group": sides["this"].info["prompt_kv_per_group"],
+          **{f"{k}_first_call_s": w.info["first_call_s"] for k, w in sides.items()},
+          **{f"{k}_compiled_programs": runs[k][-1]["compiled_programs"] for k in sides},
+          "rounds": args.rounds, "quick": args.quick})
+
+
+if __name__ == "__main__":
+    main()
