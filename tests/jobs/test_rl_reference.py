@@ -138,6 +138,7 @@ def test_kl_in_loss_scores_every_batch_under_the_step0_policy_and_kl_starts_at_z
                                rtol=1e-2, atol=1e-7)
 
 
+@pytest.mark.slow  # a second RL run; the reward-KL advantage math has unit tests
 @pytest.mark.distributed
 def test_kl_in_reward_recomputes_advantages_with_the_step0_reference(reward_run):
     run = reward_run

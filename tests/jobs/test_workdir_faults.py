@@ -53,6 +53,7 @@ def _error_lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if "error: " in line]
 
 
+@pytest.mark.slow  # the two-process case refuses a held workdir the same way
 def test_a_second_run_on_a_held_workdir_exits_1_naming_the_holder_and_changes_nothing(held):
     workdir, holder = held
     before = _snapshot(workdir)

@@ -53,7 +53,7 @@ def _train(config: Config, steps: int = 2) -> tuple[list[dict], object]:
     return history, jax.device_get(state.params)
 
 
-@pytest.mark.parametrize("microbatches", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("microbatches", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)])
 def test_chunked_logits_train_like_the_full_logits(microbatches):
     overrides = {"trainer.microbatches": microbatches}
     # 8 rows x 16 positions: 24 tokens is 3 positions a chunk, the last chunk padded.

@@ -121,13 +121,13 @@ def run_killed(job: Job, workdir: pathlib.Path, seed: int, kills: int) -> int:
     return landed
 
 
+@pytest.mark.slow  # seed 0 of the one-kill test runs by default
 def test_two_seeded_kills_then_rerun_train_every_prompt_exactly_once(tmp_path):
     # One run killed up to twice at seeded moments, each resuming the last: three starts at most.
     assert run_killed(TINY, tmp_path / "run", seed=0, kills=2) == 2
 
 
-@pytest.mark.slow  # 20 x (a killed run and a rerun)
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in range(1, 20))])
 def test_seeded_kill_then_rerun_trains_every_prompt_exactly_once(tmp_path, seed):
     assert run_killed(TINY, tmp_path / "run", seed=seed, kills=1) == 1
 
