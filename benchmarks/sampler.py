@@ -314,20 +314,25 @@ def _grpo_figures(params, work: dict, rounds: int) -> dict:
     d_side, p_side = sides.values()
     d_tok = [n / t for n, t in zip(d_side.tokens[1:], dense, strict=True)]
     p_tok = [n / t for n, t in zip(p_side.tokens[1:], paged, strict=True)]
-    pool = samplers["paged"]
-    for r in reqs[:SLOTS]:
-        pool.submit(r)
-    pool.step()
-    live = [c for c in pool.slots.out if c is not None]
-    shared = pool.pages.prompt_pages(pool.slots.out)
-    while pool.has_work():
-        pool.step()
+    shared, unshared = prompt_pages(samplers["paged"], reqs)
     return {**spread("grpo_paged_speedup", paired_ratios(p_tok, d_tok), 3),
             **spread("grpo_dense_tok_s", d_tok, 1), **spread("grpo_paged_tok_s", p_tok, 1),
             "grpo_prompt_pages": shared,
-            "grpo_prompt_pages_unshared": len(live) * -(-work["prompt_len"] //
-                                                        pool.cfg.page_size),
+            "grpo_prompt_pages_unshared": unshared,
             "grpo_requests": len(reqs), **{f"grpo_{k}": v for k, v in work.items()}}
+
+
+def prompt_pages(sampler: Sampler, reqs: list[Request]) -> tuple[int, int]:
+    """(pages holding the live prompts, the same prompts one copy per sample) once a paged
+    ``sampler`` has admitted the first ``SLOTS`` of ``reqs``; it then runs them to the end."""
+    for r in reqs[:SLOTS]:
+        sampler.submit(r)
+    sampler.step()
+    live = [c for c in sampler.slots.out if c is not None]
+    shared = sampler.pages.prompt_pages(sampler.slots.out)
+    while sampler.has_work():
+        sampler.step()
+    return shared, len(live) * -(-len(reqs[0].prompt_ids) // sampler.cfg.page_size)
 
 
 def main() -> None:

@@ -94,16 +94,11 @@ def _serve(kv_cache: str, work: dict) -> None:
 
 def _prompt_share(sampler, reqs: list) -> float:
     """Pages holding the live prompts with the slots full of admitted requests, over those
-    prompts held one copy per sample (``SlotPages.prompt_pages``)."""
-    for r in reqs[:SLOTS]:
-        sampler.submit(r)
-    sampler.step()
-    live = [c for c in sampler.slots.out if c is not None]
-    shared = sampler.pages.prompt_pages(sampler.slots.out)
-    while sampler.has_work():
-        sampler.step()
-    per_prompt = -(-len(reqs[0].prompt_ids) // sampler.cfg.page_size)
-    return round(shared / (len(live) * per_prompt), 4)
+    prompts held one copy per sample (this tree only: the other may predate pages)."""
+    from meshrl.benchmarks.sampler import prompt_pages
+
+    shared, unshared = prompt_pages(sampler, reqs)
+    return round(shared / unshared, 4)
 
 
 @contextlib.contextmanager
