@@ -72,7 +72,7 @@ import numpy as np
 from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
 from meshrl.benchmarks.sampler_vs_commit import FULL as GRPO_FULL
 from meshrl.benchmarks.sampler_vs_commit import QUICK as GRPO_QUICK
-from meshrl.benchmarks.sampler_vs_commit import grpo_requests
+from meshrl.benchmarks.sampler_vs_commit import grpo_requests, prompt_pages
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
 from meshrl.inference.sampler import Request, Sampler
 from meshrl.mesh import create_mesh
@@ -320,19 +320,6 @@ def _grpo_figures(params, work: dict, rounds: int) -> dict:
             "grpo_prompt_pages": shared,
             "grpo_prompt_pages_unshared": unshared,
             "grpo_requests": len(reqs), **{f"grpo_{k}": v for k, v in work.items()}}
-
-
-def prompt_pages(sampler: Sampler, reqs: list[Request]) -> tuple[int, int]:
-    """(pages holding the live prompts, the same prompts one copy per sample) once a paged
-    ``sampler`` has admitted the first ``SLOTS`` of ``reqs``; it then runs them to the end."""
-    for r in reqs[:SLOTS]:
-        sampler.submit(r)
-    sampler.step()
-    live = [c for c in sampler.slots.out if c is not None]
-    shared = sampler.pages.prompt_pages(sampler.slots.out)
-    while sampler.has_work():
-        sampler.step()
-    return shared, len(live) * -(-len(reqs[0].prompt_ids) // sampler.cfg.page_size)
 
 
 def main() -> None:

@@ -92,11 +92,21 @@ def _serve(kv_cache: str, work: dict) -> None:
                           "compiled_programs": sampler.compile_count()}), flush=True)
 
 
-def _prompt_share(sampler, reqs: list) -> float:
-    """Pages holding the live prompts with the slots full of admitted requests, over those
-    prompts held one copy per sample (this tree only: the other may predate pages)."""
-    from meshrl.benchmarks.sampler import prompt_pages
+def prompt_pages(sampler, reqs: list) -> tuple[int, int]:
+    """(pages holding the live prompts, the same prompts one copy per sample) once a paged
+    ``sampler`` has admitted the first ``SLOTS`` of ``reqs``; it then runs them to the end."""
+    for r in reqs[:SLOTS]:
+        sampler.submit(r)
+    sampler.step()
+    live = [c for c in sampler.slots.out if c is not None]
+    shared = sampler.pages.prompt_pages(sampler.slots.out)
+    while sampler.has_work():
+        sampler.step()
+    return shared, len(live) * -(-len(reqs[0].prompt_ids) // sampler.cfg.page_size)
 
+
+def _prompt_share(sampler, reqs: list) -> float:
+    """Prompt pages shared over unshared with the slots full of admitted requests."""
     shared, unshared = prompt_pages(sampler, reqs)
     return round(shared / unshared, 4)
 
