@@ -66,7 +66,7 @@ def test_put_band_writes_only_the_band_into_the_slots_own_pages(stacked):
     after = put_band(cache, marked, start_B, 2)
 
     for layer in range(CFG.num_layers):
-        for got, was in zip(_pool(after, layer), before[layer]):
+        for got, was in zip(_pool(after, layer), before[layer], strict=True):
             written = np.zeros(got.shape[:2], bool)
             written[1, 1:3] = written[4, 2:4] = True
             np.testing.assert_array_equal(got[written], 7.0)

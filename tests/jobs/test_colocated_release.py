@@ -53,7 +53,7 @@ def test_release_with_sequences_in_flight_keeps_every_completion_and_its_tokens(
     assert released
     assert [c.request.id for c in got] == list(range(len(PROMPTS)))
     assert [c.tokens for c in got] == [c.tokens for c in want]  # greedy: re-prefill is exact
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-5)
 
 

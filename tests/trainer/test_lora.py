@@ -73,10 +73,12 @@ def test_qlora_nf4_base_trains(tmp_path):
     assert any(x.dtype == np.uint8 for x in engine._frozen)  # nf4 codes, two a byte
 
 
-@pytest.mark.slow  # the dropout test resumes bitwise too
-def test_lora_resume_is_bitwise(tmp_path):
-    over = {**LORA, "trainer.steps": 4, "checkpoint.every_steps": 2,
-            "checkpoint.async_save": False}
+RESUMABLE = {**LORA, "trainer.steps": 4, "checkpoint.every_steps": 2,
+             "checkpoint.async_save": False}
+
+
+def _run_straight_and_resumed(over: dict, tmp_path) -> tuple:
+    """The engine of a straight run of ``over`` and of one stopped at step 2 and resumed."""
     straight, _ = _engine(tiny_config(**over), tmp_path / "a")
     run_sft(straight)
     straight.close()
@@ -87,8 +89,18 @@ def test_lora_resume_is_bitwise(tmp_path):
     assert resumed.start_step == 2
     run_sft(resumed)
     resumed.close()
-    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
+    return straight, resumed
+
+
+def _assert_same_state(a_state, b_state) -> None:
+    for a, b in zip(jax.tree.leaves(a_state), jax.tree.leaves(b_state), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.slow  # the dropout test resumes bitwise too
+def test_lora_resume_is_bitwise(tmp_path):
+    straight, resumed = _run_straight_and_resumed(RESUMABLE, tmp_path)
+    _assert_same_state(straight.state, resumed.state)
 
 
 def test_a_regex_matching_no_projection_is_one_config_error(tmp_path):
@@ -102,23 +114,12 @@ def test_a_bad_regex_is_one_config_error():
 
 
 def test_lora_dropout_changes_training_and_resumes_bitwise(tmp_path):
-    over = {**LORA, "trainer.steps": 4, "checkpoint.every_steps": 2,
-            "checkpoint.async_save": False}
-    plain, _ = _engine(tiny_config(**over), tmp_path / "plain")
+    plain, _ = _engine(tiny_config(**RESUMABLE), tmp_path / "plain")
     run_sft(plain)
     plain.close()
-    drop = {**over, "lora.dropout": 0.3}
-    straight, _ = _engine(tiny_config(**drop), tmp_path / "a")
-    run_sft(straight)
-    straight.close()
-    first, _ = _engine(tiny_config(**{**drop, "trainer.steps": 2}), tmp_path / "b")
-    run_sft(first)
-    first.close()
-    resumed, _ = _engine(tiny_config(**drop), tmp_path / "b")
-    run_sft(resumed)
-    resumed.close()
-    for a, b in zip(jax.tree.leaves(straight.state), jax.tree.leaves(resumed.state)):
-        np.testing.assert_array_equal(a, b)
+    straight, resumed = _run_straight_and_resumed({**RESUMABLE, "lora.dropout": 0.3}, tmp_path)
+    _assert_same_state(straight.state, resumed.state)
     moved = [not np.array_equal(a, b) for a, b in
-             zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(straight.state.params))]
+             zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(straight.state.params),
+                 strict=True)]
     assert any(moved)  # the masks reached the adapters' updates
