@@ -31,6 +31,7 @@ import weakref
 from typing import Any
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+CLOSE_S = 5.0  # how long a killed child's pipes may take to close before they are dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +80,21 @@ class _Child:
             pass
 
     async def close(self) -> None:
+        """Kill the group, then reap it. ``wait()`` returns only once the output pipe reports
+        EOF, and a pipe whose reader stopped at the output cap is paused and never does: drain
+        it. A holder of the pipe outside the group cannot stall this past ``CLOSE_S``."""
         self.kill()
-        await self.proc.wait()
+        try:
+            await asyncio.wait_for(self._drain_and_wait(), CLOSE_S)
+        except asyncio.TimeoutError:
+            self.proc._transport.close()  # noqa: SLF001 -- asyncio has no public way to drop the pipes
         shutil.rmtree(self.workdir, ignore_errors=True)
+
+    async def _drain_and_wait(self) -> None:
+        if self.proc.stdout is not None:
+            while await self.proc.stdout.read(65536):
+                pass
+        await self.proc.wait()
 
 
 async def _start(limits: SandboxLimits) -> _Child:

@@ -159,3 +159,35 @@ def test_a_child_whose_parent_is_gone_removes_its_own_directory(tool_tmp):
     child = asyncio.run(go())
     assert child.proc.returncode == 0
     assert_clean(tool_tmp)
+
+
+def test_a_flooding_tool_is_reaped_even_when_its_pipe_was_left_full(tool_tmp):
+    """Stopping at the output cap leaves the pipe paused with unread bytes; closing must still
+    reap the child rather than wait for an EOF nobody reads."""
+    async def go():
+        async with Tools(["python"], LIMITS) as tools:
+            return [await tools.acall("python", {"code": "while True:\n    print('x' * 100000)"})
+                    for _ in range(3)]
+    t0 = time.monotonic()
+    outs = asyncio.run(asyncio.wait_for(go(), 3 * (LIMITS.wall_s + 1.0)))
+    assert [o.error for o in outs] == ["output_limit"] * 3
+    assert time.monotonic() - t0 < 3 * (LIMITS.wall_s + 1.0)
+    assert_clean(tool_tmp)
+
+
+def test_a_child_whose_pipes_never_close_is_dropped_after_the_close_bound(tool_tmp, monkeypatch):
+    async def never(self):
+        await asyncio.sleep(3600)
+    monkeypatch.setattr(sandbox_lib._Child, "_drain_and_wait", never)
+    monkeypatch.setattr(sandbox_lib, "CLOSE_S", 0.2)
+
+    async def go():
+        child = await sandbox_lib._start(LIMITS)
+        t0 = time.monotonic()
+        await child.close()
+        return child, time.monotonic() - t0
+    child, took = asyncio.run(asyncio.wait_for(go(), 10))
+    assert took < 2.0
+    with pytest.raises(ProcessLookupError):
+        os.killpg(child.proc.pid, 0)
+    assert_clean(tool_tmp)
