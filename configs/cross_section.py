@@ -102,6 +102,8 @@ def _rl(config: ConfigSections) -> None:
                           f"counts: use top_k = 0, top_p = 1 and min_p = 0 with agent.env")
     if config.rl.routing_replay != "off":
         _routing_replay(config)
+    if config.rl.sampler_expert and not config.model.hf_path:
+        check_sampler_expert(config.rl.sampler_expert, config.model.num_experts)
     if config.model.hf_path and config.rl.warm_start_steps > 0:
         raise ConfigError(f"rl.warm_start_steps = {config.rl.warm_start_steps}: must be -1 or 0 "
                           f"with model.hf_path = {config.model.hf_path!r} (a pretrained policy "
@@ -124,6 +126,17 @@ def _routing_replay(config: ConfigSections) -> None:
                           f"sampler.kv_cache = 'dense'")
     if not config.model.hf_path:
         check_routing_replay(config.rl.routing_replay, config.model.num_experts)
+
+
+def check_sampler_expert(n: int, num_experts: int) -> None:
+    """The sampler's expert axis shards expert weights: a dense model has none, and the axis
+    must divide the experts (with ``model.hf_path`` checked when the RL job loads it)."""
+    if num_experts == 0:
+        raise ConfigError(f"rl.sampler_expert = {n}: the model is dense (model.num_experts = "
+                          f"0), so there are no expert weights to shard: set 0")
+    if num_experts % n:
+        raise ConfigError(f"rl.sampler_expert = {n}: must divide model.num_experts = "
+                          f"{num_experts}")
 
 
 def check_routing_replay(mode: str, num_experts: int) -> None:

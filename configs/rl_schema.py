@@ -101,6 +101,19 @@ class RLConfig(Section):
               "anyway), so the step has the cache's memory; the sampler then idles during the "
               "step. false: the cache stays allocated and, with rollout.max_staleness > 0, the "
               "sampler keeps decoding during the step. No effect with split.")
+    release_sampler_weights: bool = field(
+        False, "colocated, with rl.release_sampler_cache: free the sampler's weights for the "
+               "train step as well; the handoff after every step refills them with the new "
+               "version, so nothing is copied twice. With LoRA the sampler's frozen base stays "
+               "(adapter-only handoffs merge into it); only the merged params go. Must be false "
+               "with split (the sampler has its own devices).")
+    sampler_expert: int = field(
+        0, "The sampler mesh's expert axis: 0 keeps the trainer's (mesh.expert); n > 0 shards "
+           "the sampler's expert weights n ways over its devices, its data axis filling the "
+           "rest (colocated: the trainer's devices, so an MoE sampler holds 1/n of the expert "
+           "weights a chip instead of 1/mesh.expert; its slots still split over every device). "
+           "Must divide model.num_experts and, with several processes, each process's "
+           "devices (each samples on its own); 0 with a dense model.", at_least(0))
     behav_cap_mode: Literal["zero", "drop"] = field(
         "zero", "decoupled_ppo: tokens above rl.behav_weight_cap get weight 0 but still count "
                 "in the loss normaliser (zero, AReaL), or leave the loss mask with their KL and "
@@ -130,6 +143,14 @@ class RLConfig(Section):
             raise ConfigError(f"rl.sampler_devices = {self.sampler_devices}: must be 0 when "
                               f"rl.placement = 'colocated' (the sampler shares the trainer's "
                               f"devices)")
+        if self.release_sampler_weights and self.placement != "colocated":
+            raise ConfigError(f"rl.release_sampler_weights = true: only with rl.placement = "
+                              f"'colocated' (got {self.placement!r}: the sampler's weights sit "
+                              f"on its own devices, freeing them gives the trainer nothing)")
+        if self.release_sampler_weights and not self.release_sampler_cache:
+            raise ConfigError("rl.release_sampler_weights = true: needs rl.release_sampler_cache "
+                              "= true (a sampler that keeps its cache keeps decoding during the "
+                              "train step, and it cannot decode without weights)")
         if self.eps_low >= 1.0:
             raise ConfigError(f"rl.eps_low = {self.eps_low}: must be < 1 (the ratio is clipped "
                               f"at 1 - eps_low > 0)")

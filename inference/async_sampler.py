@@ -67,15 +67,16 @@ class AsyncSampler:
             self._paused = False
             self._cv.notify_all()
 
-    def release_cache(self) -> None:
-        """Free the sampler's KV cache after the current chunk; the loop stays stopped, across
-        pauses and weight updates, until ``restore_cache`` (sequences in flight are kept)."""
+    def release_cache(self, weights: bool = False) -> None:
+        """Free the sampler's KV cache (and with ``weights`` its params, until the next
+        ``update_weights``) after the current chunk; the loop stays stopped, across pauses and
+        weight updates, until ``restore_cache`` (sequences in flight are kept)."""
         with self._cv:
             self._released = True
             self._cv.wait_for(lambda: not self._stepping)
         # Outside the condition: it waits for the device, and agenerate takes the condition
         # on the event loop; the loop thread stays stopped while ``_released``.
-        self.sampler.release_cache()
+        self.sampler.release_cache(weights)
 
     def restore_cache(self) -> None:
         with self._cv:

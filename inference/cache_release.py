@@ -1,10 +1,15 @@
-"""Free the sampler's KV cache while it is dead, and allocate it again before the next decode.
+"""Free the sampler's device memory while it is dead, and allocate it again before the next decode.
 
 A weight update marks every live slot stale and the next round re-prefills them from position
 0 (``Sampler._install``), so across a weight update nothing in the cache is ever read again. A
 colocated RL run (``rl.placement = "colocated"``) therefore deletes the cache buffers before the
 train step and allocates a zero cache after the handoff: the train step then has the cache's
-HBM, the way colocated RL frameworks offload the rollout engine's cache between phases.
+HBM, the way colocated RL frameworks offload the rollout engine's cache between phases. The
+sampler's weights are dead across the update too (the handoff installs fresh copies of the new
+version, never reusing the old buffers), so ``release(sampler, weights=True)`` deletes them as
+well (``rl.release_sampler_weights``) and the handoff refills them. With LoRA the frozen base
+the sampler keeps for adapter-only handoffs (``SamplerWeights``) stays: only the merged params
+go, and the next handoff merges them again.
 
 Releasing keeps every sequence: the round in flight stays queued for read-back, each live slot
 is marked stale (its prompt and tokens so far are re-prefilled into the new cache), and queued
@@ -44,23 +49,36 @@ def dense_cache(sampler: Any) -> Any:
 
 
 def is_released(sampler: Any) -> bool:
+    """Whether the KV cache is released (the weights may be, too: ``sampler.params is None``)."""
     return sampler.cache is None
 
 
-def release(sampler: Any) -> None:
-    """Delete the KV cache buffers; every live slot re-prefills after ``restore``. A no-op
-    when already released."""
+def release(sampler: Any, weights: bool = False) -> None:
+    """Delete the KV cache buffers (and with ``weights`` the sampler's params, until the next
+    ``update_weights`` or ``load_weights``); every live slot re-prefills after ``restore``. A
+    no-op for what is released already."""
     with sampler._lock:
-        if sampler.cache is None:
-            return
-        # The last dispatched call writes the cache: let it finish before its buffers go.
-        jax.block_until_ready(sampler.cache)
-        for leaf in jax.tree.leaves(sampler.cache):
+        if sampler.cache is not None:
+            # The last dispatched call writes the cache: let it finish before its buffers go.
+            jax.block_until_ready(sampler.cache)
+            _delete(sampler.cache)
+            sampler.cache = None
+            sampler.slots.mark_stale()
+            if sampler.pages:  # the prefix cache's pages lived in the pool
+                sampler.pages.new_version(sampler.version)
+        if weights and sampler.params is not None:
+            jax.block_until_ready(sampler.params)  # a dispatched program may still read them
+            _delete(sampler.params, keep=sampler.weights.kept_base())
+            sampler.params = None
+
+
+def _delete(tree: Any, keep: Any = None) -> None:
+    """Delete ``tree``'s buffers now (not when the last reference goes), except those that are
+    leaves of ``keep`` too."""
+    kept = {id(x) for x in jax.tree.leaves(keep)}
+    for leaf in jax.tree.leaves(tree):
+        if id(leaf) not in kept:
             leaf.delete()
-        sampler.cache = None
-        sampler.slots.mark_stale()
-        if sampler.pages:  # the prefix cache's pages lived in the pool
-            sampler.pages.new_version(sampler.version)
 
 
 def restore(sampler: Any) -> None:

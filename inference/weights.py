@@ -89,26 +89,29 @@ def check_compatible(incoming: dict[str, Any], expected: dict[str, Any]) -> None
                                       f"cannot become {want.dtype} ({_kind(want.dtype)})")
 
 
-def make_copy_cast(shardings: dict[str, Any], dtypes: dict[str, Any]) -> Callable:
-    """Jitted flat-dict -> flat-dict copy onto the sampler shardings, cast to its dtypes.
+def make_copy_cast(dtypes: dict[str, Any]) -> Callable[[str, jax.Array], jax.Array]:
+    """``(name, leaf) ->`` a jitted copy of the leaf cast to the sampler's dtype for ``name``,
+    laid out as the leaf is (each leaf may sit on its own devices).
 
-    ``jnp.array(copy=True)`` keeps a real copy even where shardings and dtype already match, so
-    the sampler never aliases a buffer the trainer will donate to its next step.
+    ``jnp.array(copy=True)`` keeps a real copy even where the dtype already matches, so the
+    sampler never aliases a buffer the trainer will donate to its next step.
     """
-    def copy_cast(flat: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        return {k: jnp.array(v, copy=True).astype(dtypes[k]) for k, v in flat.items()}
-
-    return jax.jit(copy_cast, out_shardings=shardings)
+    one = jax.jit(lambda v, dtype: jnp.array(v, copy=True).astype(dtype), static_argnums=1)
+    return lambda name, leaf: one(leaf, dtypes[name])
 
 
 def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any],
-                 copy_cast: Callable) -> dict[str, jax.Array]:
-    """Validate, move onto the sampler shardings (any source mesh), copy and cast."""
+                 copy_cast: Callable[[str, jax.Array], jax.Array]) -> dict[str, jax.Array]:
+    """Validate, then leaf by leaf copy and cast where the params are and move the copy onto
+    the sampler's sharding (any source mesh)."""
     flat = flat_params(params)
     check_compatible(flat, expected)
-    # device_put handles a different source mesh; the jitted copy then owns fresh buffers.
-    moved = {k: jax.device_put(v, shardings[k]) for k, v in flat.items()}
-    out = copy_cast(moved)
+    # Cast before moving, leaf by leaf: the trainer's float32 params are sharded over every
+    # chip and the sampler's replicate over ``data``, so moving first would hold float32
+    # copies in the sampler's layout (twice its weights) beside the train state; this way the
+    # transient is the cast copies in the trainer's layout, each freed once moved. The copy is
+    # fresh, so the move may keep its buffers where the layouts agree.
+    out = {k: jax.device_put(copy_cast(k, v), shardings[k]) for k, v in flat.items()}
     jax.block_until_ready(out)
     return out
 
@@ -121,8 +124,7 @@ class SamplerWeights:
         self.template = abstract_state
         self.expected = flat_params(abstract_state)
         self.shardings = flat_params(shardings)
-        self.copy_cast = make_copy_cast(self.shardings,
-                                        {k: v.dtype for k, v in self.expected.items()})
+        self.copy_cast = make_copy_cast({k: v.dtype for k, v in self.expected.items()})
         # Adapter-only handoffs: the kept frozen base, the full params it stands for, the
         # merge program, and (adapter bytes, full bytes) of the latest such handoff.
         self._base: dict[str, Any] | None = None
@@ -142,6 +144,11 @@ class SamplerWeights:
     def has_base(self) -> bool:
         """Whether an adapter-only handoff gave this sampler its frozen base already."""
         return self._base is not None
+
+    def kept_base(self) -> dict[str, Any] | None:
+        """The frozen base kept for adapter-only handoffs (None without one): what releasing
+        the sampler's weights must not delete."""
+        return self._base
 
     def _keep_base(self, update: AdapterUpdate) -> None:
         """Keep a copy of ``update.base`` (the trainer's frozen base, quantised leaves as they

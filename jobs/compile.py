@@ -26,6 +26,7 @@ from meshrl.jobs.compile_programs import BUILDERS, default_programs
 from meshrl.jobs.compile_report import table
 from meshrl.jobs.compile_search import search
 from meshrl.mesh import create_mesh
+from meshrl.mesh.placement import colocated_sampler_mesh
 from meshrl.models import resolve_model_config
 from meshrl.utils import log, paths
 from meshrl.utils.errors import UserError
@@ -51,17 +52,23 @@ def target(cfg: CompileConfig) -> tuple[list[Any], chips.Chip | None, str]:
     return list(desc.devices), topo.chip, f"{topo.name} ({topo.chips} chips, {topo.shape})"
 
 
+TRAIN_PHASE, SAMPLING_PHASE = ("train", "reference"), ("prefill", "decode")
+
+
 def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
                 names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
     """Compile ``names`` (default: ``compile.programs`` or the job's) on the run's mesh over
     ``devices``; one compile.json object each."""
     model_cfg = resolve_model_config(config.model)
     mesh = create_mesh(config.mesh, devices)
+    meshes = {"train": mesh, "reference": mesh}  # the sampler's own with rl.sampler_expert
+    if config.compile.job == "rl" and config.rl.placement == "colocated":
+        meshes.update(dict.fromkeys(SAMPLING_PHASE, colocated_sampler_mesh(config, mesh, devices)))
     names = names or config.compile.programs or default_programs(config)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        prog = BUILDERS[name](config, model_cfg, mesh)
+        prog = BUILDERS[name](config, model_cfg, meshes.get(name, mesh))
         try:
             compiled = prog.lowered.compile()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler checks the chip's HBM
@@ -74,35 +81,36 @@ def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
                                    time.perf_counter() - t0))
             if results[-1]["fits"] is False:
                 results[-1]["advice"] = advice(config, name)
-        results[-1]["mesh"] = dict(mesh.shape)
+        results[-1]["mesh"] = dict(meshes.get(name, mesh).shape)
     return results
-
-
-TRAIN_PHASE, SAMPLING_PHASE = ("train", "reference"), ("prefill", "decode")
 
 
 def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The per-chip peak of RL with a colocated sampler, which runs one program at a time. The
-    train state, the sampler's weights (and the KL reference's frozen copy) stay resident. With
+    train state (and the KL reference's frozen copy) stay resident. With
     ``rl.release_sampler_cache`` the KV cache is freed for the train step (``trainer.rl_loop``),
     so the peak is the larger of two phases: train (resident + the train/reference programs'
-    own temporaries) and sampling (resident + KV cache + the prefill/decode programs' own);
-    without it the cache is resident too and the largest program's own share comes on top.
-    None when that does not apply or a program is missing."""
+    own temporaries) and sampling (resident + the sampler's weights + KV cache + the
+    prefill/decode programs' own); the sampler's weights are resident in the train phase too
+    unless ``rl.release_sampler_weights`` frees them for the step. Without the cache release
+    everything is resident and the largest program's own share comes on top. None when that
+    does not apply or a program is missing."""
     by = {r["program"]: r for r in results}
     if (config.compile.job != "rl" or config.rl.placement != "colocated"
             or not {"train", "decode"} <= set(by) or any(r.get("error") for r in results)):
         return None
-    resident = (by["train"]["weights_bytes_per_chip"] + by["train"]["state_bytes_per_chip"]
-                + by["decode"]["weights_bytes_per_chip"])
+    trainer = by["train"]["weights_bytes_per_chip"] + by["train"]["state_bytes_per_chip"]
     if "reference" in by:
-        resident += by["reference"]["weights_bytes_per_chip"]  # the frozen copy
-    kv = by["decode"]["state_bytes_per_chip"]
+        trainer += by["reference"]["weights_bytes_per_chip"]  # the frozen copy
+    sampler_weights = by["decode"]["weights_bytes_per_chip"]
+    resident, kv = trainer + sampler_weights, by["decode"]["state_bytes_per_chip"]
     # A program's own share: what it needs beyond the resident buffers it takes as arguments.
     own = {r["program"]: r["hbm_per_chip_gib"] * GiB - r["weights_bytes_per_chip"]
            - r["state_bytes_per_chip"] for r in results}
     released = config.rl.release_sampler_cache
-    phases = {"train": (resident, TRAIN_PHASE), "sampling": (resident + kv, SAMPLING_PHASE)}
+    weights_out = released and config.rl.release_sampler_weights  # the schema's rule too
+    phases = {"train": (trainer if weights_out else resident, TRAIN_PHASE),
+              "sampling": (resident + kv, SAMPLING_PHASE)}
     if not released:
         phases = {"all": (resident + kv, tuple(own))}
     peaks = {}
@@ -112,27 +120,36 @@ def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] |
     phase = max(peaks, key=lambda k: peaks[k][0])
     peak, held, largest = peaks[phase]
     cap = results[0]["hbm_capacity_gib"]
-    out = {"kv_cache_released": released, "peak_phase": phase,
-           "phases_gib": {k: v[0] / GiB for k, v in peaks.items()},
-           "resident_gib": held / GiB, "kv_cache_gib": kv / GiB, "peak_gib": peak / GiB,
+    out = {"kv_cache_released": released, "sampler_weights_released": weights_out,
+           "peak_phase": phase, "phases_gib": {k: v[0] / GiB for k, v in peaks.items()},
+           "resident_gib": held / GiB, "kv_cache_gib": kv / GiB,
+           "sampler_weights_gib": sampler_weights / GiB, "peak_gib": peak / GiB,
            "largest_program": largest, "hbm_capacity_gib": cap,
            "fits": None if cap is None else peak / GiB <= cap,
            "headroom": None if cap is None else 1 - peak / GiB / cap}
     if out["fits"] is False:
-        out["advice"] = _colocated_advice(out, phase, kv / GiB,
-                                          by["decode"]["weights_bytes_per_chip"] / GiB)
+        out["advice"] = _colocated_advice(out, phase, config)
     return out
 
 
-def _colocated_advice(out: dict[str, Any], phase: str, kv_gib: float, sampler_gib: float
-                      ) -> str:
+def _colocated_advice(out: dict[str, Any], phase: str, config: Config) -> str:
     over = f"{out['peak_gib'] - out['hbm_capacity_gib']:.1f} GiB over in the {phase} phase"
+    if phase == "train" and not out["sampler_weights_released"]:
+        return (f"{over}, where the sampler's weights hold {out['sampler_weights_gib']:.1f} GiB "
+                f"a chip: rl.release_sampler_weights = true frees them for the step; or a slice "
+                f"with twice the chips; or more trainer.microbatches where the step's own share "
+                f"is activations; or rl.placement = 'split'")
     if phase == "train":
-        return (f"{over}, where the sampler's weights hold {sampler_gib:.1f} GiB a chip: a "
-                f"slice with twice the chips; or more trainer.microbatches where the step's "
-                f"own share is activations; or rl.placement = 'split'")
-    return (f"{over}: half the sampler.slots (or sampler.max_len) frees {kv_gib / 2:.1f} GiB "
-            f"of KV cache per chip; or a slice with twice the chips; or rl.placement = 'split'")
+        return (f"{over} (the sampler's weights are freed for the step already): a slice with "
+                f"twice the chips; or more trainer.microbatches where the step's own share is "
+                f"activations; or rl.placement = 'split'")
+    now = config.rl.sampler_expert or "0, the trainer's mesh.expert"
+    experts = (f"; or a larger rl.sampler_expert (now {now}) shards the sampler's "
+               f"{out['sampler_weights_gib']:.1f} GiB of weights a chip over more chips"
+               if config.model.num_experts else "")
+    return (f"{over}: half the sampler.slots (or sampler.max_len) frees "
+            f"{out['kv_cache_gib'] / 2:.1f} GiB of KV cache per chip{experts}; or a slice with "
+            f"twice the chips; or rl.placement = 'split'")
 
 
 def run(config: Config, workdir: str) -> list[dict[str, Any]]:

@@ -32,9 +32,14 @@ def _colocated_line(both: Mapping[str, Any], fit: str) -> str:
     if not both["kv_cache_released"]:
         return ("colocated RL (train state + sampler weights + KV cache resident, then the "
                 "largest program): " + tail)
-    ph = both["phases_gib"]
+    ph, w = both["phases_gib"], both["sampler_weights_gib"]
+    if both.get("sampler_weights_released"):
+        return (f"colocated RL, KV cache and sampler weights freed for the train step: train "
+                f"phase {ph['train']:.1f} GiB (train state + step temporaries), sampling phase "
+                f"{ph['sampling']:.1f} GiB (+ {w:.1f} sampler weights + "
+                f"{both['kv_cache_gib']:.1f} KV cache + sampler temporaries); " + tail)
     return (f"colocated RL, KV cache freed for the train step: train phase {ph['train']:.1f} "
-            f"GiB (train state + sampler weights + step temporaries), sampling phase "
+            f"GiB (train state + {w:.1f} sampler weights + step temporaries), sampling phase "
             f"{ph['sampling']:.1f} GiB (+ {both['kv_cache_gib']:.1f} KV cache + sampler "
             f"temporaries); " + tail)
 

@@ -100,8 +100,9 @@ def dry_run(config: Config) -> str:
     ``MeshShapeError``) on the first problem."""
     effective = preflight(config)
     initialize_distributed(config.distributed)
-    if config.job == Job.RL and config.rl.placement == "split":
-        # mesh.* covers only the trainer's share of the devices in split mode.
+    if config.job == Job.RL and (config.rl.placement == "split" or config.rl.sampler_expert):
+        # mesh.* covers only the trainer's share of the devices in split mode; the sampler's
+        # mesh is its own with rl.sampler_expert.
         from meshrl.mesh.placement import create_meshes
 
         mesh, sampler_mesh = create_meshes(config)
@@ -121,8 +122,8 @@ def dry_run(config: Config) -> str:
         "  " + describe_mesh(mesh),
     ]
     if sampler_mesh is not None:
-        lines += [f"# sampler mesh (rl.placement = split, {len(sampler_mesh.devices.flat)} "
-                  f"devices)", "  " + describe_mesh(sampler_mesh)]
+        lines += [f"# sampler mesh (rl.placement = {config.rl.placement}, "
+                  f"{len(sampler_mesh.devices.flat)} devices)", "  " + describe_mesh(sampler_mesh)]
     lines += [
         "# logical -> physical rules: train"
         + (" (fsdp)" if config.mesh.fsdp else ""),

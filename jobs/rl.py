@@ -16,7 +16,7 @@ from typing import Any
 
 import jax
 
-from meshrl.configs.cross_section import check_routing_replay
+from meshrl.configs.cross_section import check_routing_replay, check_sampler_expert
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_prompt_iterator
@@ -51,6 +51,8 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
     mesh, sampler_mesh = create_meshes(config)
     trainee, model_cfg, tokenizer = load_trainee(config, mesh)
     check_routing_replay(config.rl.routing_replay, model_cfg.num_experts)  # hf_path's model
+    if config.rl.sampler_expert:
+        check_sampler_expert(config.rl.sampler_expert, model_cfg.num_experts)
     # One prompt per ``next``: the runner then never buffers a prompt the iterator has
     # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
     prompts = make_prompt_iterator(config.data, tokenizer, batch_size=n, seed=t.seed,

@@ -52,11 +52,9 @@ def _gb(x: float | None) -> str:
 
 def row_lines(row: Row, report: dict) -> list[str]:
     name, variant, slice_, overrides = row
-    mesh = report["programs"][0].get("mesh") or {}
-    mesh_s = ", ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "1 chip"
-    mesh_s += "".join(f", {o}" for o in overrides)
     lines = []
     for e in report["programs"]:
+        mesh_s = _mesh_s(e.get("mesh") or {}, overrides)  # the sampler's may be its own
         r = e["roofline"] or {}
         fit = ("yes" if e["fits"] else "**no**") + (
             f" ({e['headroom']:+.0%})" if e["headroom"] is not None else "")
@@ -73,11 +71,17 @@ def row_lines(row: Row, report: dict) -> list[str]:
             f"{e.get('advice', '')} |")
     both = _colocated(row, report)
     if both:
+        mesh_s = _mesh_s(report["programs"][0].get("mesh") or {}, overrides)
         fit = ("yes" if both["fits"] else "**no**") + f" ({both['headroom']:+.0%})"
         lines.append(f"| {slice_} | {mesh_s} | **colocated RL** | {both['peak_gib']:.1f} of "
                      f"{both['hbm_capacity_gib']:.0f} | {fit} | | | | | | | "
                      f"{both.get('advice', '')} |")
     return lines
+
+
+def _mesh_s(mesh: dict, overrides: tuple[str, ...]) -> str:
+    return (", ".join(f"{k}={v}" for k, v in mesh.items() if v > 1) or "1 chip") + "".join(
+        f", {o}" for o in overrides)
 
 
 def _colocated(row: Row, report: dict) -> dict | None:

@@ -178,6 +178,13 @@ class RLLoop:
         rl = self.config.rl
         return rl.placement == "colocated" and rl.release_sampler_cache
 
+    @property
+    def releases_weights(self) -> bool:
+        """Whether the sampler's weights are freed with its cache (``rl.release_sampler_weights``,
+        which the schema allows only colocated with the cache released): the handoff after
+        every step refills them, before anything decodes or evaluates again."""
+        return self.releases_cache and self.config.rl.release_sampler_weights
+
     def precompile(self) -> None:
         """Compile the step for every row bucket now, not in the step that first needs it."""
         self.engine.precompile()
@@ -270,7 +277,7 @@ class RLLoop:
         prepare = None if self.reference is None else self.reference.apply
         t_built = time.perf_counter()
         if self.releases_cache:  # the step gets the cache's memory (``_handoff`` restores it)
-            await asyncio.to_thread(sampler.release_cache)
+            await asyncio.to_thread(sampler.release_cache, self.releases_weights)
         train.dispatch(step, batch, prepare)  # the previous step was read already
         # The handoff waits for this step (the sampler needs its result); off the loop.
         t_trained = await asyncio.to_thread(self._handoff, sampler, step)

@@ -57,6 +57,11 @@ CROSS_SECTION_ERRORS = [
     ("rl", {"rl.routing_replay": "rollout", "model.arch": "qwen3_moe", "model.num_experts": 4,
             "sampler.kv_cache": "paged"},
      "rl.routing_replay = 'rollout': the paged KV cache's prefix programs do not record"),
+    ("rl", {"rl.sampler_expert": 4},
+     "rl.sampler_expert = 4: the model is dense (model.num_experts = 0), so there are no "
+     "expert weights to shard: set 0"),
+    ("rl", {"rl.sampler_expert": 4, "model.arch": "qwen3_moe", "model.num_experts": 6},
+     "rl.sampler_expert = 4: must divide model.num_experts = 6"),
     ("rl", {"model.hf_path": "/ckpt/qwen", "rl.warm_start_steps": 5},
      "rl.warm_start_steps = 5: must be -1 or 0 with model.hf_path"),
     ("rl", {"data.max_prompt_len": 200},
@@ -129,6 +134,9 @@ def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():
      "rl.sampler_devices = 8: must be in [1, 7]"),
     ({"rl.placement": "split", "rl.sampler_devices": 2, "mesh.data": 4},
      "rl.sampler_devices = 2 leaves 6 of the 8 devices to the trainer"),
+    ({"rl.sampler_expert": 16, "model.arch": "qwen3_moe", "model.num_experts": 16},
+     "rl.sampler_expert = 16: with mesh.tensor = 1 and mesh.expert_tensor = 1 the sampler "
+     "needs a multiple of 16 devices, and has 8"),
 ])
 def test_device_count_rule_loads_but_the_dry_run_rejects_it(overrides, message):
     config = from_config_dict(_cfg("rl", overrides))  # needs the device count: not at load

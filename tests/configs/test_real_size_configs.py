@@ -84,6 +84,8 @@ def test_moe_topology_uses_expert_parallelism():
     config = load_config_file(ROOT / "configs" / "qwen3_30b_a3b.py", "grpo@v5p-16")
     assert (config.mesh.data, config.mesh.expert) == (4, 2)
     assert config.model.num_experts == 128 and config.model.num_experts_per_tok == 8
+    # Colocated, the sampler's weights leave for the step and its experts spread over 4 chips.
+    assert config.rl.release_sampler_weights and config.rl.sampler_expert == 4
 
 
 @pytest.mark.parametrize("variant", ["dpo", "grpo@v9-8"])

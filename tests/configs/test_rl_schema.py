@@ -89,6 +89,10 @@ def test_every_choice_names_a_registered_function():
      "rl.sampler_devices = 2: must be 0 when rl.placement = 'colocated'"),
     (lambda: RLConfig(placement="split", sampler_devices=-1),
      "rl.sampler_devices = -1: must be >= 0"),
+    (lambda: RLConfig(placement="split", sampler_devices=2, release_sampler_weights=True),
+     "rl.release_sampler_weights = true: only with rl.placement = 'colocated' (got 'split'"),
+    (lambda: RLConfig(release_sampler_cache=False, release_sampler_weights=True),
+     "rl.release_sampler_weights = true: needs rl.release_sampler_cache = true"),
     (lambda: RolloutConfig(max_turns=0), "rollout.max_turns = 0: must be >= 1"),
 ])
 def test_rl_validation_names_field_value_and_rule(make, message):

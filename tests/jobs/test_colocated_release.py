@@ -104,10 +104,10 @@ def _record(loop: Any) -> dict[str, list]:
     sampler, engine = loop.sampler, loop.engine
     release, dispatch = sampler.release_cache, engine.dispatch
 
-    def release_cache() -> None:
+    def release_cache(weights: bool = False) -> None:
         leaves = jax.tree.leaves(sampler.cache)
         seen["cache_bytes"].append(sum(x.nbytes for x in leaves))
-        release()
+        release(weights)
         seen["released"].append(leaves)
 
     def dispatch_step(*args, **kwargs) -> Any:

@@ -134,6 +134,25 @@ def test_colocated_rl_train_phase_peak_names_the_step_and_its_fix():
                                              "programs": [], "colocated": both})
 
 
+def test_colocated_rl_with_the_sampler_weights_released_leaves_them_out_of_the_train_phase():
+    base = base_config("rl").to_dict()
+    config = from_config_dict({**base, "job": "compile",
+                               "rl": {**base["rl"], "release_sampler_weights": True}})
+    results = [_entry("train", 90.0, 7.5, 15.0), _entry("decode", 60.0, 15.0, 32.0)]
+    both = compile_job.colocated(config, results)
+    # Train phase: train state 22.5 + the step's own 67.5 = 90 (no sampler weights); sampling
+    # phase as before: 22.5 + 15 + 32 + 13 = 82.5.
+    assert both["sampler_weights_released"] is True
+    assert both["phases_gib"] == pytest.approx({"train": 90.0, "sampling": 82.5})
+    assert both["peak_phase"] == "train" and both["fits"] is True
+    assert both["resident_gib"] == pytest.approx(22.5)
+    line = table({"job": "rl", "target": "t", "chip": None, "programs": [], "colocated": both})
+    assert "KV cache and sampler weights freed for the train step: train phase 90.0 GiB" in line
+    kept = compile_job.colocated(from_config_dict({**base, "job": "compile"}), results)
+    assert kept["sampler_weights_released"] is False and kept["peak_gib"] == pytest.approx(105.0)
+    assert "rl.release_sampler_weights = true frees them for the step" in kept["advice"]
+
+
 def test_colocated_rl_without_release_keeps_the_kv_cache_resident_through_the_step():
     config = from_config_dict({**base_config("rl").to_dict(), "job": "compile",
                                "rl": {**base_config("rl").rl.to_dict(),
