@@ -15,16 +15,19 @@ Paths:
 * ``capacity_sort`` (baseline candidate, plain JAX, written here): the (token, slot) copies
   sorted by expert and scattered into static ``[E, capacity]`` buckets, one batched matmul per
   SwiGLU weight, gathered back and weighted.
+* ``capacity_gather`` (baseline candidate, plain JAX, written here): the same buckets filled
+  and emptied by gathers alone (each bucket slot reads its token, each copy reads its slot back),
+  no scatter in the forward.
 * ``capacity_einsum`` (baseline candidate, plain JAX, written here): GShard-style one-hot
   ``[T, E, capacity]`` dispatch and combine tensors contracted with einsums.
 * ``dense``: ``dense_moe_ffn``, every expert on every token (experts / top-k times the FLOPs).
 * ``floor``: the same expert FLOPs as one expert's SwiGLU over all T x k rows (one plain matmul
   chain, no routing); every real path is checked not to beat it.
 
-The baseline is whichever capacity path has the lower median here. Capacity: the largest
-expert load at this seed rounded up to a multiple of 8 (the tightest buckets that drop nothing;
-``--capacity_factor`` sets ``ceil(T * k / E * factor)`` instead); it is asserted that nothing
-drops.
+The baseline is whichever of the three capacity paths has the lowest median in this run.
+Capacity: the largest expert load at this seed rounded up to a multiple of 8 (the tightest
+buckets that drop nothing; ``--capacity_factor`` sets ``ceil(T * k / E * factor)`` instead); it
+is asserted that nothing drops.
 
 Timing: after one untimed pass of every path, ``--rounds`` interleaved rounds (the order
 rotates); in a round each path times ``--repeats`` steps and keeps their median. A figure is
@@ -36,9 +39,9 @@ by round before its median is taken.
 
 Last line: {"benchmark": "moe", "ratio" (grouped tok/s / baseline tok/s; target >= 1.2),
 "ratio_vs_dense", "ragged_dot_ratio" (ragged_dot tok/s / baseline tok/s), "<path>_tok_s" for
-grouped, ragged_dot, baseline, capacity_sort, capacity_einsum, dense and floor, each with its
-``_spread``, "baseline", "capacity", "valid"}. ``ratio`` used to be grouped vs dense; that
-comparison is now ``ratio_vs_dense``.
+grouped, ragged_dot, baseline, capacity_sort, capacity_gather, capacity_einsum, dense and floor,
+each with its ``_spread``, "baseline", "capacity", "valid"}. ``ratio`` used to be grouped vs
+dense; that comparison is now ``ratio_vs_dense``.
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from meshrl.benchmarks.figures import Floors, emit, interleave, paired_ratios, s
 from meshrl.models.moe_math import MoESpec, dense_moe_ffn, moe_ffn
 
 Weights = tuple[jax.Array, jax.Array, jax.Array, jax.Array]  # router, gate, up, down
+CANDIDATES = ("capacity_sort", "capacity_gather", "capacity_einsum")  # the baseline: the fastest
 
 
 def _inputs(tokens: int, hidden: int, experts: int, ffn: int, seed: int = 0):
@@ -101,6 +105,25 @@ def capacity_sort_ffn(x_TxD: jax.Array, w: Weights, k: int, cap: int) -> jax.Arr
         y_AxD * weights_TxK.reshape(-1)[order_A][:, None])
 
 
+def capacity_gather_ffn(x_TxD: jax.Array, w: Weights, k: int, cap: int) -> jax.Array:
+    """The buckets of ``capacity_sort_ffn`` filled and emptied by gathers alone: each bucket slot
+    reads its token, each copy reads its slot back (a copy past ``cap`` reads zeros: dropped)."""
+    T, _ = x_TxD.shape
+    E = w[0].shape[1]
+    weights_TxK, experts_TxK = _route(x_TxD, w[0], k)
+    e_A = experts_TxK.reshape(-1)
+    order_A = jnp.argsort(e_A, stable=True)
+    counts_E = jnp.bincount(e_A, length=E)
+    c_C = jnp.arange(cap)
+    pos_ExC = jnp.minimum((jnp.cumsum(counts_E) - counts_E)[:, None] + c_C, T * k - 1)
+    tok_ExC = jnp.where(c_C < counts_E[:, None], order_A[pos_ExC] // k, T)  # T: no token
+    y_ExCxD = _expert_swiglu(x_TxD.at[tok_ExC].get(mode="fill", fill_value=0), *w[1:])
+    onehot_AxE = jax.nn.one_hot(e_A, E, dtype=jnp.int32)
+    rank_TxK = ((jnp.cumsum(onehot_AxE, axis=0) - 1) * onehot_AxE).sum(-1).reshape(T, k)
+    y_TxKxD = y_ExCxD.at[experts_TxK, rank_TxK].get(mode="fill", fill_value=0)
+    return jnp.einsum("tkd,tk->td", y_TxKxD, weights_TxK)
+
+
 def capacity_einsum_ffn(x_TxD: jax.Array, w: Weights, k: int, cap: int) -> jax.Array:
     """GShard: each copy's bucket slot from a running count per expert; one-hot dispatch and
     combine ``[T, E, cap]`` tensors (a copy past ``cap`` has an all-zero slot: dropped)."""
@@ -143,6 +166,7 @@ def _steps(spec: MoESpec, impls: list[str], cap: int) -> dict[str, Callable]:
     steps = {name: _grad_step(meshrl(moe_ffn, MoESpec(spec.num_experts, k, impl=impl)))
              for name, impl in zip(("grouped", "ragged_dot"), impls)}
     steps["capacity_sort"] = _grad_step(lambda x, *w: capacity_sort_ffn(x, w, k, cap))
+    steps["capacity_gather"] = _grad_step(lambda x, *w: capacity_gather_ffn(x, w, k, cap))
     steps["capacity_einsum"] = _grad_step(lambda x, *w: capacity_einsum_ffn(x, w, k, cap))
     steps["dense"] = _grad_step(meshrl(dense_moe_ffn, spec))
     return steps
@@ -216,17 +240,16 @@ def main() -> None:
 
 
 def report(times: dict[str, list[float]], tokens: int, impl: str, cap: int) -> None:
-    base = min(("capacity_sort", "capacity_einsum"), key=lambda n: statistics.median(times[n]))
+    base = min(CANDIDATES, key=lambda n: statistics.median(times[n]))
     times["baseline"] = times[base]
     floors = Floors()
-    for name in ("grouped", "ragged_dot", "capacity_sort", "capacity_einsum", "dense"):
+    for name in ("grouped", "ragged_dot", *CANDIDATES, "dense"):
         floors.check(name, statistics.median(times[name]), statistics.median(times["floor"]))
     out: dict = {"benchmark": "moe", "grouped_impl": impl, "baseline": base, "capacity": cap}
     out |= spread("ratio", paired_ratios(times[base], times["grouped"]), 3)
     out |= spread("ratio_vs_dense", paired_ratios(times["dense"], times["grouped"]), 3)
     out |= spread("ragged_dot_ratio", paired_ratios(times[base], times["ragged_dot"]), 3)
-    for name in ("grouped", "ragged_dot", "baseline", "capacity_sort", "capacity_einsum",
-                 "dense", "floor"):
+    for name in ("grouped", "ragged_dot", "baseline", *CANDIDATES, "dense", "floor"):
         out |= spread(f"{name}_tok_s", [tokens / t for t in times[name]], 1)
     emit(out, floors)
 

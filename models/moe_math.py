@@ -3,10 +3,13 @@
 ``moe_ffn(x_TxD, mask_T, weights, spec)`` is the whole sparse FFN of one shard: it routes each
 real token (``mask_T``) to its top-k experts (router math in float32), sorts the token copies by
 expert, runs each expert's SwiGLU over exactly its rows (dropless; or at most a capacity per
-expert, the rest dropped and counted) and adds the weighted outputs back per token. Given an
-``expert`` mesh axis it runs inside ``jax.shard_map``: the copies travel to the shard that holds
-their expert and back with ``all_to_all``; given ``expert_tensor``, each shard holds a slice of
-every local expert's FFN width and the partial outputs are summed with ``psum``.
+expert, the rest dropped and counted) and adds the weighted outputs back per token. The copies
+go into the sorted order and back by gathers through the permutation and its inverse
+(``to_copies`` / ``to_tokens``, each the other's transpose, so no rows are scatter-added in the
+forward or the backward). Given an ``expert`` mesh axis it runs inside ``jax.shard_map``: the
+copies travel to the shard that holds their expert and back with ``all_to_all``; given
+``expert_tensor``, each shard holds a slice of every local expert's FFN width and the partial
+outputs are summed with ``psum``.
 
 Grouped kernels (``impl``): ``ragged_dot`` (``jax.lax.ragged_dot``, native on TPU and GPU), and
 ``blocked`` (each expert's rows in row tiles, looped, ``models/moe_tiles.py``; for CPU, where
@@ -107,17 +110,16 @@ def grouped_ffn(rows_MxD: jax.Array, group_M: jax.Array, num_groups: int, w_gate
     """Expert ``group_M[i]``'s SwiGLU on row i; rows whose group is ``num_groups`` (or more) are
     padding and come out 0. ``presorted``: the groups are already non-decreasing."""
     M = rows_MxD.shape[0]
-    order_M = (jnp.arange(M, dtype=jnp.int32) if presorted
-               else jnp.argsort(group_M, stable=True).astype(jnp.int32))
     sizes_G = jax.ops.segment_sum(jnp.ones((M,), jnp.int32), group_M, num_segments=num_groups)
+    order_M = None if presorted else jnp.argsort(group_M, stable=True).astype(jnp.int32)
+    sorted_MxD = rows_MxD if order_M is None else rows_MxD[order_M]
     if impl == "ragged_dot":
-        out_MxD = _ragged(rows_MxD[order_M], sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
-        return jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
-    if impl == "blocked":
-        sorted_MxD = rows_MxD if presorted else rows_MxD[order_M]
+        out_MxD = _ragged(sorted_MxD, sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
+    elif impl == "blocked":
         out_MxD = tiled_swiglu(sorted_MxD, sizes_G, w_gate_GxDxF, w_up_GxDxF, w_down_GxFxD)
-        return out_MxD if presorted else jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
-    raise ValueError(f"impl = {impl!r}: must be 'ragged_dot' or 'blocked'")
+    else:
+        raise ValueError(f"impl = {impl!r}: must be 'ragged_dot' or 'blocked'")
+    return out_MxD if order_M is None else jnp.zeros_like(out_MxD).at[order_M].set(out_MxD)
 
 
 def _ragged(sorted_MxD: jax.Array, sizes_G: jax.Array, wg: jax.Array, wu: jax.Array,
@@ -129,6 +131,26 @@ def _ragged(sorted_MxD: jax.Array, sizes_G: jax.Array, wg: jax.Array, wu: jax.Ar
     # Rows past the last group are not defined to be zero on every backend.
     live_M = jnp.arange(sorted_MxD.shape[0]) < sizes_G.sum()
     return jnp.where(live_M[:, None], out_MxD, 0)
+
+
+@jax.custom_vjp
+def to_copies(x_TxD: jax.Array, tok_A: jax.Array, slot_TxK: jax.Array) -> jax.Array:
+    """Row i of the sorted copies is token ``tok_A[i]``'s row; ``slot_TxK`` is the inverse
+    (where token t's j-th copy sits). ``to_tokens`` is its transpose, so the backward of each is
+    a gather through the other: no scatter-add either way."""
+    return x_TxD[tok_A]
+
+
+@jax.custom_vjp
+def to_tokens(v_AxD: jax.Array, tok_A: jax.Array, slot_TxK: jax.Array) -> jax.Array:
+    """Each token's copies summed back: ``y[t] = sum_j v[slot_TxK[t, j]]``."""
+    return v_AxD[slot_TxK].sum(1)
+
+
+to_copies.defvjp(lambda x, tok, slot: (to_copies(x, tok, slot), (tok, slot)),
+                 lambda res, g: (to_tokens(g, *res), None, None))
+to_tokens.defvjp(lambda v, tok, slot: (to_tokens(v, tok, slot), (tok, slot)),
+                 lambda res, g: (to_copies(g, *res), None, None))
 
 
 def capacity(tokens: int, spec: MoESpec) -> int:
@@ -161,7 +183,10 @@ def moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array, w_gate_E
     if spec.capacity_factor > 0:
         keep_A = keep_A & (rank_A < capacity(T, spec))
     dropped = (valid_A.sum() - keep_A.sum()).astype(jnp.float32)
-    rows_AxD = x_TxD[tok_A]
+    # The inverse permutation: where each (token, slot) copy sits in the sorted order.
+    slot_TxK = jnp.zeros((A,), jnp.int32).at[order_A].set(
+        jnp.arange(A, dtype=jnp.int32), unique_indices=True).reshape(T, k)
+    rows_AxD = to_copies(x_TxD, tok_A, slot_TxK)
     if spec.ep_size == 1:
         out_AxD = grouped_ffn(rows_AxD, jnp.where(keep_A, e_A, E), E, w_gate_ExDxF, w_up_ExDxF,
                               w_down_ExFxD, spec.impl,
@@ -171,7 +196,7 @@ def moe_ffn(x_TxD: jax.Array, mask_T: jax.Array, router_DxE: jax.Array, w_gate_E
         out_AxD = _expert_parallel(rows_AxD, e_A, keep_A, w_gate_ExDxF, w_up_ExDxF,
                                    w_down_ExFxD, spec, T)
     y_AxD = out_AxD.astype(jnp.float32) * jnp.where(keep_A, w_A, 0.0)[:, None]
-    y_TxD = jnp.zeros((T, D), jnp.float32).at[tok_A].add(y_AxD)
+    y_TxD = to_tokens(y_AxD, tok_A, slot_TxK)
     if spec.et_axis is not None:
         y_TxD = jax.lax.psum(y_TxD, spec.et_axis)
     return (y_TxD.astype(x_TxD.dtype), router_stats(logits_TxE, experts_TxK, mask_T, dropped),

@@ -24,6 +24,8 @@ from meshrl.models.moe_math import (
     moe_ffn,
     route,
     router_stats,
+    to_copies,
+    to_tokens,
 )
 from meshrl.tests.trees import assert_trees_close
 
@@ -90,6 +92,27 @@ def test_grouped_and_dense_paths_agree_in_values_and_gradients(impl):
 
     np.testing.assert_allclose(grouped[0], dense[0], rtol=RTOL, atol=ATOL)
     assert_trees_close(grouped[1], dense[1], rtol=1e-4, atol=1e-5)
+
+
+def test_copy_dispatch_and_combine_equal_a_gather_and_a_scatter_add_with_their_gradients():
+    k = 3
+    order_A = jax.random.permutation(jax.random.key(4), T * k).astype(jnp.int32)
+    tok_A = order_A // k
+    slot_TxK = jnp.zeros((T * k,), jnp.int32).at[order_A].set(
+        jnp.arange(T * k, dtype=jnp.int32)).reshape(T, k)
+    x_TxD, v_AxD = (jax.random.normal(jax.random.key(s), (n, D)) for s, n in ((5, T), (6, T * k)))
+    probe_AxD, probe_TxD = jax.random.normal(jax.random.key(7), (T * k, D)), x_TxD + 1
+
+    def plain_combine(v):
+        return jnp.zeros((T, D)).at[tok_A].add(v)
+
+    pairs = ((lambda x: to_copies(x, tok_A, slot_TxK), lambda x: x[tok_A], x_TxD, probe_AxD),
+             (lambda v: to_tokens(v, tok_A, slot_TxK), plain_combine, v_AxD, probe_TxD))
+    for ours, plain, arg, probe in pairs:
+        got = jax.value_and_grad(lambda a, f=ours, p=probe: (f(a) * p).sum())(arg)
+        want = jax.value_and_grad(lambda a, f=plain, p=probe: (f(a) * p).sum())(arg)
+        np.testing.assert_allclose(got[0], want[0], rtol=RTOL, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=RTOL, atol=ATOL)
 
 
 def test_topk_then_softmax_equals_renormalised_softmax_then_topk():

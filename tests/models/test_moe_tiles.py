@@ -1,6 +1,7 @@
 """The tiled grouped SwiGLU (CPU's ``blocked`` kernel): values and hand-written gradients equal
-a per-row reference for group sizes that use full tiles, tail tiles, empty groups and trailing
-padding rows."""
+a per-row reference for group sizes that use full tiles, the smaller exact tiles, a last tile
+moved back over earlier rows, empty groups, trailing padding rows and buffers smaller than the
+smallest tile."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.models.moe_tiles import tile_rows, tiled_swiglu
+from meshrl.models.moe_tiles import LARGEST, SMALLEST, tile_rows, tiled_swiglu
 
 D, F = 8, 12
 
@@ -36,14 +37,25 @@ def _inputs(rows: int, groups: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("sizes", [
-    (40, 0, 3, 21),        # full tiles + tail, an empty group, a group under one tail tile
+    (40, 0, 3, 21),        # full + exact smaller tiles + a last tile moved back, an empty group
     (0, 0, 64, 0),         # everything in one group, exact full tiles
-    (5, 9, 2, 1),          # tails only, 47 trailing padding rows
+    (5, 9, 2, 1),          # last tiles only, 47 trailing padding rows
+    (60, 0, 0, 4),         # the last group's tile reaches back over the first group's rows
 ])
 def test_tiled_swiglu_equals_a_per_row_loop_in_values_and_gradients(sizes):
     M, G = 64, len(sizes)
     assert tile_rows(M, G) == (16, 8)  # the cases above cross both tile sizes
-    x, wg, wu, wd, probe = _inputs(M, G)
+    _check_against_reference(M, sizes)
+
+
+@pytest.mark.parametrize("sizes", [(1, 0, 2), (0, 3, 0)])
+def test_tiled_swiglu_with_fewer_rows_than_the_smallest_tile_equals_the_loop(sizes):
+    assert tile_rows(3, len(sizes)) == (2, 2)
+    _check_against_reference(3, sizes)
+
+
+def _check_against_reference(M: int, sizes: tuple[int, ...]) -> None:
+    x, wg, wu, wd, probe = _inputs(M, len(sizes))
     sizes_G = jnp.asarray(sizes, jnp.int32)
 
     def loss(fn):
@@ -60,8 +72,9 @@ def test_tiled_swiglu_equals_a_per_row_loop_in_values_and_gradients(sizes):
         assert not np.asarray(y[sum(sizes):]).any()  # padding rows come out 0
 
 
-def test_tile_rows_bounds_padding_to_under_one_tail_tile_per_group():
-    assert tile_rows(8192, 16) == (256, 32)
+def test_tile_rows_follow_the_mean_rows_per_group_within_bounds():
+    assert tile_rows(8192, 16) == (512, SMALLEST)
     assert tile_rows(24, 4) == (8, 8)
-    full, tail = tile_rows(1000, 3)
-    assert full == 256 and tail == 32 and full % tail == 0
+    assert tile_rows(1000, 3) == (256, SMALLEST)
+    assert tile_rows(1 << 20, 2) == (LARGEST, SMALLEST)
+    assert tile_rows(3, 4) == (2, 2)  # never more rows than the buffer holds
