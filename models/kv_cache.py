@@ -15,7 +15,9 @@ key layout is the platform's: CPU reads transposed keys in place, while the TPU 
 head_dim minor and copied a transposed key cache to that layout and back on every decode call
 (the whole key cache twice per call). ``key_layout_for(mesh)`` picks by the mesh's devices (a
 compile for TPU from a CPU host gets the TPU layout); the layout is static data on the cache,
-so every method and the attention read it from the cache they get.
+so every method and the attention read it from the cache they get. ``write`` scatters one row
+of head_dim per (slot, kv head, position) so the TPU compiler keeps that layout also where a
+chip holds several kv heads (see ``write``).
 
 Entry ``t`` of slot ``b`` holds the key/value of the token at *position* t of the sequence in
 slot b: the forward writes each token at its position and a query at position p attends to
@@ -220,12 +222,20 @@ def write(cache: KVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array, v_BxLxKx
     """Scatter one layer's new keys/values at their positions (in place under jit + donation).
 
     Positions outside [0, T) are dropped, so padding tokens past the cache end are harmless.
+    Each (slot, kv head, position) is its own index, writing one row of head_dim: with the
+    kv heads in the update window instead ([K, H] per slot and position), the TPU compiler,
+    wherever a chip holds several kv heads, laid the cache out [B, T, K, H] for the scatter
+    and copied the whole cache to that layout and back on every decode call.
     """
-    b_BxL = jnp.broadcast_to(jnp.arange(k_BxLxKxH.shape[0])[:, None], positions_BxL.shape)
-    # Advanced indices split by slices: numpy puts their (B, L) dims first, so each update is
-    # [B, L, K, H] whatever the layout.
+    B, L, K, _ = k_BxLxKxH.shape
+    b_BxLxK = jnp.broadcast_to(jnp.arange(B)[:, None, None], (B, L, K))
+    k_BxLxK = jnp.broadcast_to(jnp.arange(K), (B, L, K))
+    t_BxLxK = jnp.broadcast_to(positions_BxL[:, :, None], (B, L, K))
+
+    # Numpy puts the dims of advanced indices first when slices split them ([B, K, H, T]) and
+    # in place when adjacent ([B, K, T, H]): either way each update is [B, L, K, H].
     def put(x: jax.Array, new: jax.Array, transposed: bool, *lead: int | jax.Array) -> jax.Array:
-        idx = (*lead, b_BxL, slice(None), *((slice(None),) if transposed else ()), positions_BxL)
+        idx = (*lead, b_BxLxK, k_BxLxK, *((slice(None),) if transposed else ()), t_BxLxK)
         return x.at[idx].set(new.astype(x.dtype), mode="drop")
 
     transposed = not cache.keys_like_values

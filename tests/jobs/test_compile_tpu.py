@@ -109,6 +109,22 @@ def test_decode_reads_the_key_cache_in_place_in_the_tpu_key_layout(tmp_path):
     assert moved <= 1.15, moved
 
 
+def test_decode_keeps_the_cache_layout_where_each_chip_holds_every_kv_head(tmp_path):
+    # data=4: a chip holds all kv heads of its slots. Scattering each new token's [K, H] as one
+    # window made the compiler lay the cache out [B, T, K, H] for the scatter and copy the whole
+    # stacked cache, keys and values, to it and back on every call (temporaries of one more
+    # cache); one row of head_dim per (slot, kv head, position) takes no copy.
+    config = _config("rl", mesh__data=4, model__num_kv_heads=4, model__head_dim=128,
+                     model__scan_layers=True, sampler__dtype="bfloat16", sampler__slots=128,
+                     sampler__max_len=4096, compile__programs=("decode",))
+
+    (decode,) = compile_job.run(config, str(tmp_path))
+
+    kv_bytes = decode["state_bytes_per_chip"]  # keys + values, one chip
+    assert decode["mesh"]["data"] == 4 and kv_bytes >= 2**28
+    assert decode["memory_gib"]["temps"] * 2**30 < kv_bytes / 20  # no cache copy
+
+
 def test_ragged_paged_attention_kernel_compiles_for_the_slice_within_its_mesh():
     config = _config("rl", mesh__data=1)
     devices, _, _ = compile_job.target(config.compile)

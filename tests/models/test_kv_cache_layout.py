@@ -14,7 +14,7 @@ import pytest
 from meshrl.configs.schema import MeshConfig, ModelConfig
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import KVCache, create_model, forward, split_model
-from meshrl.models.kv_cache import TIME_MAJOR, TRANSPOSED, key_layout_for
+from meshrl.models.kv_cache import TIME_MAJOR, TRANSPOSED, key_layout_for, write
 from meshrl.tests.trees import assert_trees_close
 
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -53,6 +53,31 @@ def test_every_cache_operation_gives_the_same_entries_in_both_key_layouts(cfg):
     _assert_same(t_full.move_slots(src_M, dst_M), full.move_slots(src_M, dst_M))
     # A part in the other layout (the prefill's temporary cache) is transposed on the way in.
     _assert_same(t_full.put_slots(part, slots_N), full.put_slots(part, slots_N))
+
+
+@pytest.mark.parametrize("layout", [TRANSPOSED, TIME_MAJOR])
+@pytest.mark.parametrize("cfg", [CFG, SCAN], ids=["per_layer", "stacked"])
+def test_write_puts_each_tokens_kv_heads_at_its_slot_and_position_and_drops_past_the_end(
+        cfg, layout):
+    B, L, T, K, H = 3, 2, 8, CFG.num_kv_heads, CFG.resolved_head_dim
+    rng = np.random.default_rng(4)
+    k_BxLxKxH, v_BxLxKxH = (rng.standard_normal((B, L, K, H)).astype(np.float32)
+                            for _ in range(2))
+    pos_BxL = np.array([[0, 1], [5, 6], [7, 8]], np.int32)  # 8: past the end, dropped
+    want_k, want_v = np.zeros((B, K, T, H), np.float32), np.zeros((B, K, T, H), np.float32)
+    for b, i in np.ndindex(B, L):
+        t = pos_BxL[b, i]
+        if t < T:
+            want_k[b, :, t], want_v[b, :, t] = k_BxLxKxH[b, i], v_BxLxKxH[b, i]
+
+    cache = write(KVCache.init(cfg, B, T, key_layout=layout), 1, jnp.asarray(k_BxLxKxH),
+                  jnp.asarray(v_BxLxKxH), jnp.asarray(pos_BxL))
+
+    assert cache.key_layout == layout and cache.is_stacked == cfg.scan_layers
+    keys, values = cache.with_key_layout(TIME_MAJOR).layer(1)
+    np.testing.assert_array_equal(np.asarray(keys), want_k)
+    np.testing.assert_array_equal(np.asarray(values), want_v)
+    assert not np.any(np.asarray(cache.layer(0)[0])) and not np.any(np.asarray(cache.layer(0)[1]))
 
 
 def _prefill_then_decode(cfg: ModelConfig, cache: KVCache, ids_BxL: np.ndarray, prompt: int
