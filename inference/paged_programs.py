@@ -100,10 +100,10 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
 
     def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, window: int, rows: int,
-               lo: int) -> tuple[PagedKVCache, SlotState, tuple]:
+               lo: int, stop_after: Any = 0) -> tuple[PagedKVCache, SlotState, tuple]:
         assert (lo, rows) == (0, cache.slots), (lo, rows, cache.slots)  # paged_shapes
         win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
-                                 rows=rows, lo=lo)
+                                 rows=rows, lo=lo, stop_after=stop_after)
         return put_band(cache, win, st.pos_B, chunk), st_out, out
 
     return decode
