@@ -7,6 +7,7 @@ import numpy as np
 
 from meshrl.inference import readback
 from meshrl.inference.sampler import Request
+from meshrl.inference.schedule import refill_batch
 from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 PROMPTS = [[40, 41, 42, 43, 44, 45, 46], [1, 2, 3], [7, 8, 61], [88, 12, 19, 30]]
@@ -85,3 +86,11 @@ def test_without_waiting_requests_a_chunk_runs_its_steps_past_a_stop(tiny_params
 
     assert calls[0] == {"stop": 1, "long": 8}
     _assert_solo(params, requests, outs)
+
+
+def test_refill_batch_balances_idle_rows_against_a_call_and_stays_within_its_rows():
+    # k = 2 rows / sqrt(mean length): later refills for short sequences (they free slots
+    # often), sooner for long ones; at least 1, at most the call's rows.
+    assert [refill_batch(32, m) for m in (75, 512)] == [7, 3]
+    assert refill_batch(4, 75) == 1 and refill_batch(2, 20) == 1
+    assert refill_batch(32, 1) == 32 and refill_batch(32, 0) == 32
