@@ -9,7 +9,8 @@ copies keys or values: each token is written once, into its slot's page.
 
 The page table travels inside the ``PagedKVCache`` handed to the prefill and decode programs
 (``bind``), so those programs are the dense sampler's own (``programs``) and depend only on
-(slots, pages) sizes.
+(slots, pages) sizes. A decode chunk's cache also carries the prefixes its slots share
+(``bind_decode``, planned by ``prefix_plan``), whose shapes select the split program.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import paged_programs
 from meshrl.inference.pages import PageAllocator
 from meshrl.inference.prefix_cache import PrefixCache
+from meshrl.inference.prefix_plan import PrefixPlan, plan_prefixes, suffix_buckets
 from meshrl.inference.requests import Completion, Request, token_budget
 from meshrl.mesh.rules import Rules
+from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.paged_attention import PagedKVCache
 
 
@@ -46,6 +49,8 @@ class SlotPages:
         # re-prefills), group members started from a leader's pages, and tails re-prefilled
         # over shared pages.
         self.prompt_prefills = self.fanouts = self.tail_prefills = 0
+        self.cascade_chunks = 0  # decode chunks split over shared prefixes (``bind_decode``)
+        self.suffix_windows = suffix_buckets(cfg.max_len, cfg.page_size)
         self.prefix_cache = (PrefixCache(self.alloc, cfg.page_size, cfg.prefix_cache_pages)
                              if cfg.prefix_cache_pages else None)
         self.version = -1  # of the weights the pages being written are computed under
@@ -88,6 +93,24 @@ class SlotPages:
         """``cache`` carrying the host's current page table (a copy: the host keeps editing
         its table while the call it was handed to may still be queued)."""
         return cache.replace(page_table=jax.device_put(self.alloc.table.copy(), self._table_sh))
+
+    def bind_decode(self, cache: PagedKVCache, window: int, reach: int) -> PagedKVCache:
+        """``bind`` for a decode chunk over ``window`` whose positions stay below ``reach``,
+        with the prefixes its slots share (``prefix_plan``) when attending over them once per
+        prefix reads fewer entries than the plain window."""
+        lens = {s: len(prompt) for s, (prompt, _) in self.owner.items()}
+        plan = plan_prefixes(self.alloc.table, lens, self.cfg.page_size, window, reach,
+                             self.suffix_windows)
+        if plan is None:
+            return self.bind(cache)
+        self.cascade_chunks += 1
+        return self.bind_plan(cache, plan)
+
+    def bind_plan(self, cache: PagedKVCache, plan: PrefixPlan) -> PagedKVCache:
+        """``bind`` with ``plan`` as the cache's ``shared`` prefixes (one transfer)."""
+        table, *shared = jax.device_put((self.alloc.table.copy(), plan.rows_RxP,
+                                         plan.members_RxG, plan.suffix_BxM), self._table_sh)
+        return cache.replace(page_table=table, shared=SharedPrefix(*shared))
 
     def tokens_needed(self, request: Request) -> int:
         """Positions a request writes: its prompt, then each generated token but the last

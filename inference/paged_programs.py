@@ -20,7 +20,9 @@ from flax import nnx
 from meshrl.inference.programs import SlotState, first_token
 from meshrl.inference.programs import make_decode as make_dense_decode
 from meshrl.models import KVCache
+from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
 from meshrl.models.decoder import apply_head, forward
+from meshrl.models.kv_cache import TRANSPOSED
 from meshrl.models.paged_attention import PagedKVCache, slot_index
 
 
@@ -96,25 +98,50 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     sampler's ``chunk`` steps over it, then the band of positions the chunk wrote scattered
     back into the pages (``put_band``). Attention over pages gathers each slot's pages on every
     step; a chunk over a gathered window reads them once, as the dense cache's window copy
-    does. Only a band past the shared prompt pages is written back, so no shared page changes."""
+    does. Only a band past the shared prompt pages is written back, so no shared page changes.
+
+    A cache carrying ``shared`` (``SharedPrefix``) decodes over a ``CascadeWindow`` instead:
+    each shared prefix gathered once for the slots listing it, each slot's own positions after
+    it gathered into the suffix window the chunk writes, attention split over the two
+    (``cascade_attention``); ``window`` is then unused, the shapes of ``shared`` fix the
+    program."""
     dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
 
     def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, window: int, rows: int,
                lo: int, stop_after: Any = 0) -> tuple[PagedKVCache, SlotState, tuple]:
         assert (lo, rows) == (0, cache.slots), (lo, rows, cache.slots)  # paged_shapes
-        win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
-                                 rows=rows, lo=lo, stop_after=stop_after)
-        return put_band(cache, win, st.pos_B, chunk), st_out, out
+        shared = cache.shared
+        if shared is None:
+            win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
+                                     rows=rows, lo=lo, stop_after=stop_after)
+            return put_band(cache, win, st.pos_B, chunk), st_out, out
+        win = cascade_window(cache, shared)
+        win, st_out, out = dense(params, win, st, window=win.max_len, rows=rows, lo=lo,
+                                 stop_after=stop_after)
+        cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.suffix_BxM, win.offset)
+        return cache.replace(shared=None), st_out, out
 
     return decode
 
 
+def cascade_window(cache: PagedKVCache, shared: SharedPrefix) -> CascadeWindow:
+    """The prefix rows and each slot's suffix of ``shared`` gathered from the pages."""
+    prefix = gather_window(cache, shared.rows_RxP)
+    return CascadeWindow(gather_window(cache, shared.suffix_BxM), prefix, shared.members_RxG,
+                         shared.rows_RxP.shape[1] * cache.page_size)
+
+
 def dense_window(cache: PagedKVCache, window: int) -> KVCache:
-    """Positions [0, ``window``) of every slot as a dense ``KVCache`` (keys [B, K, H, T], values
-    [B, K, T, H]); a position whose page-table entry is -1 holds page 0's data, which attention
+    """Positions [0, ``window``) of every slot as a dense ``KVCache`` (``gather_window``)."""
+    return gather_window(cache, cache.page_table[:, :window // cache.page_size])
+
+
+def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
+    """The pages of each row of ``table_BxM`` side by side as a dense ``KVCache`` (keys
+    [B, K, H, M x S], values [B, K, M x S, H]); a -1 entry gives page 0's data, which attention
     masks (past the slot's position) and ``put_band`` never writes back."""
     S = cache.page_size
-    table_BxM = jnp.clip(cache.page_table[:, :window // S], 0, cache.num_pages - 1)
+    table_BxM = jnp.clip(table_BxM, 0, cache.num_pages - 1)
     B, M = table_BxM.shape
 
     def gather(pool: jax.Array) -> jax.Array:  # [.., P, S, K, H] -> [.., B, T, K, H]
@@ -128,20 +155,22 @@ def dense_window(cache: PagedKVCache, window: int) -> KVCache:
         return jnp.swapaxes(gather(pool), -2, -3)
 
     if cache.is_stacked:
-        return KVCache(keys(cache.k), values(cache.v))
-    return KVCache(tuple(map(keys, cache.k)), tuple(map(values, cache.v)))
+        return KVCache(keys(cache.k), values(cache.v), TRANSPOSED)
+    return KVCache(tuple(map(keys, cache.k)), tuple(map(values, cache.v)), TRANSPOSED)
 
 
-def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int
-             ) -> PagedKVCache:
+def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int,
+             table_BxM: jax.Array | None = None, offset: int = 0) -> PagedKVCache:
     """``cache`` with positions [start_B[b], start_B[b] + width) of each slot b copied from the
     dense ``win`` into its pages (``KVCache.put_band``'s band, shifted left to fit the window);
-    positions on no page of the slot are dropped."""
+    positions on no page of the slot are dropped. ``win`` holds positions [offset, offset + T)
+    on the pages of ``table_BxM`` (default: the page table's first columns)."""
     T = win.max_len
     width = min(width, T)
-    idx_BxC = jnp.clip(start_B, 0, T - width)[:, None] + jnp.arange(width)
-    page_BxC, off_BxC = slot_index(cache.page_table[:, :T // cache.page_size], idx_BxC,
-                                   cache.page_size)
+    if table_BxM is None:
+        table_BxM = cache.page_table[:, :T // cache.page_size]
+    idx_BxC = jnp.clip(start_B - offset, 0, T - width)[:, None] + jnp.arange(width)
+    page_BxC, off_BxC = slot_index(table_BxM, idx_BxC, cache.page_size)
 
     def band_k(k_BxKxHxT: jax.Array) -> jax.Array:  # -> [B, C, K, H]
         return jnp.take_along_axis(k_BxKxHxT, idx_BxC[:, None, None, :], axis=3

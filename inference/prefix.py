@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.inference.prefix_plan import warm_plans
 from meshrl.inference.requests import Completion, Request, slot_settings
 from meshrl.utils.buckets import bucket_for
 
@@ -155,10 +156,17 @@ def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int,
 
 def warm_up(sampler: Any, recompute: bool) -> None:
     """Compile the extend (group members; with a prefix cache, every prompt bucket too) and,
-    with ``recompute``, the tail variants on padding rows."""
+    with ``recompute``, the tail variants on padding rows; then the decode chunks split over
+    shared prompts (``prefix_plan.warm_plans``: prompts filling their bucket) on padding rows."""
     cached = sampler.prompt_buckets if sampler.pages.prefix_cache else ()
     for n in sampler.insert_buckets:
         for length in (1, *cached):
             _start(sampler, [], length, n)
         for length in sampler.recompute_buckets if recompute else ():
             _tail(sampler, [], length, n)
+    pages, cfg = sampler.pages, sampler.cfg
+    for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
+                                   sampler.window_buckets, pages.suffix_windows):
+        sampler.cache, sampler.state, _ = sampler._decode(
+            sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state, window=window,
+            rows=cfg.slots, lo=0, stop_after=np.int32(0))

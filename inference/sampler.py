@@ -262,9 +262,15 @@ class Sampler:
             self.pages.release_empty(self.slots.out)
         return finished
 
-    def _bound(self) -> Any:
-        """The cache as a program takes it: a paged one carries the current page table."""
-        return self.pages.bind(self.cache) if self.pages else self.cache
+    def _bound(self, window: int = 0, live: Sequence[int] = ()) -> Any:
+        """The cache as a program takes it: a paged one carries the current page table and, for
+        a decode chunk of the ``live`` slots over ``window``, the prefixes they share."""
+        if not self.pages:
+            return self.cache
+        if not live:
+            return self.pages.bind(self.cache)
+        reach = min(max(map(self._pos, live)) + self.cfg.decode_chunk, self.cfg.max_len)
+        return self.pages.bind_decode(self.cache, window, reach)
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
                      reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
@@ -364,7 +370,8 @@ class Sampler:
         rnd.calls = self._plan_chunk(live)
         for lo, rows, window in rnd.calls:
             stop_after = np.int32(self._refill_batch(rows) if self._queue else 0)
-            self.cache, self.state, out = self._decode(self.params, self._bound(), self.state,
+            self.cache, self.state, out = self._decode(self.params, self._bound(window, live),
+                                                       self.state,
                                                        window=window, rows=rows, lo=lo,
                                                        stop_after=stop_after)
             rnd.outs.append(out)

@@ -34,6 +34,7 @@ from meshrl.models.attention_kernels import (
     causal_segment_mask,
     einsum_attention,
 )
+from meshrl.models.cascade_attention import CascadeWindow, cascade_attention
 from meshrl.models.context_attention import context_attention, context_size, sequence_order
 from meshrl.models.layers import Projection, RMSNorm, dtype_of
 from meshrl.models.rope import apply_rope
@@ -98,6 +99,9 @@ class Attention(nnx.Module):
         elif cache is None:
             out_BxLxNxH = self_attention(self.impl, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
                                          segment_ids_BxL, ctx)
+        elif isinstance(cache, CascadeWindow):
+            cache, out_BxLxNxH = cascade_attention(cache, layer, q_BxLxNxH, k_BxLxKxH, v_BxLxKxH,
+                                                   positions_BxL, self.compute_dtype)
         elif isinstance(cache, paged.PagedKVCache):
             cache = paged.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
             keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)

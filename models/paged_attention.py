@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, logical_to_sharding
+from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.kv_cache import KVCache
 
 # Pages and their offsets are not sharded: any device may own any sequence's pages. Heads
@@ -40,11 +41,14 @@ class PagedKVCache:
     """Per layer: keys and values [P, S, K, H]: a tuple with one array per layer, or (for a
     ``scan_layers`` model) one array stacked over a leading layers axis. ``page_table``
     [slots B, pages_per_seq M] (int32, -1 = no page) rides along when the cache is handed to
-    the model's forward, so attention knows where each slot's positions live."""
+    the model's forward, so attention knows where each slot's positions live. ``shared``, on
+    the cache a decode chunk is handed, says which slots share which leading pages
+    (``cascade_attention``)."""
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array
     page_table: jax.Array | None = None
+    shared: SharedPrefix | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int,

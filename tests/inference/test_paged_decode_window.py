@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import ModelConfig
-from meshrl.inference.paged_programs import dense_window, put_band
+from meshrl.inference.paged_programs import dense_window, gather_window, put_band
 from meshrl.models.paged_attention import PagedKVCache
 
 CFG = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,
@@ -69,5 +69,25 @@ def test_put_band_writes_only_the_band_into_the_slots_own_pages(stacked):
         for got, was in zip(_pool(after, layer), before[layer], strict=True):
             written = np.zeros(got.shape[:2], bool)
             written[1, 1:3] = written[4, 2:4] = True
+            np.testing.assert_array_equal(got[written], 7.0)
+            np.testing.assert_array_equal(got[~written], was[~written])
+
+
+def test_put_band_of_a_suffix_window_writes_its_positions_into_the_suffix_pages():
+    cache = _cache(False)
+    before = [_pool(cache, i) for i in range(CFG.num_layers)]
+    # Suffix windows from position 4 (one shared page): slot 0's pages 1-2, slot 1's 3-4.
+    suffix_BxM = jnp.asarray(TABLE[:, 1:3])
+    win = gather_window(cache, suffix_BxM)
+    marked = win.replace(k=tuple(jnp.full_like(k, 7.0) for k in win.k),
+                         v=tuple(jnp.full_like(v, 7.0) for v in win.v))
+
+    # Slot 0 wrote positions 5-6 (suffix entries 1-2), slot 1 positions 9-10 (entries 5-6).
+    after = put_band(cache, marked, jnp.asarray([5, 9, 0], jnp.int32), 2, suffix_BxM, SIZE)
+
+    for layer in range(CFG.num_layers):
+        for got, was in zip(_pool(after, layer), before[layer], strict=True):
+            written = np.zeros(got.shape[:2], bool)
+            written[1, 1:3] = written[4, 1:3] = True
             np.testing.assert_array_equal(got[written], 7.0)
             np.testing.assert_array_equal(got[~written], was[~written])

@@ -1,0 +1,177 @@
+"""Shared-prefix ("cascade") decode attention over a paged cache's gathered windows.
+
+When several sequences start with the same pages (a GRPO group's prompt), a decode query's
+attention splits exactly into two partial softmaxes: one over the shared prefix, computed once
+per prefix for all the sequences sharing it (their queries batched against the prefix's keys
+and values, read once), and one over each sequence's own positions after it. Each partial
+keeps its running max and sum (the log-sum-exp statistics), so the two merge into the softmax
+over the whole sequence (FlashInfer's cascade attention, vLLM's and SGLang's shared-prefix
+attention).
+
+A ``CascadeWindow`` holds, per layer, two dense windows gathered from the pages:
+
+* ``prefix``: R rows of positions [0, P) (keys [R, K, H, P], values [R, K, P, H]); row r is the
+  prefix its members ``members_RxG[r]`` (slot indices, B: padding) all list as their first pages;
+* ``suffix``: each slot's positions [offset, offset + W) (keys [B, K, H, W], values
+  [B, K, W, H]), entry j holding position offset + j, where the decode writes its new entries.
+
+Every live slot is a member of exactly one row (a sequence sharing nothing is a row of its
+own), and ``offset`` is the prefix length P: each query attends to the prefix entries of its
+row and to its suffix entries, both at positions <= its own. ``SharedPrefix`` is the page-level
+description of the same split, carried by the ``PagedKVCache`` a decode program is handed.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from meshrl.models import kv_cache as kvc
+from meshrl.models.attention_kernels import MASK_VALUE
+
+
+@struct.dataclass
+class SharedPrefix:
+    """A decode chunk's shared prefixes, in pages: ``rows_RxP`` the pages of R prefixes of P
+    pages each (-1: a padding row), ``members_RxG`` the slots attending each row's prefix (the
+    slot count B: padding), ``suffix_BxM`` each slot's pages from position P x page_size on."""
+
+    rows_RxP: jax.Array  # noqa: N815
+    members_RxG: jax.Array  # noqa: N815
+    suffix_BxM: jax.Array  # noqa: N815
+
+
+@struct.dataclass
+class CascadeWindow:
+    """The dense windows of a cascade decode (module docstring); goes through the model's
+    forward like a dense ``KVCache`` (the decode writes into ``suffix``)."""
+
+    suffix: kvc.KVCache
+    prefix: kvc.KVCache
+    members_RxG: jax.Array  # noqa: N815
+    offset: int = struct.field(pytree_node=False, default=0)
+
+    @property
+    def k(self) -> kvc.Layers:
+        return self.suffix.k
+
+    @property
+    def v(self) -> kvc.Layers:
+        return self.suffix.v
+
+    @property
+    def max_len(self) -> int:
+        """Entries of the suffix window (the decode's writable span)."""
+        return self.suffix.max_len
+
+    @property
+    def slots(self) -> int:
+        return self.suffix.slots
+
+    @property
+    def is_stacked(self) -> bool:
+        return self.suffix.is_stacked
+
+    def stacked(self) -> CascadeWindow:
+        return self.replace(suffix=self.suffix.stacked(), prefix=self.prefix.stacked())
+
+    def unstacked(self) -> CascadeWindow:
+        return self.replace(suffix=self.suffix.unstacked(), prefix=self.prefix.unstacked())
+
+
+def cascade_attention(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Array,
+                      k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, positions_BxL: jax.Array,
+                      dtype: jnp.dtype) -> tuple[CascadeWindow, jax.Array]:
+    """Write one layer's new keys/values at ``positions_BxL`` into the suffix window (positions
+    before ``cache.offset`` or past the window are dropped), then attend each query to its
+    row's prefix and its own suffix up to its position. Returns (cache, output [B, L, N, H])."""
+    B, L, N, H = q_BxLxNxH.shape
+    local_BxL = positions_BxL - cache.offset
+    # Negative indices would wrap: send them past the window, where the write drops them.
+    suffix = kvc.write(cache.suffix, layer, k_BxLxKxH, v_BxLxKxH,
+                       jnp.where(local_BxL >= 0, local_BxL, cache.max_len))
+    cache = cache.replace(suffix=suffix)
+    s_keys, s_values_BxKxWxH = suffix.layer(layer)
+    K, W = s_values_BxKxWxH.shape[1], s_values_BxKxWxH.shape[2]
+    G = N // K
+    # Query order (g, l) within each kv head, as ``attention._attend_cache``.
+    q_BxKxQxH = q_BxLxNxH.reshape(B, L, K, G, H).transpose(0, 2, 3, 1, 4).reshape(B, K, G * L, H)
+    mask_BxLxW = jnp.arange(W)[None, None, :] <= local_BxL[:, :, None]
+    suffix_part = partial_attention(q_BxKxQxH, s_keys.astype(dtype),
+                                    s_values_BxKxWxH.astype(dtype),
+                                    _per_query(mask_BxLxW, K, G), suffix.key_layout)
+    prefix_part = _prefix_part(cache, layer, q_BxLxNxH, positions_BxL, dtype)
+    out_BxKxQxH = merge(suffix_part, prefix_part)
+    out_BxLxNxH = out_BxKxQxH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
+    return cache, out_BxLxNxH.astype(q_BxLxNxH.dtype)
+
+
+def _prefix_part(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Array,
+                 positions_BxL: jax.Array, dtype: jnp.dtype,
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each slot's partial attention over its row's prefix, as (max, sum, output) [B, K, Q]
+    / [B, K, Q, H]; a slot in no row gets an empty part (sum 0)."""
+    B, L, N, H = q_BxLxNxH.shape
+    R, Gm = cache.members_RxG.shape
+    p_keys, p_values_RxKxPxH = cache.prefix.layer(layer)
+    K, P = p_values_RxKxPxH.shape[1], p_values_RxKxPxH.shape[2]
+    G = N // K
+    members_X = cache.members_RxG.reshape(R * Gm)
+    q_XxLxNxH = jnp.take(q_BxLxNxH, members_X, axis=0, mode="fill", fill_value=0)
+    pos_XxL = jnp.take(positions_BxL, members_X, axis=0, mode="fill", fill_value=-1)
+    # A row's queries side by side: [R, K, (member, g, l), H] against its prefix, read once.
+    q_RxKxQxH = q_XxLxNxH.reshape(R, Gm, L, K, G, H).transpose(0, 3, 1, 4, 2, 5).reshape(
+        R, K, Gm * G * L, H)
+    mask_XxKxGLxP = _per_query((jnp.arange(P)[None, None, :] <= pos_XxL[:, :, None]), K, G)
+    mask_RxKxQxP = mask_XxKxGLxP.reshape(R, Gm, K, G * L, P).transpose(0, 2, 1, 3, 4).reshape(
+        R, K, Gm * G * L, P)
+    parts = partial_attention(q_RxKxQxH, p_keys.astype(dtype), p_values_RxKxPxH.astype(dtype),
+                              mask_RxKxQxP, cache.prefix.key_layout)
+    # Back to slot order: member x of the rows -> its slot; slots in no row read index R * Gm.
+    where_B = jnp.full((B,), R * Gm, jnp.int32).at[members_X].set(
+        jnp.arange(R * Gm, dtype=jnp.int32), mode="drop")
+
+    def to_slots(x: jax.Array, fill: float) -> jax.Array:
+        per_member = x.reshape(R, K, Gm, G * L, *x.shape[3:]).swapaxes(1, 2).reshape(
+            R * Gm, K, G * L, *x.shape[3:])
+        return jnp.take(per_member, where_B, axis=0, mode="fill", fill_value=fill)
+
+    m, s, o = parts
+    return to_slots(m, MASK_VALUE), to_slots(s, 0.0), to_slots(o, 0.0)
+
+
+def _per_query(mask_XxLxT: jax.Array, K: int, G: int) -> jax.Array:
+    """A [X, L, T] mask per query of ``partial_attention``'s [X, K, (g, l), T] order."""
+    X, L, T = mask_XxLxT.shape
+    return jnp.broadcast_to(mask_XxLxT[:, None, None], (X, K, G, L, T)).reshape(X, K, G * L, T)
+
+
+def partial_attention(q_XxKxQxH: jax.Array, keys: jax.Array, values_XxKxTxH: jax.Array,
+                      mask_XxKxQxT: jax.Array, key_layout: str = kvc.TRANSPOSED,
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Softmax attention over the visible entries, unnormalized: (max score [X, K, Q], sum of
+    exp(score - max) [X, K, Q], sum of exp(score - max) x value [X, K, Q, H]), in float32.
+    Keys are [X, K, H, T] or [X, K, T, H] (``key_layout``). No visible entry: sum 0."""
+    H = q_XxKxQxH.shape[-1]
+    spec = "xkqh,xkht->xkqt" if key_layout == kvc.TRANSPOSED else "xkqh,xkth->xkqt"
+    scores_XxKxQxT = jnp.einsum(spec, q_XxKxQxH, keys,
+                                preferred_element_type=jnp.float32) * (H ** -0.5)
+    scores_XxKxQxT = jnp.where(mask_XxKxQxT, scores_XxKxQxT, MASK_VALUE)
+    max_XxKxQ = scores_XxKxQxT.max(-1)
+    p_XxKxQxT = jnp.where(mask_XxKxQxT, jnp.exp(scores_XxKxQxT - max_XxKxQ[..., None]), 0.0)
+    out_XxKxQxH = jnp.einsum("xkqt,xkth->xkqh", p_XxKxQxT.astype(values_XxKxTxH.dtype),
+                             values_XxKxTxH, preferred_element_type=jnp.float32)
+    return max_XxKxQ, p_XxKxQxT.sum(-1), out_XxKxQxH
+
+
+def merge(*parts: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    """The softmax attention over the union of the parts' entries, from each part's
+    (max, sum, output) statistics; 0 where no part saw an entry."""
+    max_all = parts[0][0]
+    for m, _, _ in parts[1:]:
+        max_all = jnp.maximum(max_all, m)
+    scales = [jnp.exp(m - max_all) for m, _, _ in parts]
+    total = sum(c * s for c, (_, s, _) in zip(scales, parts, strict=True))
+    out = sum(c[..., None] * o for c, (_, _, o) in zip(scales, parts, strict=True))
+    return out / jnp.maximum(total, jnp.finfo(jnp.float32).tiny)[..., None]

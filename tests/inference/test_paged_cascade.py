@@ -1,0 +1,57 @@
+"""Paged decode chunks split over shared prompt prefixes (cascade attention) sample exactly
+like the dense cache: one group, a group beside a lone prompt, sharded meshes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from meshrl.configs.schema import MeshConfig
+from meshrl.inference.sampler import Request
+from meshrl.tests.inference.tiny import make_sampler
+
+PROMPT = [(5 * i) % 90 + 1 for i in range(13)]  # 3 full pages of 4, the 13th token on a 4th
+KW = dict(page_size=4, max_new_tokens=12, prompt_buckets=(16,))
+
+
+def _requests(temperature: float, lone: bool = False) -> list[Request]:
+    group = [Request(PROMPT, max_new_tokens=10 - i, seed=i, temperature=temperature)
+             for i in range(3 if lone else 4)]
+    other = [Request([p + 2 for p in PROMPT], max_new_tokens=9, seed=7,
+                     temperature=temperature)]
+    return group + (other if lone else [])
+
+
+def _assert_same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens == w.tokens and g.finish_reason == w.finish_reason
+        np.testing.assert_allclose(g.logprobs, w.logprobs, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("temperature, lone", [(0.0, False), (1.0, True)],
+                         ids=["greedy_group", "sampled_group_and_lone_prompt"])
+def test_chunks_split_over_the_shared_prompt_sample_like_the_dense_cache(tiny_params,
+                                                                         temperature, lone):
+    _, params = tiny_params
+    want = make_sampler(params, **KW).generate(_requests(temperature, lone))
+    sampler = make_sampler(params, kv_cache="paged", **KW)
+
+    got = sampler.generate(_requests(temperature, lone))
+
+    _assert_same(got, want)
+    assert sampler.pages.cascade_chunks > 0
+    assert sampler.pages.pages_in_use == 0
+
+
+@pytest.mark.parametrize("mesh", [MeshConfig(data=1, tensor=2), MeshConfig(data=2, tensor=1)],
+                         ids=["tensor2", "data2"])
+def test_split_chunks_on_sharded_meshes_equal_the_dense_cache(tiny_params, mesh):
+    _, params = tiny_params
+    want = make_sampler(params, mesh_cfg=mesh, **KW).generate(_requests(0.0))
+    sampler = make_sampler(params, mesh_cfg=mesh, kv_cache="paged", **KW)
+
+    got = sampler.generate(_requests(0.0))
+
+    _assert_same(got, want)
+    assert sampler.pages.cascade_chunks > 0

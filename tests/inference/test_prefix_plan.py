@@ -1,0 +1,95 @@
+"""Planning a paged decode chunk's shared prefixes from the page table (host only)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from meshrl.inference.prefix_plan import plan_prefixes, suffix_buckets, warm_plans
+
+S, B, M = 4, 8, 16  # page size, slots, pages a slot's row of the table holds
+WINDOWS = suffix_buckets(M * S, S)
+
+
+def _table(prefixes: list[list[int]], own: int = 4) -> np.ndarray:
+    """A table whose slot b lists ``prefixes[b]`` then ``own`` pages of its own."""
+    table = np.full((B, M), -1, np.int32)
+    nxt = 100
+    for b, pre in enumerate(prefixes):
+        table[b, :len(pre)] = pre
+        table[b, len(pre):len(pre) + own] = range(nxt, nxt + own)
+        nxt += own
+    return table
+
+
+def test_a_group_shares_its_rows_and_lone_slots_get_rows_of_their_own():
+    # Slots 0-5 share pages 0-2 (a 13-token prompt), slots 6 and 7 have prompts of their own.
+    prefixes = [[0, 1, 2]] * 6 + [[10, 11, 12], [20, 21, 22]]
+    lens = {b: 13 for b in range(B)}
+
+    plan = plan_prefixes(_table(prefixes), lens, S, window=32, reach=20, windows=WINDOWS)
+
+    # The group of 6 and two lone slots: 4 rows of 4 (B / 2 rows of 2 would need 5, 8 rows
+    # of 1 read the shared pages 6 times).
+    assert plan is not None
+    assert plan.members_RxG.tolist() == [[0, 1, 2, 3], [4, 5, B, B], [6, B, B, B],
+                                         [7, B, B, B]]
+    table = _table(prefixes)
+    for row, pages in zip(plan.members_RxG, plan.rows_RxP, strict=True):
+        for s in row[row < B]:  # each member lists the row's pages first
+            np.testing.assert_array_equal(table[s, :3], pages)
+    # The suffix starts after the 3 shared pages and covers the reach: positions 12 .. 20.
+    assert plan.rows_RxP.shape[1] == 3
+    np.testing.assert_array_equal(plan.suffix_BxM, _table(prefixes)[:, 3:3 + 2])
+
+
+def test_one_group_of_all_slots_takes_the_fewest_rows():
+    lens = {b: 13 for b in range(B)}
+
+    plan = plan_prefixes(_table([[0, 1, 2]] * B), lens, S, window=32, reach=20, windows=WINDOWS)
+
+    assert plan.members_RxG.shape == (1, B)
+    np.testing.assert_array_equal(plan.rows_RxP, [[0, 1, 2]])
+
+
+def test_distinct_prompts_share_nothing_so_no_plan():
+    prefixes = [[10 * b, 10 * b + 1, 10 * b + 2] for b in range(B)]
+    lens = {b: 13 for b in range(B)}
+
+    assert plan_prefixes(_table(prefixes), lens, S, window=32, reach=20,
+                         windows=WINDOWS) is None
+
+
+def test_fewer_than_two_live_slots_get_no_plan():
+    assert plan_prefixes(_table([[0, 1, 2]] * B), {0: 13}, S, window=32, reach=20,
+                         windows=WINDOWS) is None
+
+
+def test_the_prefix_never_covers_a_position_a_live_slot_may_still_write():
+    # Slot 7's prompt is 5 tokens: only its first page (positions 0-3) is written before the
+    # chunk, so no prefix may be longer than one page although the others share three.
+    table = _table([[0, 1, 2]] * 7 + [[0]])
+    lens = {b: 13 for b in range(7)} | {7: 5}
+
+    plan = plan_prefixes(table, lens, S, window=32, reach=20, windows=WINDOWS)
+
+    assert plan is not None and plan.rows_RxP.shape[1] == 1
+    np.testing.assert_array_equal(plan.members_RxG.ravel()[plan.members_RxG.ravel() < B],
+                                  range(B))
+
+
+def test_warm_plans_hold_the_shapes_a_group_filling_its_prompt_bucket_takes():
+    lens = {b: 13 for b in range(B)}  # fills a prompt bucket of 13
+    table = _table([[0, 1, 2]] * 6 + [[10, 11, 12], [20, 21, 22]], own=M - 3)
+    windows = (32, 48, 64)
+    warm = {(w, p.rows_RxP.shape, p.members_RxG.shape, p.suffix_BxM.shape)
+            for w, p in warm_plans(B, M * S, S, (13,), windows, WINDOWS)}
+
+    taken = 0
+    for reach in range(14, M * S + 1):
+        window = min(w for w in windows if w >= reach)
+        plan = plan_prefixes(table, lens, S, window, reach, WINDOWS)
+        if plan is not None:
+            taken += 1
+            assert (window, plan.rows_RxP.shape, plan.members_RxG.shape,
+                    plan.suffix_BxM.shape) in warm
+    assert taken > 0
