@@ -108,16 +108,15 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
 
     def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, window: int, rows: int,
-               lo: int, stop_after: Any = 0) -> tuple[PagedKVCache, SlotState, tuple]:
+               lo: int) -> tuple[PagedKVCache, SlotState, tuple]:
         assert (lo, rows) == (0, cache.slots), (lo, rows, cache.slots)  # paged_shapes
         shared = cache.shared
         if shared is None:
             win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
-                                     rows=rows, lo=lo, stop_after=stop_after)
+                                     rows=rows, lo=lo)
             return put_band(cache, win, st.pos_B, chunk), st_out, out
         win = cascade_window(cache, shared)
-        win, st_out, out = dense(params, win, st, window=win.max_len, rows=rows, lo=lo,
-                                 stop_after=stop_after)
+        win, st_out, out = dense(params, win, st, window=win.max_len, rows=rows, lo=lo)
         cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.suffix_BxM, win.offset)
         return cache.replace(shared=None), st_out, out
 

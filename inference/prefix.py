@@ -169,4 +169,4 @@ def warm_up(sampler: Any, recompute: bool) -> None:
                                    sampler.window_buckets, pages.suffix_windows):
         sampler.cache, sampler.state, _ = sampler._decode(
             sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state, window=window,
-            rows=cfg.slots, lo=0, stop_after=np.int32(0))
+            rows=cfg.slots, lo=0)

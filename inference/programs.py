@@ -167,34 +167,28 @@ def pass_rows(n: int, length: int, max_tokens: int) -> int:
 
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                 on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
-    """decode(params, cache, st, window, rows, lo, stop_after): up to ``chunk`` steps of slots
-    [lo, lo + rows) over cache entries [0, window); ``on_trace`` sees each traced window's key
-    shape. ``routing``: one more output, the experts [rows, chunk, layers, k] that routed the
-    forward each token was sampled from.
-
-    The chunk ends early once no row is active, and, with ``stop_after`` (a traced int) > 0,
-    once that many rows finished in it, unless a row still active would reach its length limit
-    within the ``chunk`` steps: the host, which foresees length limits but not stop ids, then
-    learns of a freed slot at once instead of after the rest of the chunk, and a slot it
-    counts as ending by length in a chunk in flight does end there (``exit_allowed``)."""
+    """decode(params, cache, st, window, rows, lo): ``chunk`` steps of slots [lo, lo + rows)
+    over cache entries [0, window); ``on_trace`` sees each traced window's key shape.
+    ``routing``: one more output, the experts [rows, chunk, layers, k] that routed the forward
+    each token was sampled from."""
 
     def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
-               lo: int, stop_after: Any = 0) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+               lo: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         # Only slots [lo, lo + rows) can be live (the host packs them there); the rest is skipped.
         # A window of the whole cache is the cache itself: no copy, no write-back.
         whole = window == cache.max_len and rows == cache.slots and lo == 0
         win = cache if whole else cache.window(window, rows, lo)
         on_trace(win.k[0].shape)
         st = jax.tree.map(lambda x: x[lo:lo + rows], full_st)
-        start_B, started_B = st.pos_B, st.active_B
+        start_B = st.pos_B
         out0 = (jnp.full((rows, chunk), -1, jnp.int32), jnp.zeros((rows, chunk), jnp.float32),
                 jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk), jnp.int32))
         m = model_config(graphdef, params)
         rout0 = ((jnp.full((rows, chunk, m.num_layers, m.num_experts_per_tok), -1, jnp.int32),)
                  if routing else ())
 
-        def step(carry: tuple) -> tuple:
-            i, win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC), rout = carry
+        def step(i: jax.Array, carry: tuple) -> tuple:
+            win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC), rout = carry
             logits_Bx1xV, win, *layers = forward(graphdef, params, st.token_B[:, None],
                                                  st.pos_B[:, None], None, win,
                                                  return_routing=routing)
@@ -207,19 +201,10 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
             emit_B = st.active_B
             st = finish(st, emit_B, tok_B, new_pos_B, max_len)
             tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))
-            return i + 1, win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B),
-                                    raw_BxC.at[:, i].set(raw_B),
-                                    kept_BxC.at[:, i].set(kept_B)), rout
+            return win, st, (tok_BxC, lp_BxC.at[:, i].set(lp_B), raw_BxC.at[:, i].set(raw_B),
+                             kept_BxC.at[:, i].set(kept_B)), rout
 
-        def going(carry: tuple) -> jax.Array:
-            i, _, st, _, _ = carry
-            done = jnp.sum(started_B & ~st.active_B)
-            early = (stop_after > 0) & (done >= stop_after) & exit_allowed(st, chunk - i,
-                                                                           max_len)
-            return (i < chunk) & jnp.any(st.active_B) & ~early
-
-        _, win, st, out, rout = jax.lax.while_loop(
-            going, step, (jnp.int32(0), win, st, out0, rout0))
+        win, st, out, rout = jax.lax.fori_loop(0, chunk, step, (win, st, out0, rout0))
         # A row writes only at positions [start, start + chunk): copying back that band instead
         # of the whole window halves the cache traffic of a long-window chunk.
         cache = win if whole else cache.put_band(win, start_B, chunk, lo)
@@ -230,13 +215,6 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                                 *rout)
 
     return decode
-
-
-def exit_allowed(st: SlotState, steps_left: jax.Array, max_len: int) -> jax.Array:
-    """True when no active row would reach its length limit (``finish``) within the
-    ``steps_left`` steps left of a chunk."""
-    to_limit_B = jnp.minimum(st.max_new_B - st.n_gen_B, max_len - 1 - st.pos_B)
-    return jnp.all(~st.active_B | (to_limit_B > steps_left))
 
 
 def swap(cache: KVCache, st: SlotState, a_M: jax.Array, b_M: jax.Array,

@@ -40,7 +40,6 @@ from meshrl.inference.requests import (
 from meshrl.inference.schedule import (
     SPLIT_CALL_OVERHEAD,
     plan_windows,
-    refill_batch,
     sampler_share,
     weights_pass_cost,
 )
@@ -99,7 +98,6 @@ class Sampler:
         self.slots = SlotTable(S)
         self._inflight: Round | None = None  # dispatched, not read back yet
         self._ids = itertools.count()
-        self._finished = self._finished_tokens = 0  # completions read back, their tokens
         self._lock = threading.RLock()
         self.params: nnx.State | None = None
         self.version = -1
@@ -256,8 +254,6 @@ class Sampler:
             finished += readback.chunk_tokens(comps, rnd.version, *out)
         for c in finished:
             self.slots.release(c)
-            self._finished_tokens += len(c.tokens)
-        self._finished += len(finished)
         if self.pages:
             self.pages.release_empty(self.slots.out)
         return finished
@@ -369,23 +365,12 @@ class Sampler:
         """Dispatch the decode calls of one chunk over ``live`` into ``rnd``."""
         rnd.calls = self._plan_chunk(live)
         for lo, rows, window in rnd.calls:
-            stop_after = np.int32(self._refill_batch(rows) if self._queue else 0)
             self.cache, self.state, out = self._decode(self.params, self._bound(window, live),
                                                        self.state,
-                                                       window=window, rows=rows, lo=lo,
-                                                       stop_after=stop_after)
+                                                       window=window, rows=rows, lo=lo)
             rnd.outs.append(out)
             rnd.rows.append(self.slots.out[lo:lo + rows])
         rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}
-
-    def _refill_batch(self, rows: int) -> int:
-        """Rows of a decode call that must finish before it ends early while requests wait
-        (``programs.make_decode``'s ``stop_after``; docs/sampler.md, "Refills")."""
-        if self._finished:
-            mean_len = self._finished_tokens / self._finished
-        else:  # nothing finished yet: the budget, an upper bound, refills soonest
-            mean_len = token_budget(self._queue[0], self.cfg)
-        return refill_batch(rows, mean_len)
 
     def _recompute(self) -> None:
         """Re-prefill every in-flight slot's prompt + tokens so far (except the last, not yet

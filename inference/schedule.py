@@ -28,7 +28,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import SlotState
@@ -77,8 +76,7 @@ def sampler_share(sampler: Any) -> float:
         if not scratch:
             scratch[:] = [sampler.dense_cache(), jax.device_put(SlotState.init(S), sampler._repl)]
         scratch[0], scratch[1], out = sampler._decode(
-            sampler.params, scratch[0], scratch[1], window=window, rows=S, lo=0,
-            stop_after=np.int32(0))
+            sampler.params, scratch[0], scratch[1], window=window, rows=S, lo=0)
         return out
 
     platform = sampler.mesh.devices.flat[0].platform
@@ -127,17 +125,6 @@ def measure_weights_pass(decode_at: Callable[[int], Any], windows: tuple[int, in
         w.size for w in weights)
     return min(max(per_weight / (per_entry / elements_per_entry), SHARE_RANGE[0]),
                SHARE_RANGE[1])
-
-
-def refill_batch(rows: int, mean_len: float) -> int:
-    """Finished rows a decode call of ``rows`` rows waits for before it ends early, while
-    requests wait for slots. Ending a call costs a fixed price: its window copy read and
-    written, about two steps' cache reads of its rows, and one more admission prefill, so
-    F ~ 2 x ``rows`` row-steps. Each finished row idles until the call ends; with rows
-    finishing every d = ``mean_len`` / ``rows`` steps, waiting for k of them idles ~k^2 d / 2
-    row-steps, and a call per k finishes costs F / k a finish: k d / 2 + F / k is least at
-    k = sqrt(2 F / d) = 2 ``rows`` / sqrt(``mean_len``)."""
-    return max(1, min(rows, round(2 * rows / math.sqrt(max(mean_len, 1.0)))))
 
 
 def split_cuts(row_buckets: Sequence[int], slots: int) -> tuple[int, ...]:

@@ -27,8 +27,7 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     for w in sampler.window_buckets:
         for lo, rows in sampler.decode_shapes:
             sampler.cache, sampler.state, _ = sampler._decode(
-                sampler.params, sampler._bound(), sampler.state, window=w, rows=rows, lo=lo,
-                stop_after=np.int32(0))
+                sampler.params, sampler._bound(), sampler.state, window=w, rows=rows, lo=lo)
     if len(sampler.row_buckets) > 1:
         for m in sampler.swap_buckets:
             pad_M = np.full((m,), sampler.cfg.slots, np.int32)
