@@ -34,6 +34,18 @@ def _pool(cache: PagedKVCache, layer: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(cache.k[layer]), np.asarray(cache.v[layer])
 
 
+def _assert_only_written(after, before: list, bands: dict[int, slice]) -> None:
+    """Every layer's pool holds 7.0 at ``bands`` ({page: offsets}) and ``before``'s values
+    everywhere else."""
+    for layer in range(CFG.num_layers):
+        for got, was in zip(_pool(after, layer), before[layer], strict=True):
+            written = np.zeros(got.shape[:2], bool)
+            for page, offsets in bands.items():
+                written[page, offsets] = True
+            np.testing.assert_array_equal(got[written], 7.0)
+            np.testing.assert_array_equal(got[~written], was[~written])
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
 def test_dense_window_holds_each_slots_positions_from_its_pages(stacked):
     cache = _cache(stacked)
@@ -65,12 +77,7 @@ def test_put_band_writes_only_the_band_into_the_slots_own_pages(stacked):
 
     after = put_band(cache, marked, start_B, 2)
 
-    for layer in range(CFG.num_layers):
-        for got, was in zip(_pool(after, layer), before[layer], strict=True):
-            written = np.zeros(got.shape[:2], bool)
-            written[1, 1:3] = written[4, 2:4] = True
-            np.testing.assert_array_equal(got[written], 7.0)
-            np.testing.assert_array_equal(got[~written], was[~written])
+    _assert_only_written(after, before, {1: slice(1, 3), 4: slice(2, 4)})
 
 
 def test_put_band_of_a_suffix_window_writes_its_positions_into_the_suffix_pages():
@@ -85,9 +92,4 @@ def test_put_band_of_a_suffix_window_writes_its_positions_into_the_suffix_pages(
     # Slot 0 wrote positions 5-6 (suffix entries 1-2), slot 1 positions 9-10 (entries 5-6).
     after = put_band(cache, marked, jnp.asarray([5, 9, 0], jnp.int32), 2, suffix_BxM, SIZE)
 
-    for layer in range(CFG.num_layers):
-        for got, was in zip(_pool(after, layer), before[layer], strict=True):
-            written = np.zeros(got.shape[:2], bool)
-            written[1, 1:3] = written[4, 1:3] = True
-            np.testing.assert_array_equal(got[written], 7.0)
-            np.testing.assert_array_equal(got[~written], was[~written])
+    _assert_only_written(after, before, {1: slice(1, 3), 4: slice(1, 3)})

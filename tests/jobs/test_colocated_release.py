@@ -1,6 +1,7 @@
-"""The sampler's KV cache freed across a colocated RL run's train step: nothing is lost (every
-completion, every token), the buffers are really deleted while the step runs, and a run with the
-release trains on the same tokens with the same losses as one without."""
+"""The sampler's KV cache, and with ``rl.release_sampler_weights`` its weights, freed across a
+colocated RL run's train step: nothing is lost (every completion, every token), the buffers are
+really deleted while the step runs, the handoff refills the weights, and a run with the release
+trains on the same tokens with the same losses and params as one without."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from meshrl.inference.sampler import Request
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
 from meshrl.tests.trainer.tiny import tiny_rl_config
+from meshrl.tests.trees import assert_trees_close
 
 PROMPTS = [[5, 9, 14, 3, 22], [40, 41, 42, 43, 44, 45, 46], [7, 8], [88, 12, 19]]
 
@@ -97,16 +99,17 @@ def test_async_release_mid_generation_holds_decoding_and_resolves_every_request(
     assert [o.tokens for o in outs] == [w.tokens for w in want]
 
 
-def _record(loop: Any) -> dict[str, list]:
-    """Wrap the loop's sampler and engine to record, for each release, whether the cache's
-    buffers were deleted while the train step was dispatched, and the live bytes then."""
-    seen: dict[str, list] = {"released": [], "deleted_at_step": [], "cache_bytes": []}
+def _record(loop: Any, held: str) -> dict[str, list]:
+    """Wrap the loop's sampler and engine to record, for each release, the leaves of the
+    sampler's ``held`` ("cache" or "params") and their bytes, and for each train step
+    dispatched whether those leaves were deleted, gone from the live arrays and unset then."""
+    seen: dict[str, list] = {"released": [], "deleted_at_step": [], "bytes": []}
     sampler, engine = loop.sampler, loop.engine
     release, dispatch = sampler.release_cache, engine.dispatch
 
     def release_cache(weights: bool = False) -> None:
-        leaves = jax.tree.leaves(sampler.cache)
-        seen["cache_bytes"].append(sum(x.nbytes for x in leaves))
+        leaves = jax.tree.leaves(getattr(sampler, held))
+        seen["bytes"].append(sum(x.nbytes for x in leaves))
         release(weights)
         seen["released"].append(leaves)
 
@@ -114,7 +117,7 @@ def _record(loop: Any) -> dict[str, list]:
         leaves = seen["released"][-1] if seen["released"] else []
         live = {id(x) for x in jax.live_arrays()}
         seen["deleted_at_step"].append(
-            bool(leaves) and sampler.cache is None
+            bool(leaves) and getattr(sampler, held) is None
             and all(x.is_deleted() and id(x) not in live for x in leaves))
         return dispatch(*args, **kwargs)
 
@@ -122,14 +125,16 @@ def _record(loop: Any) -> dict[str, list]:
     return seen
 
 
-def _run(tmp_path, release: bool) -> tuple[list, list, dict]:
+def _run(tmp_path, held: str, **overrides: Any) -> tuple[list, list, dict, dict, Any]:
+    """(sorted (prompt, tokens) pairs, losses, ``_record``'s record, summary, final params) of a
+    synchronous two-step tiny RL run with ``overrides``."""
     from meshrl.jobs import rl as rl_job
 
-    config = tiny_rl_config(**{"rl.release_sampler_cache": release,
-                               "rollout.max_staleness": 0, "sampler.temperature": 1.0})
+    config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.temperature": 1.0,
+                               **overrides})
     loop = rl_job.build(config, tmp_path)
     tokens: list[tuple] = []
-    seen = _record(loop)
+    seen = _record(loop, held)
 
     class Recorder:
         def __init__(self, inner: AsyncSampler) -> None:
@@ -144,21 +149,42 @@ def _run(tmp_path, release: bool) -> tuple[list, list, dict]:
                 tokens.append((tuple(request.prompt_ids), tuple(out.tokens)))
             return out
     try:
-        asyncio.run(asyncio.wait_for(loop.arun(Recorder), timeout=300))
+        summary = asyncio.run(asyncio.wait_for(loop.arun(Recorder), timeout=300))
+        params = jax.device_get(loop.engine.params)
     finally:
         loop.close()
-    losses = [h["train/loss"] for h in loop.history]
-    return sorted(tokens), losses, seen
+    return sorted(tokens), [h["train/loss"] for h in loop.history], seen, summary, params
 
 
 @pytest.mark.slow  # every colocated RL test of the default run releases the cache
 @pytest.mark.distributed
 def test_colocated_run_with_the_cache_released_trains_like_one_without_it(tmp_path):
-    tokens, losses, seen = _run(tmp_path / "release", True)
-    tokens_kept, losses_kept, seen_kept = _run(tmp_path / "keep", False)
+    tokens, losses, seen, _, params = _run(tmp_path / "release", "cache",
+                                           **{"rl.release_sampler_cache": True})
+    tokens_kept, losses_kept, seen_kept, _, params_kept = _run(
+        tmp_path / "keep", "cache", **{"rl.release_sampler_cache": False})
 
     assert seen["deleted_at_step"] == [True, True]  # both steps ran with the cache freed
-    assert all(b > 0 for b in seen["cache_bytes"])
+    assert all(b > 0 for b in seen["bytes"])
     assert seen_kept["released"] == [] and seen_kept["deleted_at_step"] == [False, False]
     assert tokens == tokens_kept and len(tokens) >= 2 * 3 * 2  # 2 steps of 3 groups of 2
     np.testing.assert_allclose(losses, losses_kept, rtol=1e-6, atol=1e-7)
+    assert_trees_close(params, params_kept, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.distributed
+def test_colocated_run_with_the_weights_released_generates_and_trains_like_one_keeping_them(
+        tmp_path):
+    tokens, losses, seen, summary, params = _run(tmp_path / "release", "params",
+                                                 **{"rl.release_sampler_weights": True})
+    tokens_kept, losses_kept, seen_kept, summary_kept, params_kept = _run(
+        tmp_path / "keep", "params", **{"rl.release_sampler_weights": False})
+
+    assert seen["deleted_at_step"] == [True, True]  # both steps ran without sampler weights
+    assert seen_kept["deleted_at_step"] == [False, False]
+    # Synchronous (max_staleness 0), so both runs sample the same tokens; sequences in flight
+    # at a release: tests/inference/test_weights_release.py.
+    assert tokens == tokens_kept and len(tokens) >= 2 * 3 * 2
+    np.testing.assert_allclose(losses, losses_kept, rtol=1e-6, atol=1e-7)
+    assert_trees_close(params, params_kept, rtol=1e-6, atol=1e-7)
+    assert summary["accuracy_after"] == summary_kept["accuracy_after"]
