@@ -55,11 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The default run's slowest modules (``pytest --durations``), slowest first.
 LONG_MODULES = (
-    "tests/jobs/test_real_model_recipes.py", "tests/launch/test_local.py",
-    "tests/jobs/test_rl.py", "tests/trainer/test_fault_injection.py", "tests/jobs/test_evaluate.py",
-    "tests/launch/test_watchdog.py",
-    "tests/test_notebook.py", "tests/jobs/test_rl_reference.py", "tests/trainer/test_loop.py",
-    "tests/inference/test_sampler.py", "tests/jobs/test_rl_placement.py",
-    "tests/jobs/test_rl_mismatch.py", "tests/trainer/test_moe_step.py",
-    "tests/models/test_moe.py", "tests/jobs/test_generate.py", "tests/trainer/test_checkpoint.py",
+    "tests/test_notebook.py", "tests/inference/test_paged_cascade.py",
+    "tests/jobs/test_evaluate.py", "tests/jobs/test_generate.py", "tests/inference/test_sampler.py",
+    "tests/test_user_errors.py", "tests/jobs/test_rl_reference.py",
+    "tests/inference/test_paged_prefix.py", "tests/models/test_properties.py",
+    "tests/models/test_moe.py", "tests/trainer/test_rl_resume_kill.py", "tests/jobs/test_rl.py",
+    "tests/jobs/test_compile_tpu.py", "tests/trainer/test_checkpoint.py",
+    "tests/trainer/test_step.py", "tests/trainer/test_moe_step.py",
 )

@@ -44,7 +44,9 @@ def test_chunks_split_over_the_shared_prompt_sample_like_the_dense_cache(tiny_pa
     assert sampler.pages.pages_in_use == 0
 
 
-@pytest.mark.parametrize("mesh", [MeshConfig(data=1, tensor=2), MeshConfig(data=2, tensor=1)],
+@pytest.mark.parametrize("mesh", [MeshConfig(data=1, tensor=2),
+                                  pytest.param(MeshConfig(data=2, tensor=1),
+                                               marks=pytest.mark.slow)],
                          ids=["tensor2", "data2"])
 def test_split_chunks_on_sharded_meshes_equal_the_dense_cache(tiny_params, mesh):
     _, params = tiny_params

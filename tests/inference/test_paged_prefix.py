@@ -70,6 +70,7 @@ def test_weight_update_re_prefills_a_group_prompt_once(tiny_params):
     assert sampler.pages.pages_in_use == 0
 
 
+@pytest.mark.slow  # group sharing: test_group_of_four_... in the default run
 def test_group_members_the_pool_cannot_hold_wait_and_start_a_group_of_their_own(tiny_params):
     _, params = tiny_params
     budgets = (10,) * 4
@@ -85,6 +86,7 @@ def test_group_members_the_pool_cannot_hold_wait_and_start_a_group_of_their_own(
     assert sampler.pages.prompt_prefills == 2 and sampler.pages.fanouts == 2
 
 
+@pytest.mark.slow  # group sharing: test_group_of_four_... in the default run
 def test_group_admitted_over_rounds_shares_a_live_members_prompt_pages(tiny_params):
     _, params = tiny_params
     budgets = (3, 10, 4, 10)
@@ -147,6 +149,7 @@ def test_prefix_cache_is_cleared_by_new_weights_and_keeps_its_size(tiny_params):
     assert sampler.pages.prompt_prefills == 4
 
 
+@pytest.mark.slow  # the prefix cache: test_prefix_cache_serves_... in the default run
 def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
     _, params = tiny_params
     # 16 pages: one max_len sequence; the second request needs all of them.

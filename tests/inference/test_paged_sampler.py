@@ -29,9 +29,13 @@ def _assert_same(got, want):
         assert g.versions == w.versions
 
 
+# Sharded meshes: the cascade's split chunks on tensor = 2 in the default run
+# (tests/inference/test_paged_cascade.py).
 @pytest.mark.parametrize("mesh, cases", [
-    (None, CASES), (MeshConfig(data=1, tensor=2), CASES[:3]),
-    (MeshConfig(data=2, tensor=1), CASES[:3])], ids=["one_device", "tensor2", "data2"])
+    (None, CASES),
+    pytest.param(MeshConfig(data=1, tensor=2), CASES[:3], marks=pytest.mark.slow),
+    pytest.param(MeshConfig(data=2, tensor=1), CASES[:3], marks=pytest.mark.slow)],
+    ids=["one_device", "tensor2", "data2"])
 def test_paged_greedy_equals_dense_and_frees_every_page(tiny_params, mesh, cases):
     _, params = tiny_params
     dense = make_sampler(params, mesh_cfg=mesh, **KW).generate(_requests(cases))
@@ -69,6 +73,7 @@ def test_paged_update_mid_generation_equals_dense(tiny_params):
     assert sampler.pages.pages_in_use == 0
 
 
+@pytest.mark.slow  # arrival-order admission: tests/inference/test_sampler.py
 def test_pool_for_one_sequence_makes_requests_wait_in_arrival_order(tiny_params):
     _, params = tiny_params
     cases = [(10, 10), (6, 12), (9, 10)]  # each needs 3 pages of 8; the pool holds 4

@@ -53,6 +53,7 @@ def test_a_per_process_sampler_expert_that_does_not_fit_a_process_is_one_line():
         process_sampler_mesh(trainer, 16)
 
 
+@pytest.mark.slow  # a whole MoE sampler on two meshes
 def test_sampler_with_experts_over_every_chip_decodes_like_the_trainer_shaped_one():
     trainer_mesh, wide_mesh = create_meshes(_config(4))
     _, params = split_model(create_model(MOE, mesh=trainer_mesh, rules=rules_for("train", True),

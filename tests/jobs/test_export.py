@@ -157,6 +157,7 @@ def test_sft_first_step_loss_equals_transformers_loss_on_the_same_batch(sft_run)
     np.testing.assert_allclose(summary["first_loss"], nll_sum / count, rtol=0, atol=1e-4)
 
 
+@pytest.mark.slow  # the export job's default-run end to end: test_sft_from_hf_path_at_zero_lr_...
 def test_export_of_a_published_version_gives_the_samplers_logits_in_transformers(tmp_path):
     import transformers
 

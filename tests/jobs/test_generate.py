@@ -195,6 +195,7 @@ def test_greedy_samples_from_a_run_equal_a_sampler_on_its_params(run_dir, direct
         [r["tokens"] for r in rows]  # the two weight sets are told apart
 
 
+@pytest.mark.slow  # restore onto another mesh: tests/trainer/test_checkpoint.py
 def test_checkpoint_params_restore_onto_another_mesh_with_the_runs_values(run_dir):
     workdir, run_config, params = run_dir
     mesh = create_mesh(MeshConfig(data=-1, tensor=2))  # the run trained on one device

@@ -72,6 +72,7 @@ def test_split_that_does_not_fit_the_devices_is_a_config_error_naming_the_values
         assert message in str(e.value)
 
 
+@pytest.mark.slow  # a full split-placement RL run
 @pytest.mark.distributed
 def test_split_rl_run_keeps_trainer_and_sampler_on_their_devices_and_publishes_weights(
         tmp_path):

@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from meshrl.tests.xla import cpu_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ def _logged_at(output: str, text: str) -> float:
     return datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
+@pytest.mark.slow  # a full RL run in a subprocess
 def test_broken_reward_pool_stops_the_rl_job_with_one_line_and_the_checkpoint_intact(tmp_path):
     workdir = tmp_path / "run"
     rc, output, _ = _main(workdir, "--config.trainer.steps=0")

@@ -60,6 +60,7 @@ def test_param_shardings_follow_sample_rules_on_a_tensor_mesh():
     assert shardings["embed"].spec == P("tensor", None)
 
 
+@pytest.mark.slow  # sharded decode: tests/inference/test_weights.py's sharded sampler in the default run
 @pytest.mark.distributed
 def test_sharded_kv_cache_decode_matches_unsharded_full_forward():
     mesh = create_mesh(MeshConfig(data=2, tensor=4))

@@ -40,8 +40,9 @@ def _random_lora(model, cfg: LoraConfig):
     return lora, adapters, merged, graphdef
 
 
-@pytest.mark.parametrize("kind,targets", [("llama", r"attn/(q|k|v|o)|mlp/(gate|up|down)"),
-                                          ("qwen2_untied", r"attn/(q|v)")])
+@pytest.mark.parametrize("kind,targets", [
+    pytest.param("llama", r"attn/(q|k|v|o)|mlp/(gate|up|down)", marks=pytest.mark.slow),
+    ("qwen2_untied", r"attn/(q|v)")])
 def test_peft_adapter_on_the_hf_base_gives_meshrl_lora_logits(hf_checkpoint, tmp_path, kind,
                                                               targets):
     import peft

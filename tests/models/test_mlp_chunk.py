@@ -49,6 +49,7 @@ def test_chunked_mlp_matches_the_unchunked_forward_and_gradients(extra):
     assert_trees_close(grads, ref_grads, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # compiles a long-sequence step twice
 def test_chunked_mlp_step_needs_less_temp_memory_on_a_long_sequence():
     cfg = dataclasses.replace(CFG, intermediate_size=1024, remat="full", scan_layers=True)
     ids = jax.ShapeDtypeStruct((1, 2048), jnp.int32)

@@ -22,7 +22,10 @@ def _paged(cfg, table):
     return pool.replace(page_table=jnp.asarray(table, jnp.int32))
 
 
-@pytest.mark.parametrize("scan_layers", [pytest.param(False, marks=pytest.mark.slow), True])
+# The default run checks paged decode against the dense cache through the sampler
+# (tests/inference/test_paged_sampler.py); this checks the forward itself.
+@pytest.mark.slow
+@pytest.mark.parametrize("scan_layers", [False, True])
 def test_prefill_then_decode_over_pages_equals_dense_cache(scan_layers):
     cfg = dataclasses.replace(CFG, scan_layers=scan_layers)
     graphdef, params = split_model(create_model(cfg, seed=0))

@@ -120,6 +120,7 @@ _HANG_IN_RESTORE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # waits out a watchdog
 def test_restore_that_hangs_ends_in_the_watchdog_report(trained, tmp_path):
     shutil.copytree(trained, tmp_path / "run")
     step = tmp_path / "run" / "checkpoints" / "4"

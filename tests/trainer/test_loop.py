@@ -86,6 +86,7 @@ def test_engine_refuses_a_state_of_another_structure(tmp_path):
     loop.close()
 
 
+@pytest.mark.slow  # the SFT job's default-run end to end: tests/jobs/test_real_model_recipes.py
 def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
     env = cpu_env(2)
     out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config",

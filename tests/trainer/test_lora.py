@@ -113,6 +113,7 @@ def test_a_bad_regex_is_one_config_error():
         tiny_config(**{**LORA, "lora.targets": "("})
 
 
+@pytest.mark.slow  # two LoRA runs and a resume
 def test_lora_dropout_changes_training_and_resumes_bitwise(tmp_path):
     plain, _ = _engine(tiny_config(**RESUMABLE), tmp_path / "plain")
     run_sft(plain)

@@ -37,6 +37,7 @@ def test_moe_step_reports_router_metrics_and_adds_the_router_losses_to_the_loss(
         0.01 * first["moe/aux_loss"] + 0.001 * first["moe/z_loss"], rtol=1e-4)
 
 
+@pytest.mark.slow  # expert parallelism's step: tests/models/test_moe.py in the default run
 @pytest.mark.distributed
 def test_moe_step_on_data_expert_expert_tensor_matches_one_device():
     ref_state, ref_hist = _one_device()

@@ -16,6 +16,7 @@ def _traces(workdir) -> list:
     return list((workdir / "profile" / "process_0").rglob("*.xplane.pb"))
 
 
+@pytest.mark.slow  # a traced SFT run
 def test_sft_run_with_window_2_3_writes_one_nonempty_trace(tmp_path):
     config = tiny_config(**{"checkpoint.every_steps": 0, "checkpoint.async_save": False,
                             "trainer.steps": 3, "logging.profile_steps": (2, 3)})
