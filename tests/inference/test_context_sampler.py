@@ -26,6 +26,7 @@ def test_sample_rules_fold_context_into_the_batch_and_the_cache_slots():
     assert logical_to_spec(("length",), rules_for("sample"), mesh, (64,))[0] is None
 
 
+@pytest.mark.slow  # context parallelism's step and attention stay in the default run
 def test_sampler_with_context2_decodes_like_one_device(tiny_params):
     import jax
 

@@ -47,8 +47,9 @@ def _generated(prompt, out, x_BxLx) -> np.ndarray:
     return np.asarray(x_BxLx)[P - 1:P - 1 + len(out.tokens)]
 
 
-@pytest.mark.parametrize("mesh_cfg", [pytest.param(None, marks=pytest.mark.slow), pytest.param(MeshConfig(data=1, expert=2),
-                                                         marks=pytest.mark.distributed)],
+@pytest.mark.parametrize("mesh_cfg", [None, pytest.param(MeshConfig(data=1, expert=2),
+                                                         marks=[pytest.mark.distributed,
+                                                                pytest.mark.slow])],
                          ids=["one_device", "expert2"])
 def test_recorded_routing_equals_the_trainer_forward_and_replays_its_logprobs(moe_model,
                                                                              mesh_cfg):

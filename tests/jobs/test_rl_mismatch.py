@@ -9,7 +9,8 @@ import pytest
 from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
 
 
-@pytest.mark.parametrize("minibatches", [pytest.param(1, marks=pytest.mark.slow), 2])
+@pytest.mark.slow  # a float32 RL run per minibatch count
+@pytest.mark.parametrize("minibatches", [1, 2])
 def test_float32_synchronous_rl_logprob_mismatch_is_rounding_only(tmp_path, minibatches):
     config = tiny_rl_config(**{"rollout.max_staleness": 0, "sampler.dtype": "float32",
                                "model.compute_dtype": "float32",

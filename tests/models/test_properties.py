@@ -105,7 +105,7 @@ def test_packed_segments_equal_separate_sequences(name):
     assert np.isfinite(packed).all()  # padding rows stay finite
 
 
-@pytest.mark.parametrize("name", _default_only(sorted(CONFIGS), "llama3_rope", "qwen3"))
+@pytest.mark.parametrize("name", _default_only(sorted(CONFIGS), "llama3_rope"))
 def test_kv_cache_prefill_then_token_by_token_decode_equals_full_forward(name):
     cfg = CONFIGS[name]
     model = _model(cfg)

@@ -22,6 +22,7 @@ def _one_device():
     return _train(_sgd(**MOE), _two_batches(), [jax.devices()[0]])
 
 
+@pytest.mark.slow  # the load-balancing loss itself: tests/models/test_moe.py against transformers
 def test_moe_step_reports_router_metrics_and_adds_the_router_losses_to_the_loss():
     _, hist = _one_device()
     _, no_aux = _train(_sgd(**{**MOE, "model.router_aux_loss_coef": 0.0,
