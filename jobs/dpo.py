@@ -8,7 +8,6 @@ after, and writes ``<workdir>/summary.json``. Design and formulas: docs/dpo.md.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -23,10 +22,10 @@ from meshrl.models.load import with_weights
 from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.preference_eval import make_preference_evaluator
 from meshrl.trainer.preference_ref import PreferenceReference
-from meshrl.trainer.sft_loop import periodic_eval, run_sft, sft_summary
+from meshrl.trainer.sft_loop import train_and_evaluate
 from meshrl.trainer.spec import dpo_spec
-from meshrl.trainer.stop import stop_hook
-from meshrl.utils import log, paths
+from meshrl.trainer.summary import write_summary
+from meshrl.utils import log
 
 _log = log.get_logger("trainer.dpo")
 
@@ -71,23 +70,17 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
                                             mesh, engine.batch_sh, microbatches=t.microbatches)
         engine.start(params, data=data)
         del params
-        history = run_sft(engine, hooks=[periodic_eval(evaluate), stop_hook],
-                          prepare=None if reference is None else reference.apply)
-        wall = time.perf_counter() - t0
-        after = evaluate(engine.params)
-        if after:
-            engine.metrics.write(t.steps, after)
-        summary = sft_summary(engine, history, after, wall, n_params)
+        summary, history, after = train_and_evaluate(
+            engine, evaluate, n_params, t0,
+            prepare=None if reference is None else reference.apply)
     finally:
         engine.close()
     summary.update({"loss_name": config.dpo.loss,
                     **{f"{k}_before": v for k, v in before.items()},
                     **{k: history[-1][k] for k in ("reward_margin", "reward_accuracy")
                        if history}})
-    _log.info("params_checksum %.17g", summary["params_checksum"])  # every process: must agree
+    write_summary(summary, workdir)
     if jax.process_index() == 0:
-        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
-                                json.dumps(summary, indent=2))
         _log.info("held-out preference accuracy %.3f -> %.3f",
                   before.get("eval_preference_accuracy", float("nan")),
                   after.get("eval_preference_accuracy", float("nan")))

@@ -10,7 +10,6 @@ recovery) is in ``docs/rl.md``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -31,6 +30,7 @@ from meshrl.trainer.engine import TrainEngine
 from meshrl.trainer.report import rl_summary_table
 from meshrl.trainer.rl_loop import RLLoop, RLParts
 from meshrl.trainer.spec import rl_spec
+from meshrl.trainer.summary import write_summary
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
@@ -112,10 +112,5 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         log.info("accuracy with tools %s (before RL %s), without tools %s",
                  summary["accuracy_after"], summary["accuracy_before"],
                  summary["accuracy_without_tools"])
-    # Every process logs it: equal values show the processes ended with the same params.
-    log.info("params_checksum %.17g", summary["params_checksum"])
-    if jax.process_index() == 0:
-        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
-                                json.dumps(summary, indent=2))
-        log.info("%s", rl_summary_table(summary, workdir))
+    write_summary(summary, workdir, rl_summary_table(summary, workdir))
     return summary

@@ -7,7 +7,6 @@ exact match, and writes ``<workdir>/summary.json``.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -22,10 +21,10 @@ from meshrl.models.load import with_weights
 from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.report import sft_summary_table
 from meshrl.trainer.sft_eval import eval_batches, make_evaluator
-from meshrl.trainer.sft_loop import periodic_eval, run_sft, sft_summary
+from meshrl.trainer.sft_loop import train_and_evaluate
 from meshrl.trainer.spec import sft_spec
-from meshrl.trainer.stop import stop_hook
-from meshrl.utils import log, paths
+from meshrl.trainer.summary import write_summary
+from meshrl.utils import log
 
 _log = log.get_logger("trainer.sft")
 
@@ -62,17 +61,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         engine.start(data=data)
-        history = run_sft(engine, hooks=[periodic_eval(evaluate), stop_hook])
-        wall = time.perf_counter() - t0
-        ev = evaluate(engine.params)
-        if ev:
-            engine.metrics.write(tcfg.steps, ev)
-        summary = sft_summary(engine, history, ev, wall, n_params)
+        summary, _, _ = train_and_evaluate(engine, evaluate, n_params, t0)
     finally:
         engine.close()
-    _log.info("params_checksum %.17g", summary["params_checksum"])  # every process: must agree
-    if jax.process_index() == 0:
-        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
-                                json.dumps(summary, indent=2))
-        _log.info("%s", sft_summary_table(summary, workdir))
+    write_summary(summary, workdir, sft_summary_table(summary, workdir))
     return summary

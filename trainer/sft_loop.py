@@ -4,6 +4,7 @@ warm start runs this same loop."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from meshrl.trainer.clock import StepClock, Stopwatch
 from meshrl.trainer.engine import StepResult, TrainEngine, put_batch
 from meshrl.trainer.metrics import peak_flops_per_device
 from meshrl.trainer.state import params_checksum
+from meshrl.trainer.stop import stop_hook
 from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.sft")
@@ -97,3 +99,17 @@ def sft_summary(engine: TrainEngine, history: list[dict[str, float]], ev: dict[s
         "processes": jax.process_count(), "params_checksum": params_checksum(engine.params),
         **ev,
     }
+
+
+def train_and_evaluate(engine: TrainEngine, evaluate: Evaluate, n_params: int, t0: float,
+                       prepare: Prepare | None = None,
+                       ) -> tuple[dict[str, Any], list[dict[str, float]], dict[str, float]]:
+    """``run_sft`` with ``evaluate`` every ``trainer.eval_every`` steps and a stop request
+    honoured, then the final evaluation written at the last step: (``sft_summary`` with the
+    wall time since ``t0``, the history, the final evaluation)."""
+    history = run_sft(engine, hooks=[periodic_eval(evaluate), stop_hook], prepare=prepare)
+    wall = time.perf_counter() - t0
+    after = evaluate(engine.params)
+    if after:
+        engine.metrics.write(engine.config.trainer.steps, after)
+    return sft_summary(engine, history, after, wall, n_params), history, after

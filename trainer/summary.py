@@ -1,0 +1,26 @@
+"""A run's ``summary.json``: every job that trains writes it through ``write_summary``, once, at
+the end of the run."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jax
+
+from meshrl.utils import paths
+from meshrl.utils.log import get_logger
+
+_log = get_logger("trainer.summary")
+
+
+def write_summary(summary: dict[str, Any], workdir: str, table: str | None = None) -> None:
+    """Log ``params_checksum`` on every process (equal values show the processes ended with
+    the same params); on process 0, write ``summary.json`` under ``workdir`` atomically and
+    log ``table``, the job's console summary."""
+    _log.info("params_checksum %.17g", summary["params_checksum"])
+    if jax.process_index() == 0:
+        paths.write_text_atomic(paths.as_path(workdir) / "summary.json",
+                                json.dumps(summary, indent=2))
+        if table is not None:
+            _log.info("%s", table)
