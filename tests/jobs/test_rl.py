@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from meshrl.inference.sampler import Completion, Request
+from meshrl.tests import main_process
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.curves import plot_curves, read_metrics
 from meshrl.workflows.evaluate import EvalVersionError, aevaluate, pass_at_k
@@ -29,20 +30,11 @@ def _env() -> dict[str, str]:
 
 
 def _start(workdir: pathlib.Path, *overrides: str) -> subprocess.Popen:
-    log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115 (closed by the OS)
-    return subprocess.Popen([*SMOKE, f"--workdir={workdir}", *overrides], cwd=ROOT, env=_env(),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return main_process.start([*SMOKE, *overrides], workdir, ROOT, _env())
 
 
 def _finish(proc: subprocess.Popen, workdir: pathlib.Path, timeout: float = 240) -> None:
-    try:
-        rc = proc.wait(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log = (workdir.parent / f"{workdir.name}.log").read_text(errors="replace")
-    assert rc == 0, log[-4000:]
+    main_process.finish(proc, workdir, timeout)
 
 
 def _final_weights(workdir: pathlib.Path, version: int) -> dict[str, np.ndarray]:
@@ -87,7 +79,7 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
     assert "eval/greedy_accuracy" in metrics[0] and "eval/greedy_accuracy" in metrics[4]
     assert wall < 120, wall
     # A quiet console: one line per logged step, a closing table, no third-party INFO records.
-    console = (workdir.parent / f"{workdir.name}.log").read_text().splitlines()
+    console = main_process.log_path(workdir).read_text().splitlines()
     assert len(console) <= 40, "\n".join(console)
     assert sum(" version " in line and " reward " in line for line in console) == 4
     assert any(line.endswith("RL summary") for line in console)
@@ -97,11 +89,9 @@ def test_smoke_rl_job_writes_summary_events_checkpoints_weights_and_plot(tmp_pat
 @pytest.mark.slow  # ~50 s; the MoE train step and sampler have their own default-run tests
 def test_moe_smoke_rl_job_trains_an_moe_decoder_and_logs_its_router_metrics(tmp_path):
     workdir = tmp_path / "moe"
-    cmd = [*SMOKE[:-1], str(ROOT / "configs/default.py:moe_smoke"), f"--workdir={workdir}"]
-    log = open(tmp_path / "moe.log", "ab")  # noqa: SIM115 (closed by the OS)
+    cmd = [*SMOKE[:-1], str(ROOT / "configs/default.py:moe_smoke")]
 
-    _finish(subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                             start_new_session=True), workdir)
+    _finish(main_process.start(cmd, workdir, ROOT, _env()), workdir)
 
     summary = json.loads((workdir / "summary.json").read_text())
     metrics = read_metrics(workdir / "metrics.jsonl")

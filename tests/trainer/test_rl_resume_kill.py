@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from meshrl.tests import main_process
 from meshrl.tests.xla import cpu_env
 from meshrl.workflows.rollout_state import read_trained_prompts
 
@@ -48,9 +49,7 @@ DEFAULT = Job((str(ROOT / "configs/default.py"),), examples=2000, steps=300, max
 
 
 def _start(job: Job, workdir: pathlib.Path) -> subprocess.Popen:
-    log = open(workdir.parent / f"{workdir.name}.log", "ab")  # noqa: SIM115 (closed by the OS)
-    return subprocess.Popen([*MAIN, *job.args, f"--workdir={workdir}"], cwd=ROOT, env=cpu_env(),
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return main_process.start([*MAIN, *job.args], workdir, ROOT, cpu_env())
 
 
 def _kill_after_a_checkpoint(job: Job, workdir: pathlib.Path, rng: random.Random) -> bool:
@@ -73,15 +72,7 @@ def _kill_after_a_checkpoint(job: Job, workdir: pathlib.Path, rng: random.Random
 
 
 def _finish(job: Job, workdir: pathlib.Path) -> None:
-    proc = _start(job, workdir)
-    try:
-        rc = proc.wait(timeout=job.timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    log = (workdir.parent / f"{workdir.name}.log").read_text(errors="replace")
-    assert rc == 0, log[-4000:]
+    main_process.finish(_start(job, workdir), workdir, job.timeout_s)
 
 
 def check_trained_prompts(job: Job, workdir: pathlib.Path) -> None:
