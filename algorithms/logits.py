@@ -126,9 +126,7 @@ def token_stats(out: ModelOutput, targets_BxL: jax.Array, temperature: float = 1
     c = chunk_positions(out.chunk, B * S, L // S)
     if c >= L // S:
         return stats(logits_f32(out.head, out.hidden_BxLxD, out.tied), *toks)
-    if S > 1:
-        return _chunked_sharded_length(stats, out, toks, c, S)
-    return _chunked(stats, out, toks, c)
+    return _chunked(stats, out, toks, c, S)
 
 
 def _length_shards(out: Hidden) -> int:
@@ -140,38 +138,6 @@ def _length_shards(out: Hidden) -> int:
     return S
 
 
-def _chunked_sharded_length(stats: functools.partial, out: Hidden,
-                            toks: tuple[jax.Array, ...], c: int, S: int) -> TokenStats:
-    """``_chunked`` for a length sharded ``S`` ways: chunk i holds positions [i*c, (i+1)*c) of
-    every shard's local sequence ([B, S, c] tokens), so the stack of chunks keeps the length
-    sharding and no device ever gathers the whole sequence."""
-    B, L, D = out.hidden_BxLxD.shape
-    Ls = L // S
-    n = -(-Ls // c)
-    hidden_BxSxLsxD = out.hidden_BxLxD.reshape(B, S, Ls, D)
-    toks_BxSxLs = tuple(x.reshape(B, S, Ls) for x in toks)
-    if n * c > Ls:
-        hidden_BxSxLsxD = jnp.pad(hidden_BxSxLsxD, ((0, 0), (0, 0), (0, n * c - Ls), (0, 0)))
-        toks_BxSxLs = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, n * c - Ls))) for x in toks_BxSxLs)
-    constrain = _vocab_sharding(out)
-    hidden_NxBxSxCxD = constrain(
-        hidden_BxSxLsxD.reshape(B, S, n, c, D).transpose(2, 0, 1, 3, 4), "stack5")
-    toks_NxBxSxC = tuple(x.reshape(B, S, n, c).transpose(2, 0, 1, 3) for x in toks_BxSxLs)
-    head = constrain(out.head.astype(jnp.float32), "head")
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one(head: jax.Array, hidden_BxSxCxD: jax.Array, toks_BxSxC: tuple[jax.Array, ...]
-            ) -> TokenStats:
-        hidden_BxSxCxD = constrain(hidden_BxSxCxD, "hidden")
-        logits_BxSxCxV = constrain(logits_f32(head, hidden_BxSxCxD, out.tied), "logits4")
-        return stats(logits_BxSxCxV, *toks_BxSxC, vocab_sharded=True)
-
-    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxSxCxD, toks_NxBxSxC))
-    return jax.tree.map(
-        lambda x_NxBxSxC: x_NxBxSxC.transpose(1, 2, 0, 3).reshape(B, S, n * c)[:, :, :Ls]
-        .reshape(B, L), per_chunk)
-
-
 def chunk_positions(chunk: int, rows: int, length: int) -> int:
     """Sequence positions per chunk: ``chunk`` tokens over ``rows`` rows (at least one
     position); ``length`` (one chunk) when ``chunk`` is 0 or covers every token."""
@@ -180,50 +146,57 @@ def chunk_positions(chunk: int, rows: int, length: int) -> int:
     return max(1, chunk // rows)
 
 
-def _chunked(stats: functools.partial, out: Hidden, toks: tuple[jax.Array, ...], c: int
-             ) -> TokenStats:
-    """``stats`` over chunks of ``c`` positions (the sequence padded to a multiple of c);
-    ``toks``: the per-token inputs (targets, kept counts), ``[B, L]`` each."""
+def _chunked(stats: functools.partial, out: Hidden, toks: tuple[jax.Array, ...], c: int,
+             S: int = 1) -> TokenStats:
+    """``stats`` over chunks of ``c`` positions; ``toks``: the per-token inputs (targets, kept
+    counts), ``[B, L]`` each. With the length sharded ``S`` ways, chunk i holds positions
+    [i*c, (i+1)*c) of every shard's local sequence ([B, S, c] tokens, each local sequence padded
+    to a multiple of c), so the stack of chunks keeps the length sharding and no device ever
+    gathers the whole sequence."""
     B, L, D = out.hidden_BxLxD.shape
-    n = -(-L // c)
-    hidden_BxLxD, pad = out.hidden_BxLxD, n * c - L
-    if pad:
-        hidden_BxLxD = jnp.pad(hidden_BxLxD, ((0, 0), (0, pad), (0, 0)))
-        toks = tuple(jnp.pad(x, ((0, 0), (0, pad))) for x in toks)
-    constrain = _vocab_sharding(out)
-    hidden_NxBxCxD = constrain(hidden_BxLxD.reshape(B, n, c, D).swapaxes(0, 1), "stack")
-    toks_NxBxC = tuple(x.reshape(B, n, c).swapaxes(0, 1) for x in toks)
+    Ls = L // S
+    n = -(-Ls // c)
+    hidden_BxSxLsxD = out.hidden_BxLxD.reshape(B, S, Ls, D)
+    toks_BxSxLs = tuple(x.reshape(B, S, Ls) for x in toks)
+    if n * c > Ls:
+        hidden_BxSxLsxD = jnp.pad(hidden_BxSxLsxD, ((0, 0), (0, 0), (0, n * c - Ls), (0, 0)))
+        toks_BxSxLs = tuple(jnp.pad(x, ((0, 0), (0, 0), (0, n * c - Ls))) for x in toks_BxSxLs)
+    constrain = _vocab_sharding(out, S > 1)
+    hidden_NxBxSxCxD = constrain(
+        hidden_BxSxLsxD.reshape(B, S, n, c, D).transpose(2, 0, 1, 3, 4), "stack")
+    toks_NxBxSxC = tuple(x.reshape(B, S, n, c).transpose(2, 0, 1, 3) for x in toks_BxSxLs)
     # Cast once, not per chunk; on a mesh, resharded once to vocabulary shards.
     head = constrain(out.head.astype(jnp.float32), "head")
 
     # Remat: the backward pass saves only each chunk's inputs and recomputes its logits, so
-    # no [n, B, c, V] stack of residuals is ever built (the head is loop-invariant).
+    # no [n, B, S, c, V] stack of residuals is ever built (the head is loop-invariant).
     @functools.partial(jax.checkpoint, prevent_cse=False)
-    def one(head: jax.Array, hidden_BxCxD: jax.Array, toks_BxC: tuple[jax.Array, ...]
+    def one(head: jax.Array, hidden_BxSxCxD: jax.Array, toks_BxSxC: tuple[jax.Array, ...]
             ) -> TokenStats:
-        hidden_BxCxD = constrain(hidden_BxCxD, "hidden")
-        logits_BxCxV = constrain(logits_f32(head, hidden_BxCxD, out.tied), "logits")
-        return stats(logits_BxCxV, *toks_BxC, vocab_sharded=bool(out.mesh and out.vocab_axes))
+        hidden_BxSxCxD = constrain(hidden_BxSxCxD, "hidden")
+        logits_BxSxCxV = constrain(logits_f32(head, hidden_BxSxCxD, out.tied), "logits")
+        return stats(logits_BxSxCxV, *toks_BxSxC,
+                     vocab_sharded=bool(out.mesh and out.vocab_axes))
 
-    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxCxD, toks_NxBxC))
-    return jax.tree.map(lambda x_NxBxC: x_NxBxC.swapaxes(0, 1).reshape(B, n * c)[:, :L],
-                        per_chunk)
+    per_chunk = jax.lax.map(lambda xs: one(head, *xs), (hidden_NxBxSxCxD, toks_NxBxSxC))
+    return jax.tree.map(
+        lambda x_NxBxSxC: x_NxBxSxC.transpose(1, 2, 0, 3).reshape(B, S, n * c)[:, :, :Ls]
+        .reshape(B, L), per_chunk)
 
 
-def _vocab_sharding(out: Hidden):  # noqa: ANN202 -- (array, role) -> array
+def _vocab_sharding(out: Hidden, length_sharded: bool):  # noqa: ANN202 -- (array, role) -> array
     """The chunked path's sharding constraints: logits sharded over the vocabulary on
     ``out.vocab_axes``, hidden states replicated; the identity without a mesh."""
     if out.mesh is None or not out.vocab_axes:
         return lambda x, role: x
     vocab, batch, length = (axes[0] if len(axes) == 1 else axes or None
                             for axes in (out.vocab_axes, out.batch_axes, out.length_axes))
-    # "stack": the chunks' hidden states keep the batch sharding outside the loop, or the
-    # in-loop "replicated" would propagate into the whole forward.
+    # "stack": the chunks' hidden states [n, B, S, c, D] keep the batch (and length) sharding
+    # outside the loop, or the in-loop "replicated" would propagate into the whole forward.
     specs = {"head": PartitionSpec(vocab, None) if out.tied else PartitionSpec(None, vocab),
-             "hidden": PartitionSpec(), "logits": PartitionSpec(None, None, vocab),
-             "stack": PartitionSpec(None, batch),
-             "stack5": PartitionSpec(None, batch, length),
-             "logits4": PartitionSpec(None, None, None, vocab)}
+             "hidden": PartitionSpec(),
+             "stack": PartitionSpec(None, batch, length if length_sharded else None),
+             "logits": PartitionSpec(None, None, None, vocab)}
     return lambda x, role: jax.lax.with_sharding_constraint(
         x, NamedSharding(out.mesh, specs[role]))
 

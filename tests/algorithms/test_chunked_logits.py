@@ -201,3 +201,32 @@ def test_vocab_sharded_chunks_equal_replicated_head_and_never_gather_the_head(ti
     # hold a quarter of each (measured on CPU: see docs/memory.md).
     head_bytes = 4096 * 32 * 4
     assert temp <= ref_temp - head_bytes, (temp, ref_temp)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("chunk", [8, 6], ids=["whole_chunks", "padded_chunks"])
+def test_length_sharded_chunks_equal_the_full_logits_in_values_and_gradients(chunk):
+    # The sequence over context = 2 and the vocabulary over data = 2: each chunk stacks
+    # positions of both length shards ([B, S, c] tokens), padded when c does not divide them.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    rows, length, d, v = 4, 16, 32, 512
+    k = jax.random.split(jax.random.key(5), 3)
+    hidden = jax.device_put(jax.random.normal(k[0], (rows, length, d)),
+                            NamedSharding(mesh, PartitionSpec("data", "context")))
+    head = jax.device_put(0.1 * jax.random.normal(k[1], (d, v)), NamedSharding(mesh, PartitionSpec()))
+    targets = jax.random.randint(k[2], (rows, length), 0, v)
+
+    def loss(h, w, c):
+        out = Hidden(h, w, tied=False, chunk=c, mesh=mesh, vocab_axes=("data",),
+                     batch_axes=("data",), length_axes=("context",))
+        stats = token_stats(out, targets, entropy=True)
+        return stats.logprobs_BxL.sum() + 0.1 * stats.entropy_BxL.sum()
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)), static_argnums=2)
+    val, grads = jax.device_get(grad(hidden, head, rows * chunk))
+    ref_val, ref_grads = jax.device_get(grad(hidden, head, 0))
+
+    np.testing.assert_allclose(val, ref_val, rtol=RTOL, atol=1e-4)
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
