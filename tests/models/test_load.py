@@ -21,6 +21,7 @@ from meshrl.tests.models.conftest import (
     random_hf_model,
     random_ids,
 )
+from meshrl.tests.trees import assert_trees_equal
 from meshrl.utils.errors import MissingFileError
 
 
@@ -97,7 +98,7 @@ def test_load_places_params_in_the_roles_shardings(role, fsdp, embed_sharded):
     assert jax.tree.leaves(loaded.shardings) == jax.tree.leaves(want)
     for sharding, var in zip(jax.tree.leaves(loaded.shardings),
                              jax.tree.leaves(loaded.params, is_leaf=lambda x: isinstance(
-                                 x, nnx.Variable))):
+                                 x, nnx.Variable)), strict=True):
         assert var.get_value().sharding == sharding
     sharded = [not s.is_fully_replicated for s in jax.tree.leaves(loaded.shardings)]
     assert any(sharded) == embed_sharded
@@ -110,8 +111,7 @@ def test_random_load_is_seeded_by_trainer_seed_and_carries_the_tokenizer():
     a, b = load(config, mesh, "train"), load(config, mesh, "train")
 
     assert isinstance(a, LoadedModel) and a.tokenizer.vocab_size <= a.arch.vocab_size
-    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_equal(a.params, b.params)
 
 
 def test_load_of_hf_path_without_config_json_names_the_file(tmp_path):

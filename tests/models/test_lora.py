@@ -14,6 +14,7 @@ from meshrl.configs.lora_schema import LoraConfig
 from meshrl.models import create_model, quant, split_model
 from meshrl.models.lora import Lora, delta, init_adapters, projections
 from meshrl.tests.trainer.tiny import tiny_config
+from meshrl.tests.trees import assert_trees_equal
 
 # Documented in docs/lora.md: max |logit - float32 logit| over the tiny model's logits,
 # relative to the float32 logits' max |value|.
@@ -54,8 +55,7 @@ def test_zero_b_merges_to_the_base_bitwise():
     adapters = init_adapters(list(lora.targets), 4, 0)
     dtypes = {k: v.dtype for k, v in frozen.items()}
     merged = lora.merged(jax.tree.structure(params), frozen, adapters, dtypes)
-    for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(merged, params)
 
 
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8", "nf4"])
@@ -64,7 +64,7 @@ def test_quantised_base_logits_stay_within_the_documented_tolerance(base_dtype):
     lora = Lora.of(LoraConfig(rank=4, base_dtype=base_dtype), g, params)
     frozen = lora.freeze(params)
     dtypes = {k: v.dtype for k, v in
-              zip(frozen, jax.tree.leaves(params))}
+              zip(frozen, jax.tree.leaves(params), strict=True)}
     base = lora.merged(jax.tree.structure(params), frozen, None, dtypes)
     ids = jax.random.randint(jax.random.key(0), (2, 12), 0, 64)
     want, got = _logits(g, params, ids), _logits(g, base, ids)

@@ -45,11 +45,11 @@ def test_packed_nf4_base_halves_code_bytes_and_keeps_logits_bitwise():
     packed = lora.freeze(params)
     plain = {k: (quant.quantize(params_flat, "nf4", v.n_lead, pack=False)
                  if isinstance(v, quant.QTensor) else v)
-             for (k, v), params_flat in zip(packed.items(), jax.tree.leaves(params))}
+             for (k, v), params_flat in zip(packed.items(), jax.tree.leaves(params), strict=True)}
     codes = lambda f: sum(v.codes.nbytes for v in f.values()  # noqa: E731
                           if isinstance(v, quant.QTensor))
     assert codes(packed) * 2 == codes(plain)
-    dtypes = {k: v.dtype for k, v in zip(packed, jax.tree.leaves(params))}
+    dtypes = {k: v.dtype for k, v in zip(packed, jax.tree.leaves(params), strict=True)}
     ids = jax.random.randint(jax.random.key(1), (2, 12), 0, 64)
 
     @jax.jit
