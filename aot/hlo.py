@@ -128,15 +128,11 @@ def trip_count(instr: Instr, comps: dict[str, list[Instr]], caller: list[Instr])
     cond = dict(_called(instr)).get("condition")
     body = comps.get(cond or "", [])
     root = body[-1] if body else None
-    by_name = {i.name: i for i in body}
-    if root is not None and root.opcode == "and":
-        # ``i < N & ~early``: a loop that may end early is counted at its bound, the worst case.
-        parts = [by_name.get(n) for n in re.findall(r"%([\w.\-]+)", root.rest.split(")")[0])]
-        root = next((c for c in parts if c is not None and c.opcode == "compare"), None)
     if root is None or root.opcode != "compare":
         return None
     names = re.findall(r"%([\w.\-]+)", root.rest.split(")")[0])
     direction = re.search(r"direction=(\w+)", root.rest)
+    by_name = {i.name: i for i in body}
     if len(names) != 2 or not direction or direction.group(1) not in ("LT", "GT"):
         return None
     a, b = (by_name.get(n) for n in names)
