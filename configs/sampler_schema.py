@@ -30,6 +30,13 @@ class SamplerConfig(Section):
     decode_chunk: int = field(8, "Decode steps fused in one jitted call between slot checks.",
                               at_least(1))
     prompt_buckets: tuple[int, ...] = field((32, 64, 128), "Prompt length buckets (no recompiles).")
+    readback: Literal["auto", "lagged", "immediate"] = field(
+        "auto", "When the host reads a round's tokens. lagged: after dispatching the next round, "
+                "so host work overlaps the device, but a sequence that stopped decodes one more "
+                "chunk as an inactive row before its slot is refilled. immediate: as soon as "
+                "the round is done, so the device waits for the host between rounds. auto: "
+                "immediate on a CPU (host and device share its cores), lagged on an "
+                "accelerator.")
     prefill_tokens: int = field(
         8192, "Most prompt tokens (rows x prompt bucket) one prefill pass runs: a larger "
               "admission runs as a scan of passes over the largest divisor of its row count "

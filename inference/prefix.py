@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.inference import admission
 from meshrl.inference.prefix_plan import warm_plans
 from meshrl.inference.requests import Completion, Request, slot_settings
 from meshrl.utils.buckets import bucket_for
@@ -66,7 +67,7 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
             cached.append((s, r, start, no_page, no_page))
         else:
             solo.append((s, r))
-    admitted = sampler._prefill_admitted(solo)
+    admitted = admission.prefill_admitted(sampler, solo)
     pages.prompt_prefills += len(solo)
     # Leaders first: a member copies its leader's page, which a cached leader's call writes.
     by_length: dict[int, list[Row]] = collections.defaultdict(list)
@@ -129,7 +130,7 @@ def recompute(sampler: Any, live: Sequence[tuple[int, Completion]]) -> None:
         full.append((s, c))
         if shared:
             first.add(key)
-    sampler._reprefill(full)
+    admission.reprefill(sampler, full)
     pages.prompt_prefills += len(full)
     step = sampler.insert_buckets[-1]
     for length, group in tails.items():

@@ -39,6 +39,7 @@ from meshrl.inference.requests import (
 )
 from meshrl.inference.schedule import (
     SPLIT_CALL_OVERHEAD,
+    lagged_readback,
     plan_windows,
     sampler_share,
     weights_pass_cost,
@@ -58,7 +59,7 @@ class Sampler:
 
     ``generate(requests)`` is the synchronous API; ``submit`` + ``step`` drive the loop one
     chunk at a time (the async facade runs them in a thread): ``step`` returns what finished in
-    the round read back, one round behind the one it dispatches, so drive it while
+    the round it reads back (lagged: one behind the one it dispatches), so drive it while
     ``has_work()``. ``update_weights`` may land between chunks: in-flight slots are
     re-prefilled under the new version.
     """
@@ -79,6 +80,7 @@ class Sampler:
         (self.prompt_buckets, self.insert_buckets, self.window_buckets, self.row_buckets,
          self.swap_buckets, self.split_cuts, self.decode_shapes) = dataclasses.astuple(shapes)
         self._split = bool(self.split_cuts)  # a full chunk may split (see shapes, schedule)
+        self._lagged = lagged_readback(cfg, mesh.devices.flat[0].platform)
         self._repl = NamedSharding(mesh, PartitionSpec())
         self.pages = (SlotPages(self.model_cfg, cfg, mesh, self.rules)
                       if cfg.kv_cache == "paged" else None)
@@ -222,10 +224,10 @@ class Sampler:
 
     def step(self) -> list[Completion]:
         """One scheduling round: refresh stale caches, refill free slots, dispatch one decode
-        chunk, then read back the *previous* round (docs/sampler.md). Round k + 1 is planned
-        before round k's tokens are known: its window allows for the tokens in flight, a slot
-        certain to hit its length limit is left out, and one that stops on a stop id decodes
-        one more chunk as an inactive row (it emits nothing)."""
+        chunk, then read back this round or, lagged (``sampler.readback``), the previous one.
+        A lagged round k + 1 is planned before round k's tokens are known: its window allows
+        for the tokens in flight, a slot certain to hit its length limit is left out, and one
+        that stops on a stop id decodes one more chunk as an inactive row (it emits nothing)."""
         with self._lock:
             if self.params is None:
                 raise RuntimeError("the sampler has no weights: call update_weights/load_weights")
@@ -239,8 +241,10 @@ class Sampler:
             plan = self._plannable()
             if plan:
                 self._dispatch_chunk(rnd, plan)
-            prev, self._inflight = self._inflight, (rnd if rnd.admitted or rnd.calls else None)
-            return finished + self._read(prev)
+            read = rnd if rnd.admitted or rnd.calls else None
+            if self._lagged:  # read the previous round while this one runs
+                read, self._inflight = self._inflight, read
+            return finished + self._read(read)
 
     def _read(self, rnd: Round | None) -> list[Completion]:
         """Read back one round (one transfer) and apply it: first tokens, then the chunk."""
@@ -293,11 +297,8 @@ class Sampler:
         free = sorted(self.slots.free() + list(ending))
         if self.pages:
             return prefix.admit(self, free, ending)
-        return self._prefill_admitted([(s, self._queue.popleft())
-                                       for s in free[:min(len(free), len(self._queue))]])
-
-    def _prefill_admitted(self, picked: Sequence[tuple[int, Request]]) -> admission.Admitted:
-        return admission.prefill_admitted(self, picked)  # ``prefix`` calls it too
+        picked = [(s, self._queue.popleft()) for s in free[:min(len(free), len(self._queue))]]
+        return admission.prefill_admitted(self, picked)
 
     def _in_flight_chunk(self, c: Completion) -> bool:
         return self._inflight is not None and id(c) in self._inflight.decoding
@@ -378,10 +379,7 @@ class Sampler:
         live = self.slots.take_stale()
         if self.pages:  # a prompt group re-prefills its shared pages once
             return prefix.recompute(self, live)
-        self._reprefill(live)
-
-    def _reprefill(self, live: Sequence[tuple[int, Completion]]) -> None:
-        admission.reprefill(self, live)  # ``prefix`` calls it too
+        admission.reprefill(self, live)
 
     @property
     def recompute_buckets(self) -> tuple[int, ...]:

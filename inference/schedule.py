@@ -44,6 +44,15 @@ Call = tuple[int, int, int]  # (lo, rows, window): slots [lo, lo + rows) over en
 _measured: dict[Hashable, float] = {}  # measured shares of this process, by sampler shape
 
 
+def lagged_readback(cfg: SamplerConfig, platform: str) -> bool:
+    """Whether a round is read back after the next one is dispatched (``sampler.readback``).
+    On a CPU the overlap buys little, as host and device share the cores, while the extra chunk
+    a stopped sequence holds its slot for is a whole chunk of that slot's work."""
+    if cfg.readback == "auto":
+        return platform != "cpu"
+    return cfg.readback == "lagged"
+
+
 def weights_pass_cost(weights_size: int, share: float) -> int:
     """One more read of ``weights_size`` weights per decode step, in cache-entry elements."""
     return int(weights_size * share)

@@ -29,7 +29,9 @@ def _assert_same(got, want):
         np.testing.assert_allclose(g.raw_logprobs, w.raw_logprobs, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("temperature, lone", [(0.0, False), (1.0, True)],
+# Greedy only in -m slow: the sampled case splits the same chunks and adds a lone prompt.
+@pytest.mark.parametrize("temperature, lone", [pytest.param(0.0, False, marks=pytest.mark.slow),
+                                               (1.0, True)],
                          ids=["greedy_group", "sampled_group_and_lone_prompt"])
 def test_chunks_split_over_the_shared_prompt_sample_like_the_dense_cache(tiny_params,
                                                                          temperature, lone):

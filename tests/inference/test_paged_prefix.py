@@ -14,7 +14,7 @@ PROMPT = [(5 * i) % 90 + 1 for i in range(13)]  # 3 full pages of 4, the 13th to
 KW = dict(page_size=4, max_new_tokens=12, prompt_buckets=(16,), temperature=1.0)
 
 
-def _group(g=4, budgets=(3, 10, 10, 10)):
+def _group(g=4, budgets=(6, 10, 10, 10)):
     # Distinct seeds: G different samples of one prompt; the first ends early.
     return [Request(PROMPT, max_new_tokens=budgets[i], seed=i) for i in range(g)]
 

@@ -77,6 +77,7 @@ def test_recorded_routing_equals_the_trainer_forward_and_replays_its_logprobs(mo
                 out.raw_logprobs, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # a compile for a negative check; the flag's effect is tested above
 def test_without_the_flag_no_routing_is_recorded(moe_model):
     _, params = moe_model
     sampler = Sampler(MOE, SAMPLING, create_mesh(MeshConfig(data=1), jax.devices()[:1]), params)

@@ -327,22 +327,31 @@ def test_request_ended_by_its_first_token_finishes_beside_decoding_slots(tiny_pa
     assert all(c is None for c in sampler.slots.out)
 
 
-def test_next_chunk_is_dispatched_before_the_previous_one_is_read(tiny_params):
-    # Overlap scheduling: the device gets round k + 1 before the host reads round k, and a
-    # request certain to end by length inside the chunk in flight is not decoded again.
-    graphdef, params = tiny_params
-    prompt = _prompts(1, seed=7)[0]
-    ref, _ = reference_greedy(graphdef, params, prompt, 13)
-    sampler = make_sampler(params)  # decode_chunk 4: first token + 3 chunks make 13
+def _record_rounds(sampler) -> list[str]:
     events = []
     dispatch, read = sampler._dispatch_chunk, sampler._read
     sampler._dispatch_chunk = lambda rnd, live: events.append("dispatch") or dispatch(rnd, live)
     sampler._read = lambda rnd: (rnd is not None and events.append("read")) or read(rnd)
+    return events
+
+
+@pytest.mark.parametrize("readback, want", [
+    # Overlap: the device gets round k + 1 before the host reads round k, and a request
+    # certain to end by length inside the chunk in flight is not decoded again.
+    ("lagged", ["dispatch", "dispatch", "read", "dispatch", "read", "read"]),
+    ("immediate", ["dispatch", "read"] * 3)])
+def test_lagged_readback_dispatches_the_next_chunk_before_reading_the_last(
+        tiny_params, readback, want):
+    graphdef, params = tiny_params
+    prompt = _prompts(1, seed=7)[0]
+    ref, _ = reference_greedy(graphdef, params, prompt, 13)
+    sampler = make_sampler(params, readback=readback)  # chunk 4: first token + 3 chunks
+    events = _record_rounds(sampler)
 
     out = sampler.generate([Request(prompt, max_new_tokens=13)])[0]
 
     assert out.tokens == ref and out.finish_reason == "length"
-    assert events == ["dispatch", "dispatch", "read", "dispatch", "read", "read"]
+    assert events == want
     assert not sampler.has_work()
 
 
@@ -353,11 +362,8 @@ def test_slot_ending_by_length_in_flight_is_refilled_without_an_idle_round(tiny_
     graphdef, params = tiny_params
     prompts = _prompts(2, seed=9)
     refs = [reference_greedy(graphdef, params, p, 5)[0] for p in prompts]
-    sampler = make_sampler(params, slots=1)
-    events = []
-    dispatch, read = sampler._dispatch_chunk, sampler._read
-    sampler._dispatch_chunk = lambda rnd, live: events.append("dispatch") or dispatch(rnd, live)
-    sampler._read = lambda rnd: (rnd is not None and events.append("read")) or read(rnd)
+    sampler = make_sampler(params, slots=1, readback="lagged")
+    events = _record_rounds(sampler)
 
     outs = sampler.generate([Request(p, max_new_tokens=5) for p in prompts])
 
