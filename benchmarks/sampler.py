@@ -36,6 +36,9 @@ Figures (targets in brackets):
   a per-row ``StoppingCriteria`` that ends each row at its intended length: it cannot draw
   meshrl's random numbers, so a row cannot stop on meshrl's stop token, and a static batch gains
   nothing from the criterion's knowledge (it runs until its last row stops either way). [> 1]
+* readback_gain: the same continuous first-come-first-served run on a sampler with the other
+  ``sampler.readback`` / on the default one (``auto``: immediate on a CPU, lagged on an
+  accelerator), seconds; ``readback`` names the default's mode. [> 1: auto chose right here]
 * ratio_fixed: transformers / meshrl seconds, batch 32, prompt 64, exactly 128 new tokens,
   greedy (no stop). [> 1]
 * cache_growth: the fixed workload's seconds with max_len 1024 over max_len 192 (decode attends
@@ -75,6 +78,7 @@ from meshrl.benchmarks.sampler_vs_commit import QUICK as GRPO_QUICK
 from meshrl.benchmarks.sampler_vs_commit import grpo_requests, prompt_pages
 from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
 from meshrl.inference.sampler import Request, Sampler
+from meshrl.inference.schedule import lagged_readback
 from meshrl.mesh import create_mesh
 from meshrl.models import create_model, split_model
 from meshrl.models.hf import load_hf_checkpoint, save_hf_checkpoint
@@ -97,12 +101,13 @@ class LongTail:
     by_budget: list[Request]
 
 
-def _sampler(params, max_len: int, first: list[Request]) -> tuple[Sampler, float]:
+def _sampler(params, max_len: int, first: list[Request], readback: str = "auto"
+             ) -> tuple[Sampler, float]:
     """A fresh sampler (no ``warmup``: it compiles what a call needs when it first needs it)
     and the seconds from building it to ``first``'s completions: the start-up a user sees."""
     mesh = create_mesh(MeshConfig(data=1, tensor=1), jax.devices()[:1])
     cfg = SamplerConfig(max_len=max_len, slots=SLOTS, max_new_tokens=128, temperature=0.0,
-                        decode_chunk=16, prompt_buckets=(PROMPT,))
+                        decode_chunk=16, prompt_buckets=(PROMPT,), readback=readback)
     t = time.perf_counter()
     s = Sampler(CFG, cfg, mesh, params)
     s.generate(first)
@@ -242,13 +247,16 @@ def _fixed(small: Sampler, big: Sampler, hf, prompts_BxP: np.ndarray, new: int, 
             **_per_second("hf_fixed_tok_s", n, theirs)}
 
 
-def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: int,
-                       floors: Floors) -> dict:
-    """cb_speedup, cb_speedup_oracle, ratio_longtail and the useful tokens/s of each side."""
+def _long_tail_figures(big: Sampler, other: Sampler, hf, tail: LongTail, max_new: int,
+                       rounds: int, floors: Floors) -> dict:
+    """cb_speedup, cb_speedup_oracle, ratio_longtail, readback_gain and the useful tokens/s of
+    each side."""
     order = sorted(range(len(tail.lengths)), key=lambda i: -tail.lengths[i])
     sides = {
         "meshrl continuous, first come first served":
             MeshrlSide(big, [tail.by_stop], tail.lengths, False),
+        "meshrl continuous, first come first served, the other read-back":
+            MeshrlSide(other, [tail.by_stop], tail.lengths, False),
         "meshrl static, arrival order":
             MeshrlSide(big, _chunks(tail.by_stop, SLOTS), tail.lengths, False),
         "transformers static, arrival order": _hf_long_tail(hf, tail, max_new),
@@ -266,7 +274,8 @@ def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: i
         side.tokens.clear()
         side.match.clear()
     before = big.compile_count()
-    fifo, static, hf_s, oracle, sorted_s = interleave(sides, rounds, warmup=0).values()
+    fifo, fifo_other, static, hf_s, oracle, sorted_s = interleave(sides, rounds,
+                                                                  warmup=0).values()
     match = min(m for s in mesh_sides for m in s.match)
     if match < MIN_LENGTH_MATCH:
         floors.problems.append(f"long tail: only {match:.0%} of completions stopped at their "
@@ -276,6 +285,7 @@ def _long_tail_figures(big: Sampler, hf, tail: LongTail, max_new: int, rounds: i
     return {**spread("cb_speedup", paired_ratios(static, fifo), 3),
             **spread("cb_speedup_oracle", paired_ratios(sorted_s, oracle), 3),
             **spread("ratio_longtail", paired_ratios(hf_s, fifo), 3),
+            **spread("readback_gain", paired_ratios(fifo_other, fifo), 3),
             **_per_second("meshrl_longtail_useful_tok_s", fifo_side.tokens, fifo),
             **_per_second("meshrl_static_useful_tok_s", static_side.tokens, static),
             **_per_second("hf_longtail_useful_tok_s", [sum(tail.lengths)] * rounds, hf_s),
@@ -364,13 +374,18 @@ def main() -> None:
     result: dict = {"benchmark": "sampler"}
     result |= _fixed(small, big, hf, fixed_prompts_BxP, n_fixed_new, args.rounds)
 
+    lagged = lagged_readback(big.cfg, jax.devices()[0].platform)
+    other_readback = "immediate" if lagged else "lagged"
+    other, _ = _sampler(params, 1024, first, readback=other_readback)
     tail = _long_tail(big, n_requests, max_new, median, rng)
     floors = Floors()
-    result |= _long_tail_figures(big, hf, tail, max_new, args.rounds, floors)
+    result |= _long_tail_figures(big, other, hf, tail, max_new, args.rounds, floors)
     result |= _grpo_figures(params, grpo_work, args.rounds)
     result |= {"first_call_s": round(first_call_s, 2), "compiled_programs": big.compile_count(),
                "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
-               "quick": args.quick, "platform": jax.devices()[0].platform}
+               "quick": args.quick, "platform": jax.devices()[0].platform,
+               "readback": "lagged" if lagged else "immediate",
+               "readback_other": other_readback}
     emit(result, floors)
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -94,9 +95,12 @@ def _serve(kv_cache: str, work: dict) -> None:
 
 def prompt_pages(sampler, reqs: list) -> tuple[int, int]:
     """(pages holding the live prompts, the same prompts one copy per sample) once a paged
-    ``sampler`` has admitted the first ``SLOTS`` of ``reqs``; it then runs them to the end."""
+    ``sampler`` has admitted the first ``SLOTS`` of ``reqs``, none finished yet (no stop ids,
+    two chunks' budget: a round read back right away would free a stopped one's pages); it
+    then runs them to the end."""
+    budget = 2 * sampler.cfg.decode_chunk
     for r in reqs[:SLOTS]:
-        sampler.submit(r)
+        sampler.submit(dataclasses.replace(r, stop_ids=(), max_new_tokens=budget))
     sampler.step()
     live = [c for c in sampler.slots.out if c is not None]
     shared = sampler.pages.prompt_pages(sampler.slots.out)
