@@ -340,7 +340,7 @@ def _record_rounds(sampler) -> list[str]:
     # certain to end by length inside the chunk in flight is not decoded again.
     ("lagged", ["dispatch", "dispatch", "read", "dispatch", "read", "read"]),
     ("immediate", ["dispatch", "read"] * 3)])
-def test_lagged_readback_dispatches_the_next_chunk_before_reading_the_last(
+def test_each_readback_dispatches_and_reads_rounds_in_its_own_order(
         tiny_params, readback, want):
     graphdef, params = tiny_params
     prompt = _prompts(1, seed=7)[0]
