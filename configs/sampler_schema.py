@@ -61,16 +61,17 @@ class SamplerConfig(Section):
            "the same tokens (least recently used dropped first, and when the pool is short; "
            "cleared by new weights). 0: off.", at_least(0))
     decode_row_buckets: tuple[int, ...] = field(
-        (), "Slot counts a decode chunk may run on: when few sequences are left, the live slots "
-            "are packed into the lowest ones and decode runs on that many rows only. () = "
-            "automatic, (slots // 8, slots) for slots >= 16; (slots,) = always all slots. Used "
-            "only when the slots are not sharded over several devices.")
+        (), "Row counts a decode call may run on: a call gathers the slots it names (the live "
+            "ones when few are left, or a range of them ranked by length, see "
+            "decode_split_windows) and decodes that many rows only. () = automatic, "
+            "(slots // 8, slots // 4, slots // 2, slots) for slots >= 16; (slots,) = always all "
+            "slots. Used only when the slots are not sharded over several devices.")
     decode_split_windows: bool = field(
-        True, "With two or more row buckets: when the longest live sequences (as many as the "
-              "smallest row bucket) need a much longer cache window than the rest, decode them "
-              "in a call of their own, so the rest attends over a shorter window. Taken only "
-              "when the cache reads saved outweigh one more pass over the weights plus a "
-              "fixed per-call cost (Sampler.split_call_overhead).")
+        True, "With two or more row buckets: when live sequences need very different cache "
+              "windows, cut them, ranked by length, into calls over their own windows (each on "
+              "a row bucket below slots), so short sequences attend over short windows. A cut "
+              "is taken only when the cache reads saved outweigh one more pass over the "
+              "weights plus a fixed per-call cost (Sampler.split_call_overhead).")
     decode_split_weights_pass: float = field(
         0.0, "What one more pass over the weights costs per decode step, as a share of reading "
              "as many KV-cache elements; decode_split_windows weighs it against the cache reads "

@@ -93,7 +93,8 @@ def make_tail(graphdef: nnx.GraphDef) -> Callable:
 
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                 on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
-    """decode(params, cache, st, window, rows, lo) on the paged cache: every slot's positions
+    """decode(params, cache, st, slots_R, window) on the paged cache (``slots_R``: every slot,
+    in order): every slot's positions
     [0, window) gathered from its pages into a dense window (``dense_window``), the dense
     sampler's ``chunk`` steps over it, then the band of positions the chunk wrote scattered
     back into the pages (``put_band``). Attention over pages gathers each slot's pages on every
@@ -107,16 +108,16 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     program."""
     dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
 
-    def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, window: int, rows: int,
-               lo: int) -> tuple[PagedKVCache, SlotState, tuple]:
-        assert (lo, rows) == (0, cache.slots), (lo, rows, cache.slots)  # paged_shapes
+    def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, slots_R: jax.Array,
+               window: int) -> tuple[PagedKVCache, SlotState, tuple]:
+        assert slots_R.shape == (cache.slots,), (slots_R.shape, cache.slots)  # paged_shapes
         shared = cache.shared
         if shared is None:
-            win, st_out, out = dense(params, dense_window(cache, window), st, window=window,
-                                     rows=rows, lo=lo)
+            win, st_out, out = dense(params, dense_window(cache, window), st, slots_R,
+                                     window=window)
             return put_band(cache, win, st.pos_B, chunk), st_out, out
         win = cascade_window(cache, shared)
-        win, st_out, out = dense(params, win, st, window=win.max_len, rows=rows, lo=lo)
+        win, st_out, out = dense(params, win, st, slots_R, window=win.max_len)
         cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.suffix_BxM, win.offset)
         return cache.replace(shared=None), st_out, out
 

@@ -169,5 +169,5 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
                                    sampler.window_buckets, pages.suffix_windows):
         sampler.cache, sampler.state, _ = sampler._decode(
-            sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state, window=window,
-            rows=cfg.slots, lo=0)
+            sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state,
+            np.arange(cfg.slots, dtype=np.int32), window=window)

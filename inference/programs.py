@@ -1,4 +1,4 @@
-"""The sampler's device programs: per-slot state, prefill, chunked windowed decode, slot swaps.
+"""The sampler's device programs: per-slot state, prefill, chunked windowed decode.
 
 Pure functions over (params, KV cache, ``SlotState``); ``Sampler`` jits them with donation and
 decides from host-side lengths which compiled variant runs next.
@@ -167,19 +167,23 @@ def pass_rows(n: int, length: int, max_tokens: int) -> int:
 
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                 on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
-    """decode(params, cache, st, window, rows, lo): ``chunk`` steps of slots [lo, lo + rows)
-    over cache entries [0, window); ``on_trace`` sees each traced window's key shape.
-    ``routing``: one more output, the experts [rows, chunk, layers, k] that routed the forward
-    each token was sampled from."""
+    """decode(params, cache, st, slots_R, window): ``chunk`` steps of the slots ``slots_R``
+    (R rows; the slot count S marks a padding row) over cache entries [0, window); ``on_trace``
+    sees each traced window's key shape. R = S means every slot in order (the caller passes
+    ``arange(S)``): no gather, and a whole-cache window is the cache itself. ``routing``: one
+    more output, the experts [R, chunk, layers, k] that routed the forward each token was
+    sampled from."""
 
-    def decode(params: nnx.State, cache: KVCache, full_st: SlotState, window: int, rows: int,
-               lo: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
-        # Only slots [lo, lo + rows) can be live (the host packs them there); the rest is skipped.
+    def decode(params: nnx.State, cache: KVCache, full_st: SlotState, slots_R: jax.Array,
+               window: int) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+        rows = slots_R.shape[0]
+        every = rows == cache.slots
         # A window of the whole cache is the cache itself: no copy, no write-back.
-        whole = window == cache.max_len and rows == cache.slots and lo == 0
-        win = cache if whole else cache.window(window, rows, lo)
+        whole = every and window == cache.max_len
+        pick = None if every else slots_R
+        win = cache if whole else cache.window(window, pick)
         on_trace(win.k[0].shape)
-        st = jax.tree.map(lambda x: x[lo:lo + rows], full_st)
+        st = full_st if every else take_slots(full_st, slots_R)
         start_B = st.pos_B
         out0 = (jnp.full((rows, chunk), -1, jnp.int32), jnp.zeros((rows, chunk), jnp.float32),
                 jnp.zeros((rows, chunk), jnp.float32), jnp.zeros((rows, chunk), jnp.int32))
@@ -207,9 +211,9 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         win, st, out, rout = jax.lax.fori_loop(0, chunk, step, (win, st, out0, rout0))
         # A row writes only at positions [start, start + chunk): copying back that band instead
         # of the whole window halves the cache traffic of a long-window chunk.
-        cache = win if whole else cache.put_band(win, start_B, chunk, lo)
-        full_st = jax.tree.map(lambda f, p: jax.lax.dynamic_update_slice_in_dim(f, p, lo, 0),
-                               full_st, st)
+        cache = win if whole else cache.put_band(win, start_B, chunk, pick)
+        full_st = st if every else jax.tree.map(
+            lambda f, p: f.at[slots_R].set(p, mode="drop"), full_st, st)
         tok_BxC, lp_BxC, raw_BxC, kept_BxC = out  # the kept counts last: readback's order
         return cache, full_st, (tok_BxC, lp_BxC, raw_BxC, st.active_B, st.reason_B, kept_BxC,
                                 *rout)
@@ -217,12 +221,9 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     return decode
 
 
-def swap(cache: KVCache, st: SlotState, a_M: jax.Array, b_M: jax.Array,
-         ) -> tuple[KVCache, SlotState]:
-    """Exchange slots ``a_M[i]`` and ``b_M[i]`` (cache and state); pairs holding the
-    out-of-range index S are padding. Swapping a live slot with a free one moves the free
-    slot's inactive state along, so a later wider chunk never decodes the vacated slot."""
-    src_M = jnp.concatenate([a_M, b_M])
-    dst_M = jnp.concatenate([b_M, a_M])
-    st = jax.tree.map(lambda x: x.at[dst_M].set(x[src_M], mode="drop"), st)
-    return cache.move_slots(src_M, dst_M), st
+def take_slots(st: SlotState, slots_R: jax.Array) -> SlotState:
+    """The state of slots ``slots_R`` as R rows; a padding row (index S) is inactive, so it
+    emits nothing and its writes are dropped."""
+    S = st.pos_B.shape[0]
+    sub = jax.tree.map(lambda x: jnp.take(x, slots_R, axis=0, mode="clip"), st)
+    return sub.replace(active_B=sub.active_B & (slots_R < S))

@@ -56,11 +56,11 @@ class Completion:
 @dataclasses.dataclass
 class Round:
     """One scheduling round's dispatched device work, read back one round later: the prefills
-    of the requests it admitted and the decode calls ``(lo, rows, window)`` of its chunk."""
+    of the requests it admitted and the decode calls ``(slots, rows, window)`` of its chunk."""
 
     version: int
     admitted: list[tuple[tuple[jax.Array, ...], list[Completion]]]  # prefill outs, completions
-    calls: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    calls: list[tuple[list[int], int, int]] = dataclasses.field(default_factory=list)
     outs: list[tuple[jax.Array, ...]] = dataclasses.field(default_factory=list)
     rows: list[list[Completion | None]] = dataclasses.field(default_factory=list)  # at dispatch
     decoding: set[int] = dataclasses.field(default_factory=set)  # id() of completions in calls

@@ -40,7 +40,7 @@ from meshrl.inference.requests import (
 from meshrl.inference.schedule import (
     SPLIT_CALL_OVERHEAD,
     lagged_readback,
-    plan_windows,
+    plan_calls,
     sampler_share,
     weights_pass_cost,
 )
@@ -78,8 +78,7 @@ class Sampler:
         S, T = cfg.slots, cfg.max_len
         shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules, insert_buckets)
         (self.prompt_buckets, self.insert_buckets, self.window_buckets, self.row_buckets,
-         self.swap_buckets, self.split_cuts, self.decode_shapes) = dataclasses.astuple(shapes)
-        self._split = bool(self.split_cuts)  # a full chunk may split (see shapes, schedule)
+         self._split) = dataclasses.astuple(shapes)  # _split: a chunk may split (schedule)
         self._lagged = lagged_readback(cfg, mesh.devices.flat[0].platform)
         self._repl = NamedSharding(mesh, PartitionSpec())
         self.pages = (SlotPages(self.model_cfg, cfg, mesh, self.rules)
@@ -118,10 +117,8 @@ class Sampler:
         st_sh, cache_sh = self._repl, self._cache_sh
         self._prefill = jax.jit(prefill, donate_argnums=(1, 2),  # resample traced: one program
                                 out_shardings=(cache_sh, st_sh, st_sh))
-        self._decode = jax.jit(decode, static_argnames=("window", "rows", "lo"),
+        self._decode = jax.jit(decode, static_argnames=("window",),
                                donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
-        self._swap = jax.jit(programs.swap, donate_argnums=(0, 1),
-                             out_shardings=(cache_sh, st_sh))
         if self.pages:
             self.pages.build_jits(self.graphdef, T, st_sh)
 
@@ -140,7 +137,7 @@ class Sampler:
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
         return (self._prefill._cache_size() + self._decode._cache_size()
-                + self._swap._cache_size() + (self.pages.compile_count() if self.pages else 0))
+                + (self.pages.compile_count() if self.pages else 0))
 
     def window_for(self, max_pos: int) -> int:
         """Cache window for a chunk whose largest active position is ``max_pos``."""
@@ -325,52 +322,33 @@ class Sampler:
         return [s for s, c in enumerate(self.slots.out)
                 if c is not None and tokens_left(c, self.cfg) <= self._ahead(c)]
 
-    def _gather(self, keep: Sequence[Completion], lo: int, hi: int) -> None:
-        """Swap the completions ``keep`` into slots [lo, hi) (``SlotTable.gathering``): cache,
-        device state and host records of each (a, b) slot pair exchanged."""
-        S, pairs = self.cfg.slots, self.slots.gathering(keep, lo, hi)
-        if not pairs:
-            return
-        # Padding pairs (index S) still gather a whole slot each: pad only to a bucket.
-        m = bucket_for(max(len(pairs), 1), self.swap_buckets)
-        a_M, b_M = np.full((m,), S, np.int32), np.full((m,), S, np.int32)
-        for i, (x, y) in enumerate(pairs):
-            a_M[i], b_M[i] = x, y
-        self.cache, self.state = self._swap(self.cache, self.state, a_M, b_M)
-        self.slots.swap(pairs)
-
-    def _plan_chunk(self, live: list[int]) -> list[tuple[int, int, int]]:
-        """(lo, rows, window) of each decode call of the next chunk: few live sequences, one
-        call on the smallest row bucket holding them, packed low; else ranges of the ranking
-        by length over their own windows (``schedule.plan_windows``, docs/sampler.md)."""
+    def _plan_chunk(self, live: list[int]) -> list[tuple[list[int], int, int]]:
+        """(slots, rows, window) of each decode call of the next chunk: the live slots ranked
+        by length, cut into ranges over their own windows (``schedule.plan_calls``,
+        docs/sampler.md); a call on every slot lists them all, in order."""
         S = self.cfg.slots
         pos = {s: self._pos(s) for s in live}
-        rows = bucket_for(len(live), self.row_buckets)
-        if rows < S:
-            self._gather([self.slots.out[s] for s in live], 0, rows)
-            return [(0, rows, self.window_for(max(pos.values())))]
-        if not self._split:
-            return [(0, S, self.window_for(max(pos.values())))]
-        ranked = sorted(live, key=lambda s: (-pos[s], s))  # ties: keep slots already low
-        top = self.window_for(pos[ranked[0]])
-        if all(self.window_for(pos[ranked[c]]) == top for c in self.split_cuts if c < len(live)):
-            return [(0, S, top)]  # no cut shortens a window: one call is cheapest at any price
-        calls = plan_windows([pos[s] for s in ranked], S, self.split_cuts, self.window_for,
-                             self._weights_pass + self.split_call_overhead, self._entry_size)
-        members = [self.slots.out[s] for s in ranked]
-        for lo, n, _ in calls[:-1]:  # the last range holds whoever is left
-            self._gather(members[lo:lo + n], lo, lo + n)
-        return calls
+        ranked = sorted(live, key=lambda s: (-pos[s], s))
+        windows = {self.window_for(pos[s]) for s in ranked}
+        # One window for all: no cut can pay, and the share need not be priced.
+        split = self._split and len(windows) > 1
+        cost = self._weights_pass + self.split_call_overhead if split else 0
+        calls = plan_calls([pos[s] for s in ranked], self.row_buckets, self.window_for, cost,
+                           self._entry_size, split)
+        return [(list(range(S)) if rows == S else ranked[lo:hi], rows, window)
+                for lo, hi, rows, window in calls]
 
     def _dispatch_chunk(self, rnd: Round, live: list[int]) -> None:
         """Dispatch the decode calls of one chunk over ``live`` into ``rnd``."""
+        S = self.cfg.slots
         rnd.calls = self._plan_chunk(live)
-        for lo, rows, window in rnd.calls:
+        for slots, rows, window in rnd.calls:
+            slots_R = np.full((rows,), S, np.int32)  # index S: a padding row
+            slots_R[:len(slots)] = slots
             self.cache, self.state, out = self._decode(self.params, self._bound(window, live),
-                                                       self.state,
-                                                       window=window, rows=rows, lo=lo)
+                                                       self.state, slots_R, window=window)
             rnd.outs.append(out)
-            rnd.rows.append(self.slots.out[lo:lo + rows])
+            rnd.rows.append([self.slots.out[s] for s in slots] + [None] * (rows - len(slots)))
         rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}
 
     def _recompute(self) -> None:

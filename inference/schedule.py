@@ -2,13 +2,12 @@
 
 A decode call attends over one cache window for all its rows, so when live sequences sit at
 very different positions (continuous batching refills slots at different times) one call over
-the longest window reads the short sequences' empty entries on every step. The
-sampler ranks live slots by position (longest first) and may cut that ranking at the
-``split_cuts`` into contiguous slot ranges, each its own call over its own window. A cut pays
-when the cache entries it saves outweigh one more call: one more pass over the weights
-(``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``). Free slots ride
-along with the last range, whose window its live rows set. ``Sampler`` swaps each range's
-members into place before dispatch.
+the longest window reads the short sequences' empty entries on every step. The sampler ranks
+live slots by position (longest first) and may cut that ranking into consecutive ranges, each
+its own call over its own window on the slots it names (gathered by index: no slot moves).
+Each range is padded to a row bucket; only a range holding every live slot may take all the
+slots. A cut pays when the cache entries it saves outweigh one more call: one more pass over
+the weights (``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``).
 
 What a weights pass costs next to cache reads depends on the machine: on an accelerator both
 stream from HBM; on a CPU the weights of a small model stay in the last-level cache over a
@@ -20,7 +19,6 @@ every process of one program must plan the same calls.
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -28,9 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import SlotState
+from meshrl.utils.buckets import bucket_for
 
 # A decode call's fixed cost per step (dispatch, sampling, slot bookkeeping), in cache-entry
 # elements read: what one more call costs beyond its weights pass and its own window.
@@ -40,7 +40,8 @@ SPLIT_CALL_OVERHEAD = 1 << 20
 SHARE_RANGE = (1 / 64, 1.0)
 MEASURE_WINDOW_SPAN = 8  # the longer timed window is at most this many times the shorter
 
-Call = tuple[int, int, int]  # (lo, rows, window): slots [lo, lo + rows) over entries [0, window)
+Call = tuple[int, int, int, int]  # (start, end, rows, window): ranks [start, end) of the
+# ranking on ``rows`` rows over cache entries [0, window)
 _measured: dict[Hashable, float] = {}  # measured shares of this process, by sampler shape
 
 
@@ -85,7 +86,7 @@ def sampler_share(sampler: Any) -> float:
         if not scratch:
             scratch[:] = [sampler.dense_cache(), jax.device_put(SlotState.init(S), sampler._repl)]
         scratch[0], scratch[1], out = sampler._decode(
-            sampler.params, scratch[0], scratch[1], window=window, rows=S, lo=0)
+            sampler.params, scratch[0], scratch[1], np.arange(S, dtype=np.int32), window=window)
         return out
 
     platform = sampler.mesh.devices.flat[0].platform
@@ -136,42 +137,34 @@ def measure_weights_pass(decode_at: Callable[[int], Any], windows: tuple[int, in
                SHARE_RANGE[1])
 
 
-def split_cuts(row_buckets: Sequence[int], slots: int) -> tuple[int, ...]:
-    """Where a full chunk's ranking may be cut: after the smallest row bucket's worth of the
-    longest sequences. More cuts (``Sampler.split_cuts = (4, 16)`` on 32 slots) add calls and
-    the swaps that keep each range's members in place, which can cost what the shorter windows
-    save; one cut is the default."""
-    return tuple(b for b in row_buckets[:1] if 0 < b < slots)
-
-
-def decode_shapes(row_buckets: Sequence[int], cuts: Sequence[int], slots: int
-                  ) -> tuple[tuple[int, int], ...]:
-    """Every (lo, rows) a decode call may have: the packed row buckets, and each slot range
-    between two cut points (or the ends) of a split chunk."""
-    bounds = (0, *cuts, slots)
-    ranges = {(lo, hi - lo) for lo, hi in itertools.combinations(bounds, 2)}
-    return tuple(sorted(ranges | {(0, r) for r in row_buckets}))
-
-
-def plan_windows(positions: Sequence[int], slots: int, cuts: Sequence[int],
-                 window_for: Callable[[int], int], fixed_cost: int, entry_size: int
-                 ) -> list[Call]:
-    """The cheapest split of a full ``slots``-row chunk whose live sequences are at
-    ``positions`` (sorted longest first; rank i goes to slot i): the calls, top range first.
-
-    A call costs ``fixed_cost`` plus rows x window x ``entry_size`` elements read per step.
-    Cuts are taken only inside the live ranking, so every range has a live row setting its
-    window; ties keep the fewer calls.
+def plan_calls(positions: Sequence[int], row_buckets: Sequence[int],
+               window_for: Callable[[int], int], fixed_cost: int, entry_size: int,
+               split: bool = True) -> list[Call]:
+    """The cheapest cut of a chunk's live sequences at ``positions`` (sorted longest first)
+    into consecutive ranges of that ranking: (start, end, rows, window) per call, longest
+    first. A range runs on the smallest row bucket holding it (the largest bucket, every slot,
+    only for a range of the whole ranking) over the window of its first (longest) sequence, and
+    costs ``fixed_cost`` plus rows x window x ``entry_size`` elements read per step; ties keep
+    the fewer calls. Cuts fall at multiples of the smallest bucket; ``split=False``: one call.
     """
     assert list(positions) == sorted(positions, reverse=True), positions
-    inside = [c for c in cuts if c < len(positions)]
-    best: tuple[int, list[Call]] | None = None
-    for k in range(len(inside) + 1):
-        for chosen in itertools.combinations(inside, k):
-            bounds = (0, *chosen, slots)
-            calls = [(lo, hi - lo, window_for(positions[lo])) for lo, hi in zip(bounds, bounds[1:])]
-            cost = sum(fixed_cost + rows * window * entry_size for _, rows, window in calls)
-            if best is None or cost < best[0]:
-                best = (cost, calls)
-    assert best is not None
-    return best[1]
+    n, top = len(positions), row_buckets[-1]
+    assert 0 < n <= top, (n, row_buckets)
+    step = row_buckets[0] if split and len(row_buckets) > 1 else n
+    points = sorted({*range(0, n, step), n})
+    # best[i]: (cost, calls) of the ranking's first points[i] sequences, cut at points only.
+    best: list[tuple[tuple[int, int], list[Call]]] = [((0, 0), [])]
+    for i in range(1, len(points)):
+        options = []
+        for j in range(i):
+            lo, hi = points[j], points[i]
+            rows = bucket_for(hi - lo, row_buckets)
+            if rows == top and (lo, hi) != (0, n) or best[j][1] is None:
+                continue
+            window = window_for(positions[lo])
+            cost, calls = best[j]
+            options.append(((cost[0] + fixed_cost + rows * window * entry_size, cost[1] + 1),
+                            [*calls, (lo, hi, rows, window)]))
+        best.append(min(options, key=lambda o: o[0]) if options else ((0, 0), None))
+    assert best[-1][1], (positions, row_buckets)
+    return best[-1][1]

@@ -1,5 +1,5 @@
-"""The sampler's compiled shapes, fixed when it is built: every bucket a prefill, decode or swap
-call is padded to, so a run compiles a bounded set of programs and never recompiles after them.
+"""The sampler's compiled shapes, fixed when it is built: every bucket a prefill or decode call
+is padded to, so a run compiles a bounded set of programs and never recompiles after them.
 
 Pure planning from the sampler config, the model config and how the mesh shards the KV cache;
 ``Sampler`` compiles each variant when a run first reaches it (``warmup`` compiles them all).
@@ -14,7 +14,6 @@ from jax.sharding import Mesh
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference.requests import buckets_up_to
-from meshrl.inference.schedule import decode_shapes, split_cuts
 from meshrl.mesh.rules import Rules
 from meshrl.models import KVCache
 
@@ -24,21 +23,20 @@ class SamplerShapes:
     prompt_buckets: tuple[int, ...]  # padded prompt lengths of a prefill
     insert_buckets: tuple[int, ...]  # rows of a prefill (requests admitted at once)
     window_buckets: tuple[int, ...]  # cache entries a decode call attends over
-    row_buckets: tuple[int, ...]  # rows of a packed decode call
-    swap_buckets: tuple[int, ...]  # slot pairs of one swap call
-    split_cuts: tuple[int, ...]  # where a full chunk's ranking may split into window ranges
-    decode_shapes: tuple[tuple[int, int], ...]  # every (lo, rows) of a decode call
+    row_buckets: tuple[int, ...]  # rows of a decode call (the last: every slot)
+    split: bool  # whether a chunk may cut its ranking into calls over their own windows
 
 
 def decode_row_buckets(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
                        rules: Rules) -> tuple[int, ...]:
-    """Row counts a decode call packs its live slots into (the lowest slots first)."""
+    """Row counts a decode call gathers its slots into: the slots of a range of the live
+    ranking, or every slot (``schedule.plan_calls``)."""
     S = cfg.slots
     if KVCache.slots_per_shard(model_cfg, S, cfg.max_len, mesh, rules) < S:
-        return (S,)  # packing rows low would move the work onto one shard
+        return (S,)  # a call on some slots would gather them across shards
     if cfg.decode_row_buckets:
         return tuple(sorted(set(cfg.decode_row_buckets) | {S}))
-    return (S // 8, S) if S >= 16 else (S,)
+    return (S // 8, S // 4, S // 2, S) if S >= 16 else (S,)
 
 
 def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: Rules,
@@ -48,15 +46,13 @@ def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: R
     S, T = cfg.slots, cfg.max_len
     if cfg.kv_cache == "paged":
         return paged_shapes(cfg, insert_buckets)
-    pow2 = tuple(sorted({min(2 ** i, S) for i in range(S.bit_length() + 1)}))
     inserts = insert_row_buckets(S, insert_buckets)
     rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
-    # A full chunk may split into calls over slot ranges with their own windows (schedule).
-    cuts = split_cuts(rows, S) if cfg.decode_split_windows and len(rows) > 1 else ()
+    # A chunk may split into calls over ranges of its ranking with their own windows.
+    split = cfg.decode_split_windows and len(rows) > 1
     return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
                          insert_buckets=inserts, window_buckets=buckets_up_to(T, 32),
-                         row_buckets=rows, swap_buckets=pow2, split_cuts=cuts,
-                         decode_shapes=decode_shapes(rows, cuts, S))
+                         row_buckets=rows, split=split)
 
 
 def insert_row_buckets(slots: int, insert_buckets: Sequence[int] | None) -> tuple[int, ...]:
@@ -69,11 +65,10 @@ def insert_row_buckets(slots: int, insert_buckets: Sequence[int] | None) -> tupl
 def paged_shapes(cfg: SamplerConfig, insert_buckets: Sequence[int] | None) -> SamplerShapes:
     """A paged cache decodes every slot in one call (lengths are data, not shapes) over the
     first columns of the page table: windows are the dense ones rounded up to whole pages
-    (``PagedKVCache.window``; max_len is whole pages). No packed rows, splits or slot swaps:
-    the page table, not the slot order, says where a sequence lives."""
+    (``PagedKVCache.window``; max_len is whole pages). No row buckets or splits: the page
+    table, not the slot order, says where a sequence lives."""
     S, T, size = cfg.slots, cfg.max_len, cfg.page_size
     windows = tuple(sorted({-(-w // size) * size for w in buckets_up_to(T, 32)}))
     return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
                          insert_buckets=insert_row_buckets(S, insert_buckets),
-                         window_buckets=windows, row_buckets=(S,), swap_buckets=(),
-                         split_cuts=(), decode_shapes=((0, S),))
+                         window_buckets=windows, row_buckets=(S,), split=False)

@@ -14,7 +14,8 @@ from meshrl.inference import prefix
 
 def warm_up(sampler: Any, recompute: bool) -> None:
     """Run each prefill (prompt x insert bucket; with ``recompute`` also the re-prefill
-    variants), paged-cache group start (``prefix``), decode (window x row shape) and slot-swap variant of an idle ``Sampler``."""
+    variants), paged-cache group start (``prefix``) and decode (window x row bucket) variant
+    of an idle ``Sampler``."""
     for p in sampler.prompt_buckets:
         for n in sampler.insert_buckets:
             sampler._run_prefill([], [], [], p, n, True)
@@ -24,13 +25,10 @@ def warm_up(sampler: Any, recompute: bool) -> None:
                 sampler._run_prefill([], [], [], p, n, False)
     if sampler.pages:
         prefix.warm_up(sampler, recompute)
+    S = sampler.cfg.slots
     for w in sampler.window_buckets:
-        for lo, rows in sampler.decode_shapes:
+        for rows in sampler.row_buckets:  # padding rows only, or every (inactive) slot
+            slots_R = np.arange(S, dtype=np.int32) if rows == S else np.full((rows,), S, np.int32)
             sampler.cache, sampler.state, _ = sampler._decode(
-                sampler.params, sampler._bound(), sampler.state, window=w, rows=rows, lo=lo)
-    if len(sampler.row_buckets) > 1:
-        for m in sampler.swap_buckets:
-            pad_M = np.full((m,), sampler.cfg.slots, np.int32)
-            sampler.cache, sampler.state = sampler._swap(sampler.cache, sampler.state, pad_M,
-                                                         pad_M)
+                sampler.params, sampler._bound(), sampler.state, slots_R, window=w)
     jax.block_until_ready(sampler.cache)

@@ -229,9 +229,10 @@ def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Progra
     # The paged cache decodes over a window gathered from its pages, as Sampler builds it.
     make = paged_programs.make_decode if s.kv_cache == "paged" else sampler_programs.make_decode
     decode = make(graphdef, s.max_len, s.decode_chunk, lambda _: None)
-    jitted = jax.jit(decode, static_argnames=("window", "rows", "lo"), donate_argnums=(1, 2),
+    jitted = jax.jit(decode, static_argnames=("window",), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
-    lowered = jitted.lower(params, cache, state, window=s.max_len, rows=s.slots, lo=0)
+    every_slot = np.arange(s.slots, dtype=np.int32)
+    lowered = jitted.lower(params, cache, state, every_slot, window=s.max_len)
     flops = flops_per_token(cfg, s.max_len) / 3 * s.slots * s.decode_chunk
     return Program("decode", lowered, s.decode_chunk, flops, flops, per_chip_bytes(params),
                    per_chip_bytes(cache))

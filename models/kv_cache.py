@@ -145,33 +145,42 @@ class KVCache:
     def slots(self) -> int:
         return self.v_first.shape[-4]
 
-    def window(self, length: int, rows: int | None = None, lo: int = 0) -> KVCache:
-        """Entries [0, length) of slots [lo, lo + rows) (a copy the decode loop updates in place)."""
-        hi = None if rows is None else lo + rows
+    def window(self, length: int, slots_R: jax.Array | None = None) -> KVCache:
+        """Entries [0, length) of the slots ``slots_R``, in that order (default: every slot): a
+        copy the decode loop updates in place. An out-of-range index (a padding row) reads the
+        last slot's entries, which ``put_band`` never writes back."""
+        def rows(x: jax.Array) -> jax.Array:
+            # Cut the window first: the gather then copies only its entries.
+            return x if slots_R is None else jnp.take(x, slots_R, axis=0, mode="clip")
 
         def cut_k(k: jax.Array) -> jax.Array:
-            return k[lo:hi, :, :length] if self.keys_like_values else k[lo:hi, ..., :length]
+            return rows(k[:, :, :length] if self.keys_like_values else k[..., :length])
 
         return KVCache(_per_layer(cut_k, self.k),
-                       _per_layer(lambda v: v[lo:hi, :, :length], self.v), self.key_layout)
+                       _per_layer(lambda v: rows(v[:, :, :length]), self.v), self.key_layout)
 
-    def put_band(self, window: KVCache, start_B: jax.Array, width: int, lo: int = 0) -> KVCache:
+    def put_band(self, window: KVCache, start_B: jax.Array, width: int,
+                 slots_B: jax.Array | None = None) -> KVCache:
         """Write back entries [start_B[b], start_B[b] + width) of each window row b into slot
-        lo + b, the only entries a ``width``-step decode chunk changes. Bands reaching past the
-        window's end are shifted left to fit (their extra entries are unchanged copies)."""
+        ``slots_B[b]`` (default: slot b; out of range: dropped), the only entries a
+        ``width``-step decode chunk changes. Bands reaching past the window's end are shifted
+        left to fit (their extra entries are unchanged copies)."""
         B, W = window.slots, window.max_len
         width = min(width, W)
         idx_BxC = jnp.clip(start_B, 0, W - width)[:, None] + jnp.arange(width)
-        b_BxC = jnp.broadcast_to(lo + jnp.arange(B)[:, None], idx_BxC.shape)
+        rows_B = jnp.arange(B) if slots_B is None else slots_B
+        b_BxC = jnp.broadcast_to(rows_B[:, None], idx_BxC.shape)
 
         # Advanced indices split by slices: the updates are [B, C, K, H] (see ``write``).
         def put_k(full: jax.Array, part: jax.Array) -> jax.Array:
             band_BxKxHxC = jnp.take_along_axis(part, idx_BxC[:, None, None, :], axis=3)
-            return full.at[b_BxC, :, :, idx_BxC].set(band_BxKxHxC.transpose(0, 3, 1, 2))
+            return full.at[b_BxC, :, :, idx_BxC].set(band_BxKxHxC.transpose(0, 3, 1, 2),
+                                                     mode="drop")
 
         def put_v(full: jax.Array, part: jax.Array) -> jax.Array:
             band_BxKxCxH = jnp.take_along_axis(part, idx_BxC[:, None, :, None], axis=2)
-            return full.at[b_BxC, :, idx_BxC].set(band_BxKxCxH.transpose(0, 2, 1, 3))
+            return full.at[b_BxC, :, idx_BxC].set(band_BxKxCxH.transpose(0, 2, 1, 3),
+                                                  mode="drop")
 
         window = window.with_key_layout(self.key_layout)
         return KVCache(_per_layer(put_v if self.keys_like_values else put_k, self.k, window.k),
@@ -191,13 +200,6 @@ class KVCache:
 
         return KVCache(_per_layer(put_v if self.keys_like_values else put_k, self.k, part.k),
                        _per_layer(put_v, self.v, part.v), self.key_layout)
-
-    def move_slots(self, src_M: jax.Array, dst_M: jax.Array) -> KVCache:
-        """Copy slot ``src_M[i]`` to ``dst_M[i]``; out-of-range destinations are dropped."""
-        def move(x: jax.Array) -> jax.Array:
-            return x.at[dst_M].set(x[src_M], mode="drop")
-
-        return KVCache(_per_layer(move, self.k), _per_layer(move, self.v), self.key_layout)
 
     def stacked(self) -> KVCache:
         """Layers stacked on a leading axis (a copy unless already stacked)."""

@@ -47,7 +47,7 @@ def test_paged_greedy_equals_dense_and_frees_every_page(tiny_params, mesh, cases
     assert sampler.pages.pages_in_use == 0
     assert (sampler.pages.alloc.table == -1).all()
     # Any mix of lengths decodes over all slots: one program per window of whole pages.
-    assert sampler.window_buckets == (32, 48, 64) and sampler.decode_shapes == ((0, 4),)
+    assert sampler.window_buckets == (32, 48, 64) and sampler.row_buckets == (4,)
     assert sampler._decode._cache_size() <= len(sampler.window_buckets)
 
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference import schedule
 from meshrl.inference.schedule import (
     SHARE_RANGE,
-    decode_shapes,
     measure_weights_pass,
     measure_windows,
-    plan_windows,
-    split_cuts,
+    plan_calls,
     weights_pass_cost,
     weights_pass_share,
 )
@@ -24,59 +23,58 @@ def _window(pos: int) -> int:
     return pos  # one cache entry per position keeps the arithmetic readable
 
 
+BUCKETS = (4, 8, 16, 32)
+
+
 def test_cut_is_taken_only_when_saved_cache_reads_outweigh_one_more_call():
-    # 4 long rows at 300, 28 rows at 100: the cut at 4 saves 28 x 200 x entry per step.
+    # 4 long rows at 300, 28 at 100: one call on every slot reads 32 x 300 entries a step; cut
+    # at 16 (the 4 long ones and 12 short ones, then 16 short ones) it reads 16 x 300 + 16 x 100.
     positions = [300] * 4 + [100] * 28
-    saved = 28 * 200 * 2
+    saved = (32 * 300 - (16 * 300 + 16 * 100)) * 2
 
-    split = plan_windows(positions, 32, (4,), _window, fixed_cost=saved - 1, entry_size=2)
-    whole = plan_windows(positions, 32, (4,), _window, fixed_cost=saved, entry_size=2)
+    split = plan_calls(positions, BUCKETS, _window, fixed_cost=saved - 1, entry_size=2)
+    whole = plan_calls(positions, BUCKETS, _window, fixed_cost=saved, entry_size=2)
 
-    assert split == [(0, 4, 300), (4, 28, 100)]
-    assert whole == [(0, 32, 300)]
+    assert split == [(0, 16, 16, 300), (16, 32, 16, 100)]
+    assert whole == [(0, 32, 32, 300)]
 
 
-def test_three_position_levels_decode_as_three_ranges():
+def test_position_levels_decode_as_ranges_over_their_own_windows():
     positions = [500] * 4 + [300] * 12 + [64] * 16
 
-    calls = plan_windows(positions, 32, (4, 16), _window, fixed_cost=1000, entry_size=1)
+    calls = plan_calls(positions, BUCKETS, _window, fixed_cost=100, entry_size=1)
 
-    assert calls == [(0, 4, 500), (4, 12, 300), (16, 16, 64)]
-
-
-def test_sequences_at_one_position_never_split():
-    # A static batch: every live row at the same position, some slots already free.
-    for live in (5, 20, 32):
-        calls = plan_windows([200] * live, 32, (4, 16), _window, fixed_cost=0, entry_size=1)
-        assert calls == [(0, 32, 200)]
+    # [4, 16) as 4 + 8 rows reads 1,200 fewer entries than one 16-row call: worth a call.
+    assert calls == [(0, 4, 4, 500), (4, 8, 4, 300), (8, 16, 8, 300), (16, 32, 16, 64)]
 
 
-def test_free_slots_ride_with_the_last_range_and_no_cut_falls_among_them():
-    # 10 live rows: the cut at 16 would leave [16, 32) without a live row to set its window.
+def test_one_call_runs_on_the_smallest_bucket_holding_the_live_rows():
+    for live, rows in ((3, 4), (5, 8), (20, 32), (32, 32)):
+        calls = plan_calls([200] * live, BUCKETS, _window, fixed_cost=0, entry_size=1,
+                           split=False)
+        assert calls == [(0, live, rows, 200)]
+
+
+def test_a_range_short_of_the_whole_ranking_never_takes_every_slot():
+    # 10 live: 4 long ones alone, the other 6 padded to 8 rows (not 32 with the free slots).
     positions = [400] * 4 + [50] * 6
 
-    calls = plan_windows(positions, 32, (4, 16), _window, fixed_cost=0, entry_size=1)
+    calls = plan_calls(positions, BUCKETS, _window, fixed_cost=0, entry_size=1)
 
-    assert calls == [(0, 4, 400), (4, 28, 50)]
-
-
-def test_default_cut_is_after_the_smallest_row_bucket():
-    assert split_cuts((4, 32), 32) == (4,)
-    assert split_cuts((12, 24, 48, 96), 96) == (12,)
-    assert split_cuts((32,), 32) == ()
-    assert decode_shapes((4, 32), (4,), 32) == ((0, 4), (0, 32), (4, 28))
+    assert calls == [(0, 4, 4, 400), (4, 10, 8, 50)]
 
 
-def test_shapes_cover_every_range_a_plan_can_choose():
-    cuts = (4, 16)
-    shapes = decode_shapes((4, 32), cuts, 32)
-
-    assert shapes == ((0, 4), (0, 16), (0, 32), (4, 12), (4, 28), (16, 16))
-    positions = [900, 700, 500, 400, 300, 200, 100] + [50] * 25
-    for fixed in (0, 10, 10_000, 10**9):
-        calls = plan_windows(positions, 32, cuts, _window, fixed_cost=fixed, entry_size=1)
-        assert {(lo, rows) for lo, rows, _ in calls} <= set(shapes)
-        assert sum(rows for _, rows, _ in calls) == 32
+def test_calls_partition_the_ranking_on_row_buckets_at_any_call_cost():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        positions = sorted(rng.integers(1, 1000, rng.integers(1, 33)).tolist(), reverse=True)
+        for fixed in (0, 10, 10_000, 10**9):
+            calls = plan_calls(positions, BUCKETS, _window, fixed_cost=fixed, entry_size=1)
+            assert [lo for lo, *_ in calls] == [0] + [hi for _, hi, *_ in calls[:-1]]
+            assert calls[-1][1] == len(positions)
+            for lo, hi, rows, window in calls:
+                assert rows in BUCKETS and hi - lo <= rows and window == positions[lo]
+                assert rows < 32 or (lo, hi) == (0, len(positions))
 
 
 def _never() -> float:

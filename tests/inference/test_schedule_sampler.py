@@ -18,7 +18,7 @@ def test_configured_share_prices_the_sampler_weights_pass(tiny_params):
 
     sampler = make_sampler(params, decode_split_weights_pass=0.25, **SPLITTING)
 
-    assert sampler.split_cuts == (2,)
+    assert sampler._split and sampler.row_buckets == (2, 8)
     assert sampler._weights_pass == int(sampler._weights_size * 0.25)
 
 

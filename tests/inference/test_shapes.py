@@ -16,21 +16,19 @@ def _plan(**kw):
     return plan_shapes(TINY, cfg, mesh, rules_for("sample"))
 
 
-def test_32_slots_pack_into_4_or_32_rows_and_a_full_chunk_may_split_after_4():
+def test_32_slots_decode_on_eighths_quarters_halves_or_all_and_a_chunk_may_split():
     shapes = _plan(slots=32)
-    assert shapes.row_buckets == (4, 32)
-    assert shapes.split_cuts == (4,)
-    assert shapes.decode_shapes == ((0, 4), (0, 32), (4, 28))
+    assert shapes.row_buckets == (4, 8, 16, 32)
+    assert shapes.split
     assert shapes.insert_buckets == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # 2^n and 1.5 x 2^n
-    assert shapes.swap_buckets == (1, 2, 4, 8, 16, 32)
     assert shapes.prompt_buckets == (16, 24, 32, 48, 63)  # up to max_len - 1
     assert shapes.window_buckets == (32, 48, 64)
 
 
-def test_without_window_splits_there_are_no_cuts_and_no_range_shapes():
+def test_without_window_splits_a_chunk_is_one_call_on_the_same_row_buckets():
     shapes = _plan(slots=32, decode_split_windows=False)
-    assert shapes.split_cuts == ()
-    assert shapes.decode_shapes == ((0, 4), (0, 32))
+    assert not shapes.split
+    assert shapes.row_buckets == (4, 8, 16, 32)
 
 
 def test_configured_buckets_win_and_the_slot_count_is_always_a_row_bucket():
