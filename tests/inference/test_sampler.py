@@ -50,6 +50,29 @@ def test_continuous_batching_more_requests_than_slots_matches_solo_generation(ti
         np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
 
 
+def test_calls_on_the_live_slots_decode_them_where_they_sit_like_solo_generation(tiny_params):
+    _, params = tiny_params
+    prompts = _prompts(3, seed=7)
+    budgets = [9, 3, 14]  # admitted into slots 0, 1, 2; slot 1 ends first, then slot 0
+    sampler = make_sampler(params, slots=8, decode_row_buckets=(2, 4),
+                           decode_split_windows=False)
+    solo = make_sampler(params, slots=8, decode_row_buckets=(8,))
+    plans = []
+    plan_chunk = sampler._plan_chunk
+    sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
+
+    outs = sampler.generate([Request(p, max_new_tokens=b)
+                             for p, b in zip(prompts, budgets, strict=True)],
+                            longest_first=False)
+
+    assert [(sorted(slots), rows) for (slots, rows, _), in plans[:1]] == [([0, 1, 2], 4)]
+    assert [(slots, rows) for (slots, rows, _), in plans[-1:]] == [([2], 2)]  # never moved
+    for p, b, out in zip(prompts, budgets, outs, strict=True):
+        alone = solo.generate([Request(p, max_new_tokens=b)])[0]
+        assert out.tokens == alone.tokens and len(out.tokens) == b
+        np.testing.assert_allclose(out.raw_logprobs, alone.raw_logprobs, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow  # ~30 s; the doubling-row-bucket test checks packed tokens in the default run
 def test_packing_live_slots_into_fewer_rows_matches_solo_generation(tiny_params):
     _, params = tiny_params
