@@ -153,7 +153,7 @@ def plan_calls(positions: Sequence[int], row_buckets: Sequence[int],
     step = row_buckets[0] if split and len(row_buckets) > 1 else n
     points = sorted({*range(0, n, step), n})
     # best[i]: (cost, calls) of the ranking's first points[i] sequences, cut at points only.
-    best: list[tuple[tuple[int, int], list[Call]]] = [((0, 0), [])]
+    best: list[tuple[tuple[int, int], list[Call] | None]] = [((0, 0), [])]  # None: no plan
     for i in range(1, len(points)):
         options = []
         for j in range(i):
