@@ -38,11 +38,12 @@ class SamplerConfig(Section):
                 "immediate on a CPU (host and device share its cores), lagged on an "
                 "accelerator.")
     prefill_tokens: int = field(
-        8192, "Most prompt tokens (rows x prompt bucket) one prefill pass runs: a larger "
-              "admission runs as a scan of passes over the largest divisor of its row count "
-              "that fits (at least one row a pass), inside the one prefill program, so the "
-              "prompts' temporary keys/values and activations scale with this, not with the "
-              "admission. 0: one pass.", at_least(0))
+        8192, "Most prompt tokens (rows x prompt bucket) one prefill pass runs. A prefill takes "
+              "every slot's row, its prompts first, and runs as a loop of passes over the "
+              "prompts only (slots / 8 rows a pass, fewer where this caps it, at least one row), "
+              "inside the one prefill program per prompt bucket, so the prompts' temporary "
+              "keys/values and activations scale with a pass, not with the admission. 0: no "
+              "token cap.", at_least(0))
     kv_cache: Literal["dense", "paged"] = field(
         "dense", "KV-cache layout. dense: slots x max_len per layer, decode over length-bucketed "
                  "windows (the faster on a CPU). paged: one pool of fixed-size pages and a page "

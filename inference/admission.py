@@ -20,15 +20,14 @@ def prefill_admitted(sampler: Any, picked: Sequence[tuple[int, Request]]) -> Adm
     by_bucket: dict[int, list[tuple[int, Request]]] = collections.defaultdict(list)
     for s, r in picked:
         by_bucket[bucket_for(len(r.prompt_ids), sampler.prompt_buckets)].append((s, r))
-    step = sampler.insert_buckets[-1]
+    step = sampler.cfg.slots
     admitted = []
     for bucket, group in by_bucket.items():
         for lo in range(0, len(group), step):
             part = group[lo:lo + step]
-            n = bucket_for(len(part), sampler.insert_buckets)
             reqs = [r for _, r in part]
             out = sampler._run_prefill([r.prompt_ids for r in reqs], [s for s, _ in part], reqs,
-                                       bucket, n, True)
+                                       bucket, True)
             comps = [Completion(r, [-1], [0.0], [0.0], [sampler.version]) for r in reqs]
             for (s, _), c in zip(part, comps):
                 sampler.slots.out[s] = c
@@ -43,9 +42,8 @@ def reprefill(sampler: Any, live: Sequence[tuple[int, Completion]]) -> None:
     for s, c in live:
         seq = list(c.request.prompt_ids) + c.tokens[:-1]
         by_bucket[bucket_for(len(seq), sampler.recompute_buckets)].append((s, seq))
-    step = sampler.insert_buckets[-1]
+    step = sampler.cfg.slots
     for bucket, group in by_bucket.items():
         for lo in range(0, len(group), step):
             part = group[lo:lo + step]
-            sampler._run_prefill([p for _, p in part], [s for s, _ in part], [], bucket,
-                                 bucket_for(len(part), sampler.insert_buckets), False)
+            sampler._run_prefill([p for _, p in part], [s for s, _ in part], [], bucket, False)

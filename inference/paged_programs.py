@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshrl.inference.programs import SlotState, first_token
+from meshrl.inference.programs import SlotState, first_token, in_passes
 from meshrl.inference.programs import make_decode as make_dense_decode
 from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
@@ -48,45 +48,64 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
     return cache.replace(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
 
 
-def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
-    """extend(params, cache, st, src_N, dst_N, tokens_NxL, pos_NxL, lens_N, slots_N, settings).
+def make_extend(graphdef: nnx.GraphDef, max_len: int, pass_rows: int) -> Callable:
+    """extend(params, cache, st, src_N, dst_N, tokens_NxL, pos_NxL, lens_N, slots_N, settings,
+    n_rows).
 
     Starts sequences whose first prompt pages are already listed in their slots' page tables
     (a prompt group's leader's, or the prefix cache's): page ``src_N[i]`` is first copied to
     ``dst_N[i]`` (out of range: no copy; a group member's own page holding its last prompt
     token), then one forward of the rest of each prompt (``tokens_NxL`` at ``pos_NxL``, -1:
     padding) writes its entries over those pages and gives the logits after the prompt's
-    ``lens_N`` tokens, which its first token is sampled from, under its own settings."""
+    ``lens_N`` tokens, which its first token is sampled from, under its own settings. The
+    forward runs in passes of ``pass_rows`` rows over the first ``n_rows`` (traced) rows only
+    (``programs.in_passes``)."""
 
     def extend(params: nnx.State, cache: PagedKVCache, st: SlotState, src_N: jax.Array,
                dst_N: jax.Array, tokens_NxL: jax.Array, pos_NxL: jax.Array, lens_N: jax.Array,
-               slots_N: jax.Array, settings: dict[str, jax.Array],
+               slots_N: jax.Array, settings: dict[str, jax.Array], n_rows: jax.Array,
                ) -> tuple[PagedKVCache, SlotState, tuple]:
         table = cache.page_table
-        cache = copy_pages(cache, src_N, dst_N)
-        hidden_NxLxD, cache = forward(graphdef, params, tokens_NxL, pos_NxL, None,
-                                      rows_view(cache, slots_N), return_hidden=True)
-        last_N = jnp.clip(lens_N - 1 - pos_NxL[:, 0], 0, tokens_NxL.shape[1] - 1)
-        last_NxD = jnp.take_along_axis(hidden_NxLxD, last_N[:, None, None], axis=1)[:, 0]
-        st, out = first_token(st, apply_head(graphdef, params, last_NxD), lens_N, slots_N,
-                              settings, max_len)
-        return cache.replace(page_table=table), st, out
+
+        def one_pass(carry: tuple[PagedKVCache, SlotState], rows: tuple) -> tuple[tuple, tuple]:
+            cache, st = carry
+            tokens_RxL, pos_RxL, lens_R, slots_R, settings_R = rows
+            hidden_RxLxD, cache = forward(graphdef, params, tokens_RxL, pos_RxL, None,
+                                          rows_view(cache, slots_R), return_hidden=True)
+            last_R = jnp.clip(lens_R - 1 - pos_RxL[:, 0], 0, tokens_RxL.shape[1] - 1)
+            last_RxD = jnp.take_along_axis(hidden_RxLxD, last_R[:, None, None], axis=1)[:, 0]
+            st, out = first_token(st, apply_head(graphdef, params, last_RxD), lens_R, slots_R,
+                                  settings_R, max_len)
+            return (cache.replace(page_table=table), st), out
+
+        (cache, st), out = in_passes(
+            one_pass, (copy_pages(cache, src_N, dst_N), st),
+            (tokens_NxL, pos_NxL, lens_N, slots_N, settings), n_rows, pass_rows)
+        return cache, st, out
 
     return extend
 
 
-def make_tail(graphdef: nnx.GraphDef) -> Callable:
-    """tail(params, cache, st, tokens_NxL, pos_NxL, slots_N): write the keys and values of
-    ``tokens_NxL`` at ``pos_NxL`` (-1: padding, dropped) into the pages of ``slots_N``,
+def make_tail(graphdef: nnx.GraphDef, pass_rows: int) -> Callable:
+    """tail(params, cache, st, tokens_NxL, pos_NxL, slots_N, n_rows): write the keys and values
+    of ``tokens_NxL`` at ``pos_NxL`` (-1: padding, dropped) into the pages of ``slots_N``,
     attending over those pages (causal by position): the part of a sequence after the prompt
-    pages it shares, re-prefilled once those pages hold the new weights' entries."""
+    pages it shares, re-prefilled once those pages hold the new weights' entries. Passes of
+    ``pass_rows`` rows over the first ``n_rows`` (traced) rows only."""
 
     def tail(params: nnx.State, cache: PagedKVCache, st: SlotState, tokens_NxL: jax.Array,
-             pos_NxL: jax.Array, slots_N: jax.Array) -> tuple[PagedKVCache, SlotState]:
+             pos_NxL: jax.Array, slots_N: jax.Array, n_rows: jax.Array,
+             ) -> tuple[PagedKVCache, SlotState]:
         table = cache.page_table
-        _, cache = forward(graphdef, params, tokens_NxL, pos_NxL, None,
-                           rows_view(cache, slots_N), return_hidden=True)
-        return cache.replace(page_table=table), st
+
+        def one_pass(cache: PagedKVCache, rows: tuple) -> tuple[PagedKVCache, tuple]:
+            tokens_RxL, pos_RxL, slots_R = rows
+            _, cache = forward(graphdef, params, tokens_RxL, pos_RxL, None,
+                               rows_view(cache, slots_R), return_hidden=True)
+            return cache.replace(page_table=table), ()
+
+        cache, _ = in_passes(one_pass, cache, (tokens_NxL, pos_NxL, slots_N), n_rows, pass_rows)
+        return cache, st
 
     return tail
 

@@ -73,7 +73,7 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     by_length: dict[int, list[Row]] = collections.defaultdict(list)
     for row in cached:
         by_length[bucket_for(len(row[1].prompt_ids) - row[2], sampler.prompt_buckets)].append(row)
-    step = sampler.insert_buckets[-1]
+    step = sampler.cfg.slots
     for length, rows in [*by_length.items(), (1, members)]:
         for lo in range(0, len(rows), step):
             admitted.append(_start(sampler, rows[lo:lo + step], length))
@@ -81,12 +81,12 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     return admitted
 
 
-def _start(sampler: Any, rows: Sequence[Row], length: int, n: int = 0
+def _start(sampler: Any, rows: Sequence[Row], length: int,
            ) -> tuple[tuple[Any, ...], list[Completion]]:
-    """One extend call of ``n`` rows (0: the bucket of ``rows``) over ``length`` prompt
-    positions: each (slot, request, start, src page, dst page) row copies its page, runs its
-    prompt from ``start`` and samples its first token."""
-    pages, n = sampler.pages, n or bucket_for(len(rows), sampler.insert_buckets)
+    """One extend call (``slots`` rows, ``rows`` first) over ``length`` prompt positions: each
+    (slot, request, start, src page, dst page) row copies its page, runs its prompt from
+    ``start`` and samples its first token."""
+    pages, n = sampler.pages, sampler.cfg.slots
     src_N = np.zeros((n,), np.int32)
     dst_N = np.full((n,), pages.num_pages, np.int32)  # out of range: padding rows copy nothing
     tokens_NxL = np.zeros((n, length), np.int32)
@@ -99,7 +99,7 @@ def _start(sampler: Any, rows: Sequence[Row], length: int, n: int = 0
     reqs = [r for _, r, *_ in rows]
     sampler.cache, sampler.state, out = pages.extend(
         sampler.params, sampler._bound(), sampler.state, src_N, dst_N, tokens_NxL, pos_NxL,
-        lens_N, slots_N, slot_settings(reqs, n, sampler.cfg))
+        lens_N, slots_N, slot_settings(reqs, n, sampler.cfg), np.int32(len(rows)))
     comps = [Completion(r, [-1], [0.0], [0.0], [sampler.version]) for r in reqs]
     for (s, *_), c in zip(rows, comps):
         sampler.slots.out[s] = c
@@ -132,18 +132,17 @@ def recompute(sampler: Any, live: Sequence[tuple[int, Completion]]) -> None:
             first.add(key)
     admission.reprefill(sampler, full)
     pages.prompt_prefills += len(full)
-    step = sampler.insert_buckets[-1]
+    step = sampler.cfg.slots
     for length, group in tails.items():
         for lo in range(0, len(group), step):
             _tail(sampler, group[lo:lo + step], length)
     pages.tail_prefills += sum(map(len, tails.values()))
 
 
-def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int, n: int = 0
-          ) -> None:
-    """One tail call of ``n`` rows (0: the bucket of ``part``): each (slot, sequence, start)
-    writes positions [start, len(sequence))."""
-    n = n or bucket_for(len(part), sampler.insert_buckets)
+def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int) -> None:
+    """One tail call (``slots`` rows, ``part`` first): each (slot, sequence, start) writes
+    positions [start, len(sequence))."""
+    n = sampler.cfg.slots
     tokens_NxL = np.zeros((n, length), np.int32)
     pos_NxL = np.full((n, length), -1, np.int32)  # -1: padding, never written
     slots_N = np.full((n,), sampler.cfg.slots, np.int32)
@@ -152,7 +151,8 @@ def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int,
         pos_NxL[i, :len(seq) - start] = np.arange(start, len(seq))
         slots_N[i] = s
     sampler.cache, sampler.state = sampler.pages.tail(
-        sampler.params, sampler._bound(), sampler.state, tokens_NxL, pos_NxL, slots_N)
+        sampler.params, sampler._bound(), sampler.state, tokens_NxL, pos_NxL, slots_N,
+        np.int32(len(part)))
 
 
 def warm_up(sampler: Any, recompute: bool) -> None:
@@ -160,11 +160,10 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     with ``recompute``, the tail variants on padding rows; then the decode chunks split over
     shared prompts (``prefix_plan.warm_plans``: prompts filling their bucket) on padding rows."""
     cached = sampler.prompt_buckets if sampler.pages.prefix_cache else ()
-    for n in sampler.insert_buckets:
-        for length in (1, *cached):
-            _start(sampler, [], length, n)
-        for length in sampler.recompute_buckets if recompute else ():
-            _tail(sampler, [], length, n)
+    for length in (1, *cached):
+        _start(sampler, [], length)
+    for length in sampler.recompute_buckets if recompute else ():
+        _tail(sampler, [], length)
     pages, cfg = sampler.pages, sampler.cfg
     for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
                                    sampler.window_buckets, pages.suffix_windows):

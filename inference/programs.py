@@ -77,18 +77,20 @@ def sampler_model_config(model_cfg: ModelConfig, cfg: SamplerConfig) -> ModelCon
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
-                 all_positions: bool = False, max_tokens: int = 0,
+                 all_positions: bool = False, max_tokens: int = 0, max_pass_rows: int = 0,
                  routing: bool = False) -> Callable:
-    """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample).
+    """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample, n_rows).
 
     Writes the prompts' keys/values into ``slots_N`` and samples each prompt's next token from
     the logits at its last position only; ``resample`` (a traced bool) false keeps the slot
     state as it is (a re-prefill): one compiled program serves admission and re-prefill alike,
     at the price of a sampling the re-prefill drops. The head runs on N hidden states, not
     N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
-    With ``max_tokens`` > 0 the N rows run as a ``lax.scan`` of passes of R rows (R the largest
-    divisor of N with R x P <= ``max_tokens``, at least 1), the cache and slot state carried,
-    so the temporary ``[R, P]`` keys/values and activations are all a pass holds. ``all_positions`` is the
+    The rows run in passes of R (``pass_rows``: at most ``max_pass_rows`` rows and
+    ``max_tokens`` tokens, 0: no limit), the cache and slot state carried, so the temporary
+    ``[R, P]`` keys/values and activations are all a pass holds; ``n_rows`` (traced; None: N)
+    says how many leading rows are prompts, and only their passes run (``in_passes``), so one
+    program per prompt length serves any number of prompts. ``all_positions`` is the
     reference program (head on every position, then the last row kept, one pass), same tokens
     and logprobs; benchmarks/memory.py measures what it costs. ``routing``: one more output,
     the experts [N, layers, k] of each prompt's last position (what routed its first token).
@@ -119,23 +121,52 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
 
     def prefill(params: nnx.State, cache: KVCache, st: SlotState, tokens_NxP: jax.Array,
                 lens_N: jax.Array, slots_N: jax.Array, settings: dict[str, jax.Array],
-                resample: Any) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
+                resample: Any, n_rows: Any = None,
+                ) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         N, P = tokens_NxP.shape
-        R = pass_rows(N, P, 0 if all_positions else max_tokens)
-        rows = (tokens_NxP, lens_N, slots_N, settings)
-        if R == N:
-            return one_pass(params, cache, st, *rows, resample)
+        R = N if all_positions else pass_rows(N, P, max_tokens, max_pass_rows)
 
-        def body(carry: tuple[KVCache, SlotState], xs: tuple) -> tuple[tuple, tuple]:
-            cache, st, out = one_pass(params, *carry, *xs, resample)
+        def run(carry: tuple[KVCache, SlotState], rows: tuple) -> tuple[tuple, tuple]:
+            cache, st, out = one_pass(params, *carry, *rows, resample)
             return (cache, st), out
 
-        # Contiguous passes: rows [i R, (i + 1) R) in pass i; outputs back in row order.
-        passes = jax.tree.map(lambda x: x.reshape(N // R, R, *x.shape[1:]), rows)
-        (cache, st), outs = jax.lax.scan(body, (cache, st), passes)
-        return cache, st, jax.tree.map(lambda x: x.reshape(N, *x.shape[2:]), outs)
+        (cache, st), out = in_passes(run, (cache, st), (tokens_NxP, lens_N, slots_N, settings),
+                                     n_rows, R)
+        return cache, st, out
 
     return prefill
+
+
+def in_passes(one_pass: Callable[[Any, Any], tuple[Any, Any]], carry: Any, rows: Any,
+              n_rows: Any, R: int) -> tuple[Any, Any]:
+    """``one_pass(carry, rows of a pass) -> (carry, outputs of its rows)`` over ``rows`` (a tree
+    of arrays with N leading rows), R rows a pass: rows [i R, (i + 1) R) in pass i. With
+    ``n_rows`` (traced) only the ceil(n_rows / R) passes holding rows below it run (a loop with
+    a traced trip count: any count in one program), and the outputs of rows past them are 0;
+    None: every pass. Returns (carry, outputs with N rows, in row order)."""
+    N = jax.tree.leaves(rows)[0].shape[0]
+    assert N % R == 0, (N, R)
+    if n_rows is None and R == N:
+        return one_pass(carry, rows)
+
+    def pass_rows_at(i: jax.Array) -> Any:
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * R, R), rows)
+
+    if n_rows is None:
+        passes = jax.tree.map(lambda x: x.reshape(N // R, R, *x.shape[1:]), rows)
+        carry, outs = jax.lax.scan(one_pass, carry, passes)
+        return carry, jax.tree.map(lambda x: x.reshape(N, *x.shape[2:]), outs)
+    shapes = jax.eval_shape(lambda c, r: one_pass(c, r)[1], carry, pass_rows_at(0))
+    outs = jax.tree.map(lambda s: jnp.zeros((N, *s.shape[1:]), s.dtype), shapes)
+
+    def body(i: jax.Array, state: tuple[Any, Any]) -> tuple[Any, Any]:
+        carry, outs = one_pass(state[0], pass_rows_at(i))
+        return carry, jax.tree.map(
+            lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, i * R, 0),
+            state[1], outs)
+
+    count = (jnp.asarray(n_rows, jnp.int32) + R - 1) // R
+    return jax.lax.fori_loop(0, count, body, (carry, outs))
 
 
 def first_token(st: SlotState, last_NxV: jax.Array, lens_N: jax.Array, slots_N: jax.Array,
@@ -156,12 +187,13 @@ def first_token(st: SlotState, last_NxV: jax.Array, lens_N: jax.Array, slots_N: 
     return st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B, kept_N)
 
 
-def pass_rows(n: int, length: int, max_tokens: int) -> int:
+def pass_rows(n: int, length: int, max_tokens: int, max_rows: int = 0) -> int:
     """Rows per prefill pass of ``n`` prompts of ``length`` tokens: the largest divisor of
-    ``n`` whose pass holds at most ``max_tokens`` tokens, at least 1 (0: all ``n``)."""
-    if max_tokens <= 0 or n * length <= max_tokens:
-        return n
-    top = max(1, max_tokens // length)
+    ``n`` with at most ``max_rows`` rows and ``max_tokens`` tokens (0: no such limit), at
+    least 1."""
+    top = n if max_rows <= 0 else min(n, max_rows)
+    if max_tokens > 0:
+        top = min(top, max(1, max_tokens // length))
     return next(r for r in range(top, 0, -1) if n % r == 0)
 
 

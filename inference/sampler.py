@@ -66,8 +66,7 @@ class Sampler:
 
     def __init__(self, model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
                  params: Any = None, *, version: int = 0, workdir: str | None = None,
-                 rules: Rules | None = None, insert_buckets: Sequence[int] | None = None,
-                 record_routing: bool = False):
+                 rules: Rules | None = None, record_routing: bool = False):
         self.cfg, self.mesh, self.workdir, self.record_routing = cfg, mesh, workdir, record_routing
         self.rules = rules if rules is not None else rules_for("sample")
         self.model_cfg = programs.sampler_model_config(model_cfg, cfg)
@@ -76,8 +75,8 @@ class Sampler:
         self.weights = wts.SamplerWeights(abstract_state,
                                           param_shardings(abstract_state, mesh, self.rules))
         S, T = cfg.slots, cfg.max_len
-        shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules, insert_buckets)
-        (self.prompt_buckets, self.insert_buckets, self.window_buckets, self.row_buckets,
+        shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules)
+        (self.prompt_buckets, self.prefill_rows, self.window_buckets, self.row_buckets,
          self._split) = dataclasses.astuple(shapes)  # _split: a chunk may split (schedule)
         self._lagged = lagged_readback(cfg, mesh.devices.flat[0].platform)
         self._repl = NamedSharding(mesh, PartitionSpec())
@@ -110,7 +109,8 @@ class Sampler:
     def _build_jits(self) -> None:
         T, chunk, rec = self.cfg.max_len, self.cfg.decode_chunk, self.record_routing
         prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
-                                        max_tokens=self.cfg.prefill_tokens, routing=rec)
+                                        max_tokens=self.cfg.prefill_tokens,
+                                        max_pass_rows=self.prefill_rows, routing=rec)
         # The paged cache decodes over a window gathered from its pages (paged_programs).
         make_decode = paged_programs.make_decode if self.pages else programs.make_decode
         decode = make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
@@ -120,7 +120,7 @@ class Sampler:
         self._decode = jax.jit(decode, static_argnames=("window",),
                                donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
         if self.pages:
-            self.pages.build_jits(self.graphdef, T, st_sh)
+            self.pages.build_jits(self.graphdef, T, st_sh, self.prefill_rows)
 
     def dense_cache(self) -> Any:
         """An empty ``slots x max_len`` cache laid out as the sampler's own."""
@@ -270,19 +270,21 @@ class Sampler:
         return self.pages.bind_decode(self.cache, window, reach)
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
-                     reqs: Sequence[Request | None], bucket: int, n: int, resample: bool,
+                     reqs: Sequence[Request | None], bucket: int, resample: bool,
                      ) -> tuple[jax.Array, ...]:
-        """Dispatch one prefill; returns its (not yet read) outputs."""
+        """Dispatch one prefill of up to ``slots`` sequences; returns its (not yet read)
+        outputs (a row per slot, the sequences' first)."""
         S = self.cfg.slots
-        tokens_NxP = np.zeros((n, bucket), np.int32)
-        lens_N = np.ones((n,), np.int32)
-        slots_N = np.full((n,), S, np.int32)  # index S is out of range: the row is dropped
+        assert len(seqs) <= S, (len(seqs), S)
+        tokens_NxP = np.zeros((S, bucket), np.int32)
+        lens_N = np.ones((S,), np.int32)
+        slots_N = np.full((S,), S, np.int32)  # index S is out of range: the row is dropped
         for i, (seq, s) in enumerate(zip(seqs, slots)):
             tokens_NxP[i, :len(seq)] = seq
             lens_N[i], slots_N[i] = len(seq), s
         self.cache, self.state, out = self._prefill(
             self.params, self._bound(), self.state, tokens_NxP, lens_N, slots_N,
-            slot_settings(reqs, n, self.cfg), resample=np.asarray(resample))
+            slot_settings(reqs, S, self.cfg), np.asarray(resample), np.int32(len(seqs)))
         return out
 
     def _admit(self, ending: Sequence[int] = ()) -> list[tuple[tuple[jax.Array, ...],
@@ -364,7 +366,7 @@ class Sampler:
         return tuple(sorted(set(self.prompt_buckets) | set(buckets_up_to(self.cfg.max_len, 32))))
 
     def warmup(self, recompute: bool = False) -> None:
-        """Compile every prefill (prompt x insert bucket) and decode (window) variant, on
+        """Compile every prefill (prompt bucket) and decode (window x row bucket) variant, on
         padding rows and inactive slots (``warmup.warm_up``); ``recompute`` also compiles the
         re-prefill variants used after a mid-generation weight update."""
         with self._lock:

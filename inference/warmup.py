@@ -13,16 +13,14 @@ from meshrl.inference import prefix
 
 
 def warm_up(sampler: Any, recompute: bool) -> None:
-    """Run each prefill (prompt x insert bucket; with ``recompute`` also the re-prefill
-    variants), paged-cache group start (``prefix``) and decode (window x row bucket) variant
-    of an idle ``Sampler``."""
+    """Run each prefill (prompt bucket; with ``recompute`` also the re-prefill lengths),
+    paged-cache group start (``prefix``) and decode (window x row bucket) variant of an idle
+    ``Sampler``."""
     for p in sampler.prompt_buckets:
-        for n in sampler.insert_buckets:
-            sampler._run_prefill([], [], [], p, n, True)
+        sampler._run_prefill([], [], [], p, True)
     if recompute:
         for p in sampler.recompute_buckets:
-            for n in sampler.insert_buckets:
-                sampler._run_prefill([], [], [], p, n, False)
+            sampler._run_prefill([], [], [], p, False)
     if sampler.pages:
         prefix.warm_up(sampler, recompute)
     S = sampler.cfg.slots

@@ -112,6 +112,46 @@ def test_prefill_in_passes_fills_the_cache_and_samples_as_one_pass():
     assert_trees_close((cache, st, out), (ref_cache, ref_st, ref_out), rtol=1e-5, atol=1e-6)
 
 
+def test_prefill_with_a_row_count_runs_only_the_passes_holding_those_rows():
+    _, params = split_model(create_model(WIDE, seed=0))
+    sampler = _sampler(WIDE, params, temperature=1.0)
+    args = _prefill_args(sampler, P)
+    args = (*args[:3], np.random.default_rng(2).integers(3, 4096, (N, P), dtype=np.int32),
+            *args[4:])
+    prefill = jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
+                                            sampler.cfg.max_len, max_pass_rows=1),
+                      static_argnums=(7,))
+
+    cache, st, out = prefill(*args, True, np.int32(N))
+    ref_cache, ref_st, ref_out = prefill(*args, True, None)  # every pass, as a scan
+    part_cache, part_st, part_out = prefill(*args, True, np.int32(2))
+
+    assert_trees_close((cache, st, out), (ref_cache, ref_st, ref_out), rtol=1e-5, atol=1e-6)
+    # Rows 0 and 1 ran as in the full call; rows 2 and 3 (slots 2 and 3) were never run.
+    np.testing.assert_array_equal(np.asarray(part_out[0])[:2], np.asarray(out[0])[:2])
+    assert not np.asarray(part_out[0])[2:].any()
+    assert list(np.asarray(part_st.active_B)) == [True, True, False, False]
+    for layer in range(WIDE.num_layers):
+        k = np.asarray(part_cache.k[layer])
+        np.testing.assert_allclose(k[:2], np.asarray(cache.k[layer])[:2], rtol=1e-5, atol=1e-6)
+        assert not k[2:].any()
+
+
+def test_one_prefill_program_admits_any_number_of_prompts():
+    _, params = split_model(create_model(TINY, seed=0))
+    sampler = _sampler(TINY, params, slots=8, max_len=48, prompt_buckets=(16,))
+    solo = _sampler(TINY, params, slots=8, max_len=48, prompt_buckets=(16,))
+    prompts = _prompts(8, seed=3)
+
+    outs = [sampler.generate([Request(p, max_new_tokens=4) for p in prompts[:n]])
+            for n in (1, 3, 8)]
+
+    assert sampler._prefill._cache_size() == 1
+    for n, got in zip((1, 3, 8), outs, strict=True):
+        for p, out in zip(prompts[:n], got, strict=True):
+            assert out.tokens == solo.generate([Request(p, max_new_tokens=4)])[0].tokens
+
+
 def _prompts(n: int, seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(3, 96, size=int(rng.integers(3, 17))).tolist() for _ in range(n)]
