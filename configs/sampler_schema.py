@@ -38,12 +38,12 @@ class SamplerConfig(Section):
                 "immediate on a CPU (host and device share its cores), lagged on an "
                 "accelerator.")
     prefill_tokens: int = field(
-        8192, "Most prompt tokens (rows x prompt bucket) one prefill pass runs. A prefill takes "
-              "every slot's row, its prompts first, and runs as a loop of passes over the "
-              "prompts only (slots / 8 rows a pass, fewer where this caps it, at least one row), "
-              "inside the one prefill program per prompt bucket, so the prompts' temporary "
-              "keys/values and activations scale with a pass, not with the admission. 0: no "
-              "token cap.", at_least(0))
+        8192, "Cap on the prompt tokens one prefill pass runs. A prefill takes every slot's "
+              "row, its prompts first, and runs as a loop of passes over the prompts only, a "
+              "pass holding the longest prompt bucket's tokens (that many rows of shorter "
+              "prompts, at least one row) or this many if fewer, inside the one prefill "
+              "program per prompt length: the prompts' temporary keys/values and activations "
+              "scale with a pass, and a lone admission costs one pass. 0: no cap.", at_least(0))
     kv_cache: Literal["dense", "paged"] = field(
         "dense", "KV-cache layout. dense: slots x max_len per layer, decode over length-bucketed "
                  "windows (the faster on a CPU). paged: one pool of fixed-size pages and a page "

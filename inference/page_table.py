@@ -59,13 +59,13 @@ class SlotPages:
         self.start: dict[int, int] = {}  # slot -> prompt positions the prefix cache supplied
 
     def build_jits(self, graphdef: nnx.GraphDef, max_len: int, st_sh: NamedSharding,
-                   pass_rows: int) -> None:
+                   pass_tokens: int) -> None:
         """The shared-prefix programs (``paged_programs``), with the sampler's shardings, their
-        forwards in passes of ``pass_rows`` rows."""
+        a re-prefill tail's forward in passes of at most ``pass_tokens`` tokens."""
         out_sh = (self.sharding, st_sh)
-        self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len, pass_rows),
+        self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len),
                               donate_argnums=(1, 2), out_shardings=(*out_sh, st_sh))
-        self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_rows), donate_argnums=(1, 2),
+        self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_tokens), donate_argnums=(1, 2),
                             out_shardings=out_sh)
 
     def compile_count(self) -> int:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshrl.inference.programs import SlotState, first_token, in_passes
+from meshrl.inference.programs import SlotState, first_token, in_passes, pass_rows
 from meshrl.inference.programs import make_decode as make_dense_decode
 from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
@@ -48,7 +48,7 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
     return cache.replace(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
 
 
-def make_extend(graphdef: nnx.GraphDef, max_len: int, pass_rows: int) -> Callable:
+def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
     """extend(params, cache, st, src_N, dst_N, tokens_NxL, pos_NxL, lens_N, slots_N, settings,
     n_rows).
 
@@ -58,7 +58,8 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int, pass_rows: int) -> Callabl
     token), then one forward of the rest of each prompt (``tokens_NxL`` at ``pos_NxL``, -1:
     padding) writes its entries over those pages and gives the logits after the prompt's
     ``lens_N`` tokens, which its first token is sampled from, under its own settings. The
-    forward runs in passes of ``pass_rows`` rows over the first ``n_rows`` (traced) rows only
+    forward runs in passes of N / 8 rows (at least 1; a row's cost is its attention over its
+    prompt's pages more than its few tokens) over the first ``n_rows`` (traced) rows only
     (``programs.in_passes``)."""
 
     def extend(params: nnx.State, cache: PagedKVCache, st: SlotState, src_N: jax.Array,
@@ -80,18 +81,20 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int, pass_rows: int) -> Callabl
 
         (cache, st), out = in_passes(
             one_pass, (copy_pages(cache, src_N, dst_N), st),
-            (tokens_NxL, pos_NxL, lens_N, slots_N, settings), n_rows, pass_rows)
+            (tokens_NxL, pos_NxL, lens_N, slots_N, settings), n_rows,
+            pass_rows(tokens_NxL.shape[0], 1, max(1, tokens_NxL.shape[0] // 8)))
         return cache, st, out
 
     return extend
 
 
-def make_tail(graphdef: nnx.GraphDef, pass_rows: int) -> Callable:
+def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
     """tail(params, cache, st, tokens_NxL, pos_NxL, slots_N, n_rows): write the keys and values
     of ``tokens_NxL`` at ``pos_NxL`` (-1: padding, dropped) into the pages of ``slots_N``,
     attending over those pages (causal by position): the part of a sequence after the prompt
-    pages it shares, re-prefilled once those pages hold the new weights' entries. Passes of
-    ``pass_rows`` rows over the first ``n_rows`` (traced) rows only."""
+    pages it shares, re-prefilled once those pages hold the new weights' entries. Passes of at
+    most ``max_tokens`` tokens (``programs.pass_rows``) over the first ``n_rows`` (traced) rows
+    only."""
 
     def tail(params: nnx.State, cache: PagedKVCache, st: SlotState, tokens_NxL: jax.Array,
              pos_NxL: jax.Array, slots_N: jax.Array, n_rows: jax.Array,
@@ -104,7 +107,8 @@ def make_tail(graphdef: nnx.GraphDef, pass_rows: int) -> Callable:
                                rows_view(cache, slots_R), return_hidden=True)
             return cache.replace(page_table=table), ()
 
-        cache, _ = in_passes(one_pass, cache, (tokens_NxL, pos_NxL, slots_N), n_rows, pass_rows)
+        cache, _ = in_passes(one_pass, cache, (tokens_NxL, pos_NxL, slots_N), n_rows,
+                             pass_rows(*tokens_NxL.shape, max_tokens))
         return cache, st
 
     return tail

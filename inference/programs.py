@@ -77,7 +77,7 @@ def sampler_model_config(model_cfg: ModelConfig, cfg: SamplerConfig) -> ModelCon
 
 
 def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
-                 all_positions: bool = False, max_tokens: int = 0, max_pass_rows: int = 0,
+                 all_positions: bool = False, max_tokens: int = 0,
                  routing: bool = False) -> Callable:
     """prefill(params, cache, st, tokens_NxP, lens_N, slots_N, settings, resample, n_rows).
 
@@ -86,8 +86,8 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
     state as it is (a re-prefill): one compiled program serves admission and re-prefill alike,
     at the price of a sampling the re-prefill drops. The head runs on N hidden states, not
     N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
-    The rows run in passes of R (``pass_rows``: at most ``max_pass_rows`` rows and
-    ``max_tokens`` tokens, 0: no limit), the cache and slot state carried, so the temporary
+    The rows run in passes of R (``pass_rows``: at most ``max_tokens`` tokens, 0: one pass),
+    the cache and slot state carried, so the temporary
     ``[R, P]`` keys/values and activations are all a pass holds; ``n_rows`` (traced; None: N)
     says how many leading rows are prompts, and only their passes run (``in_passes``), so one
     program per prompt length serves any number of prompts. ``all_positions`` is the
@@ -124,7 +124,7 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
                 resample: Any, n_rows: Any = None,
                 ) -> tuple[KVCache, SlotState, tuple[jax.Array, ...]]:
         N, P = tokens_NxP.shape
-        R = N if all_positions else pass_rows(N, P, max_tokens, max_pass_rows)
+        R = N if all_positions else pass_rows(N, P, max_tokens)
 
         def run(carry: tuple[KVCache, SlotState], rows: tuple) -> tuple[tuple, tuple]:
             cache, st, out = one_pass(params, *carry, *rows, resample)
@@ -187,13 +187,12 @@ def first_token(st: SlotState, last_NxV: jax.Array, lens_N: jax.Array, slots_N: 
     return st, (tok_N, lp_N, raw_N, sub.active_B, sub.reason_B, kept_N)
 
 
-def pass_rows(n: int, length: int, max_tokens: int, max_rows: int = 0) -> int:
-    """Rows per prefill pass of ``n`` prompts of ``length`` tokens: the largest divisor of
-    ``n`` with at most ``max_rows`` rows and ``max_tokens`` tokens (0: no such limit), at
-    least 1."""
-    top = n if max_rows <= 0 else min(n, max_rows)
-    if max_tokens > 0:
-        top = min(top, max(1, max_tokens // length))
+def pass_rows(n: int, length: int, max_tokens: int) -> int:
+    """Rows per pass of ``n`` rows of ``length`` tokens: the largest divisor of ``n`` whose pass
+    holds at most ``max_tokens`` tokens, at least 1 (0: all ``n``)."""
+    if max_tokens <= 0 or n * length <= max_tokens:
+        return n
+    top = max(1, max_tokens // length)
     return next(r for r in range(top, 0, -1) if n % r == 0)
 
 

@@ -76,7 +76,7 @@ class Sampler:
                                           param_shardings(abstract_state, mesh, self.rules))
         S, T = cfg.slots, cfg.max_len
         shapes = plan_shapes(self.model_cfg, cfg, mesh, self.rules)
-        (self.prompt_buckets, self.prefill_rows, self.window_buckets, self.row_buckets,
+        (self.prompt_buckets, self.pass_tokens, self.window_buckets, self.row_buckets,
          self._split) = dataclasses.astuple(shapes)  # _split: a chunk may split (schedule)
         self._lagged = lagged_readback(cfg, mesh.devices.flat[0].platform)
         self._repl = NamedSharding(mesh, PartitionSpec())
@@ -109,8 +109,7 @@ class Sampler:
     def _build_jits(self) -> None:
         T, chunk, rec = self.cfg.max_len, self.cfg.decode_chunk, self.record_routing
         prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
-                                        max_tokens=self.cfg.prefill_tokens,
-                                        max_pass_rows=self.prefill_rows, routing=rec)
+                                        max_tokens=self.pass_tokens, routing=rec)
         # The paged cache decodes over a window gathered from its pages (paged_programs).
         make_decode = paged_programs.make_decode if self.pages else programs.make_decode
         decode = make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
@@ -120,7 +119,7 @@ class Sampler:
         self._decode = jax.jit(decode, static_argnames=("window",),
                                donate_argnums=(1, 2), out_shardings=(cache_sh, st_sh, st_sh))
         if self.pages:
-            self.pages.build_jits(self.graphdef, T, st_sh, self.prefill_rows)
+            self.pages.build_jits(self.graphdef, T, st_sh, self.pass_tokens)
 
     def dense_cache(self) -> Any:
         """An empty ``slots x max_len`` cache laid out as the sampler's own."""

@@ -1,6 +1,7 @@
 """The sampler's compiled shapes, fixed when it is built: every bucket a prefill or decode call
 is padded to, so a run compiles a bounded set of programs and never recompiles after them. A
-prefill call always takes ``slots`` rows (its prompt count is a value: ``prefill_rows``).
+prefill call always takes ``slots`` rows (its prompt count is a value) and runs passes of at most
+``pass_tokens`` tokens.
 
 Pure planning from the sampler config, the model config and how the mesh shards the KV cache;
 ``Sampler`` compiles each variant when a run first reaches it (``warmup`` compiles them all).
@@ -9,6 +10,7 @@ Pure planning from the sampler config, the model config and how the mesh shards 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from jax.sharding import Mesh
 
@@ -21,7 +23,7 @@ from meshrl.models import KVCache
 @dataclasses.dataclass(frozen=True)
 class SamplerShapes:
     prompt_buckets: tuple[int, ...]  # padded prompt lengths of a prefill
-    prefill_rows: int  # rows a prefill pass runs (a call runs as many passes as it has prompts)
+    pass_tokens: int  # most tokens a prefill pass runs (a call runs the passes holding prompts)
     window_buckets: tuple[int, ...]  # cache entries a decode call attends over
     row_buckets: tuple[int, ...]  # rows of a decode call (the last: every slot)
     split: bool  # whether a chunk may cut its ranking into calls over their own windows
@@ -42,23 +44,25 @@ def decode_row_buckets(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh,
 def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: Rules,
                 ) -> SamplerShapes:
     """The buckets of a sampler with ``cfg`` on ``mesh``."""
-    S, T = cfg.slots, cfg.max_len
+    T = cfg.max_len
     if cfg.kv_cache == "paged":
         return paged_shapes(cfg)
+    prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
     rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
     # A chunk may split into calls over ranges of its ranking with their own windows.
     split = cfg.decode_split_windows and len(rows) > 1
-    return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
-                         prefill_rows=prefill_pass_rows(S), window_buckets=buckets_up_to(T, 32),
+    return SamplerShapes(prompt_buckets=prompts, pass_tokens=prefill_pass_tokens(cfg, prompts),
+                         window_buckets=buckets_up_to(T, 32),
                          row_buckets=rows, split=split)
 
 
-def prefill_pass_rows(slots: int) -> int:
-    """Rows of one prefill pass: slots / 8 (at least 1), the smallest decode row bucket. Every
-    prefill call takes ``slots`` rows, prompts first, and runs only the passes holding
-    prompts, so admitting a few requests costs a few passes and one program serves any count;
-    on a CPU, passes of a few rows also ran as fast per token as one pass of every slot."""
-    return max(1, slots // 8)
+def prefill_pass_tokens(cfg: SamplerConfig, prompt_buckets: Sequence[int]) -> int:
+    """Most tokens a prefill pass runs: the longest prompt bucket's, fewer where
+    ``sampler.prefill_tokens`` caps it. A pass takes as many rows of the call's length as fit,
+    at least one; a call takes ``slots`` rows and runs only the passes holding its prompts, so a
+    lone admission costs one pass and one program per length serves any count."""
+    longest = max(prompt_buckets)
+    return min(longest, cfg.prefill_tokens) if cfg.prefill_tokens > 0 else longest
 
 
 def paged_shapes(cfg: SamplerConfig) -> SamplerShapes:
@@ -67,7 +71,7 @@ def paged_shapes(cfg: SamplerConfig) -> SamplerShapes:
     (``PagedKVCache.window``; max_len is whole pages). No row buckets or splits: the page
     table, not the slot order, says where a sequence lives."""
     S, T, size = cfg.slots, cfg.max_len, cfg.page_size
+    prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
     windows = tuple(sorted({-(-w // size) * size for w in buckets_up_to(T, 32)}))
-    return SamplerShapes(prompt_buckets=tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16),
-                         prefill_rows=prefill_pass_rows(S),
+    return SamplerShapes(prompt_buckets=prompts, pass_tokens=prefill_pass_tokens(cfg, prompts),
                          window_buckets=windows, row_buckets=(S,), split=False)

@@ -27,7 +27,7 @@ from meshrl.inference import programs as sampler_programs
 from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
-from meshrl.inference.shapes import prefill_pass_rows
+from meshrl.inference.shapes import prefill_pass_tokens
 from meshrl.mesh import rules_for
 from meshrl.models import KVCache, abstract_model, flops_per_token, param_shardings, split_model
 from meshrl.models.lora import LoraSetup
@@ -204,7 +204,7 @@ def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
 def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
                     all_positions: bool = False, max_tokens: int | None = None) -> Program:
     """One prefill of every slot with prompts of the largest bucket, as ``Sampler`` jits it
-    (passes of ``shapes.prefill_pass_rows`` rows), every pass run: the sampler's pass count is
+    (passes of ``shapes.prefill_pass_tokens`` tokens), every pass run: the sampler's pass count is
     a traced value, fixed here so the cost analysis knows the loop's trip count
     (``max_tokens``: the pass size, default ``sampler.prefill_tokens``; ``all_positions``: the
     head on every prompt position, a baseline of benchmarks/memory.py)."""
@@ -216,8 +216,7 @@ def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
     tokens, lens, slots, settings = (abstract_tree(x, repl) for x in host)
     prefill = sampler_programs.make_prefill(
         graphdef, cfg, s.max_len, all_positions=all_positions,
-        max_tokens=s.prefill_tokens if max_tokens is None else max_tokens,
-        max_pass_rows=prefill_pass_rows(S))
+        max_tokens=prefill_pass_tokens(s, s.prompt_buckets) if max_tokens is None else max_tokens)
     jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
     lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)

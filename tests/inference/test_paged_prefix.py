@@ -101,6 +101,18 @@ def test_group_admitted_over_rounds_shares_a_live_members_prompt_pages(tiny_para
     assert sampler.pages.pages_in_use == 0
 
 
+def test_group_starts_of_any_size_run_in_one_extend_program(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, kv_cache="paged", **KW)
+
+    _run(sampler, _group(g=2, budgets=(6, 10)))  # one member starts from the leader's pages
+    got, _ = _run(sampler, _group())  # three do
+
+    _assert_same(got, _run(make_sampler(params, **KW), _group())[0])
+    assert sampler.pages.fanouts == 1 + 3
+    assert sampler.pages.extend._cache_size() == 1
+
+
 @pytest.mark.slow  # compiles every variant of a sampler: most of its time is the compiler
 def test_warmup_compiles_every_paged_variant_a_group_run_uses(tiny_params):
     _, params = tiny_params

@@ -119,7 +119,7 @@ def test_prefill_with_a_row_count_runs_only_the_passes_holding_those_rows():
     args = (*args[:3], np.random.default_rng(2).integers(3, 4096, (N, P), dtype=np.int32),
             *args[4:])
     prefill = jax.jit(programs.make_prefill(sampler.graphdef, sampler.model_cfg,
-                                            sampler.cfg.max_len, max_pass_rows=1),
+                                            sampler.cfg.max_len, max_tokens=P),
                       static_argnums=(7,))
 
     cache, st, out = prefill(*args, True, np.int32(N))

@@ -20,7 +20,7 @@ def test_32_slots_decode_on_eighths_quarters_halves_or_all_and_a_chunk_may_split
     shapes = _plan(slots=32)
     assert shapes.row_buckets == (4, 8, 16, 32)
     assert shapes.split
-    assert shapes.prefill_rows == 4  # a prefill runs passes of slots / 8 rows
+    assert shapes.pass_tokens == 63  # a prefill pass holds one longest prompt bucket
     assert shapes.prompt_buckets == (16, 24, 32, 48, 63)  # up to max_len - 1
     assert shapes.window_buckets == (32, 48, 64)
 
