@@ -87,10 +87,10 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
     at the price of a sampling the re-prefill drops. The head runs on N hidden states, not
     N x P (the [N, P, V] logits of a long prompt bucket would dwarf the cache it fills).
     The rows run in passes of R (``pass_rows``: at most ``max_tokens`` tokens, 0: one pass),
-    the cache and slot state carried, so the temporary
-    ``[R, P]`` keys/values and activations are all a pass holds; ``n_rows`` (traced; None: N)
-    says how many leading rows are prompts, and only their passes run (``in_passes``), so one
-    program per prompt length serves any number of prompts. ``all_positions`` is the
+    the cache and slot state carried, so the temporary ``[R, P]`` keys/values and activations
+    are all a pass holds; ``n_rows`` (traced; None: N) says how many leading rows are prompts,
+    and only their passes run (``in_passes``), so one program per prompt length serves any
+    number of prompts. ``all_positions`` is the
     reference program (head on every position, then the last row kept, one pass), same tokens
     and logprobs; benchmarks/memory.py measures what it costs. ``routing``: one more output,
     the experts [N, layers, k] of each prompt's last position (what routed its first token).
@@ -149,18 +149,18 @@ def in_passes(one_pass: Callable[[Any, Any], tuple[Any, Any]], carry: Any, rows:
     if n_rows is None and R == N:
         return one_pass(carry, rows)
 
-    def pass_rows_at(i: jax.Array) -> Any:
+    def rows_of_pass(i: jax.Array) -> Any:
         return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, i * R, R), rows)
 
     if n_rows is None:
         passes = jax.tree.map(lambda x: x.reshape(N // R, R, *x.shape[1:]), rows)
         carry, outs = jax.lax.scan(one_pass, carry, passes)
         return carry, jax.tree.map(lambda x: x.reshape(N, *x.shape[2:]), outs)
-    shapes = jax.eval_shape(lambda c, r: one_pass(c, r)[1], carry, pass_rows_at(0))
+    shapes = jax.eval_shape(lambda c, r: one_pass(c, r)[1], carry, rows_of_pass(0))
     outs = jax.tree.map(lambda s: jnp.zeros((N, *s.shape[1:]), s.dtype), shapes)
 
     def body(i: jax.Array, state: tuple[Any, Any]) -> tuple[Any, Any]:
-        carry, outs = one_pass(state[0], pass_rows_at(i))
+        carry, outs = one_pass(state[0], rows_of_pass(i))
         return carry, jax.tree.map(
             lambda full, part: jax.lax.dynamic_update_slice_in_dim(full, part, i * R, 0),
             state[1], outs)
