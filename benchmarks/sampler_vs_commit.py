@@ -4,6 +4,7 @@
   python benchmarks/sampler_vs_commit.py --commit b816cf4            # the full workload
   python benchmarks/sampler_vs_commit.py --commit b816cf4 --quick    # a small one
   python benchmarks/sampler_vs_commit.py --tree /path/to/checkout    # an existing checkout
+  python benchmarks/sampler_vs_commit.py --paged_decode in_place      # this tree decoding in place
 
 Workload (``grpo_requests``, shared with benchmarks/sampler.py): ``--prompts`` random prompts
 (32) of ``--prompt_len`` tokens (512), each sampled G = ``--group`` (8) times, submitted
@@ -58,7 +59,7 @@ def grpo_requests(prompts: int, prompt_len: int, group: int, max_new: int, seed:
                     stop_ids=STOPS) for g, p in enumerate(prompts_NxP) for i in range(group)]
 
 
-def _serve(kv_cache: str, work: dict) -> None:
+def _serve(kv_cache: str, work: dict, paged_decode: str) -> None:
     """Worker: build, warm up (timed: first_call_s), then one timed run per stdin line."""
     import jax
 
@@ -71,7 +72,8 @@ def _serve(kv_cache: str, work: dict) -> None:
     CFG = ModelConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=4,
                       num_heads=4, num_kv_heads=2, max_position_embeddings=2048)
     params = split_model(create_model(CFG, seed=0))[1]
-    paged = dict(kv_cache="paged", page_size=PAGE_SIZE) if kv_cache == "paged" else {}
+    paged = (dict(kv_cache="paged", page_size=PAGE_SIZE, paged_decode=paged_decode)
+             if kv_cache == "paged" else {})
     cfg = SamplerConfig(max_len=work["prompt_len"] + work["max_new"], slots=SLOTS,
                         max_new_tokens=work["max_new"], decode_chunk=DECODE_CHUNK,
                         prompt_buckets=(work["prompt_len"],), **paged)
@@ -135,13 +137,14 @@ def _worktree(commit: str, tree: str | None) -> Iterator[str]:
 class Worker:
     """One ``--serve`` process importing ``meshrl`` from ``tree``."""
 
-    def __init__(self, tree: str, kv_cache: str, work: dict):
+    def __init__(self, tree: str, kv_cache: str, work: dict, paged_decode: str = "auto"):
         link = tempfile.mkdtemp()
         os.symlink(os.path.abspath(tree), os.path.join(link, "meshrl"))
         env = dict(os.environ, PYTHONPATH=link + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve", kv_cache,
-             "--work", json.dumps(work)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, os.path.abspath(__file__), "--serve", kv_cache, "--work",
+             json.dumps(work), "--paged_decode", paged_decode], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
             env=env, text=True, cwd=link)
         self.info = self._reply()
 
@@ -169,18 +172,21 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"the small workload {QUICK}")
     for k, v in FULL.items():
         ap.add_argument(f"--{k}", type=int, help=f"default {v} ({QUICK[k]} with --quick)")
+    ap.add_argument("--paged_decode", default="auto", choices=("auto", "window", "in_place"),
+                    help="this tree's sampler.paged_decode")
     ap.add_argument("--serve", choices=("dense", "paged"), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.serve:
-        return _serve(args.serve, json.loads(args.work))
+        return _serve(args.serve, json.loads(args.work), args.paged_decode)
     if args.rounds < 3:
         ap.error(f"--rounds must be >= 3, got {args.rounds}")
     work = {k: getattr(args, k) or (QUICK if args.quick else FULL)[k] for k in FULL}
     from meshrl.benchmarks.figures import emit, paired_ratios, spread
 
     with _worktree(args.commit, args.tree) as base_tree:
-        sides = {"base": Worker(base_tree, "dense", work), "this": Worker(REPO, "paged", work)}
+        sides = {"base": Worker(base_tree, "dense", work),
+                 "this": Worker(REPO, "paged", work, args.paged_decode)}
         runs: dict[str, list[dict]] = {k: [] for k in sides}
         for i in range(args.rounds):
             for name in list(sides)[i % 2:] + list(sides)[:i % 2]:
@@ -190,6 +196,7 @@ def main() -> None:
             w.close()
     tok_s = {k: [r["tokens"] / r["s"] for r in v] for k, v in runs.items()}
     emit({"benchmark": "sampler_vs_commit", "commit": args.tree or args.commit, **work,
+          "paged_decode": args.paged_decode,
           **spread("speedup", paired_ratios(tok_s["this"], tok_s["base"]), 3),
           **spread("base_tok_s", tok_s["base"], 1), **spread("this_tok_s", tok_s["this"], 1),
           "prompt_kv_per_group": sides["this"].info["prompt_kv_per_group"],

@@ -49,8 +49,18 @@ class SamplerConfig(Section):
                  "windows (the faster on a CPU). paged: one pool of fixed-size pages and a page "
                  "table per slot; pages are taken when a request is admitted (prompt + its whole "
                  "token budget) and returned when it finishes, a request waits (first come, "
-                 "first served) while the pool is short, and one decode program serves any mix "
-                 "of lengths.")
+                 "first served) while the pool is short, and a decode program serves any mix "
+                 "of lengths (sampler.paged_decode).")
+    paged_decode: Literal["auto", "window", "in_place"] = field(
+        "auto", "How a paged cache's decode reads its pages (kv_cache = paged). window: each "
+                "decode chunk gathers its slots' pages into a dense window over a bucketed "
+                "length, decodes there and writes the chunk's entries back; slots sharing prompt "
+                "pages read them once per group (a copy of the live cache per chunk; a program "
+                "per window and sharing shape). in_place: every step attends over the pages "
+                "where they lie (keys and values in one interleaved pool), one decode program "
+                "for any mix of lengths: on a TPU JAX's ragged paged attention kernel, "
+                "elsewhere a gather of each layer's pages per step (slower). auto: in_place on "
+                "TPU, window elsewhere.")
     page_size: int = field(16, "Tokens per page of the paged KV cache (kv_cache = paged); must "
                                "divide sampler.max_len.", at_least(1))
     num_pages: int = field(

@@ -28,6 +28,7 @@ from meshrl.inference.pages import PageAllocator
 from meshrl.inference.prefix_cache import PrefixCache
 from meshrl.inference.prefix_plan import PrefixPlan, plan_prefixes, suffix_buckets
 from meshrl.inference.requests import Completion, Request, token_budget
+from meshrl.inference.shapes import decodes_in_place
 from meshrl.mesh.rules import Rules
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.paged_attention import PagedKVCache
@@ -42,8 +43,10 @@ class SlotPages:
         self.num_pages = cfg.num_pages or cfg.slots * per_seq
         self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq)
         self._table_sh = NamedSharding(mesh, PartitionSpec())
+        # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's).
+        self.in_place = decodes_in_place(cfg, mesh.devices.flat[0].platform)
         pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
-                                         stacked=model_cfg.scan_layers)
+                                         stacked=model_cfg.scan_layers, combined=self.in_place)
         self.sharding = pool_sh.replace(page_table=self._table_sh)
         # Work counters (``prefix``): prompt rows prefilled from position 0 (admissions and
         # re-prefills), group members started from a leader's pages, and tails re-prefilled
@@ -80,7 +83,8 @@ class SlotPages:
     def _init(self) -> PagedKVCache:
         """A zero pool (stacked over layers for a ``scan_layers`` model) with an empty table."""
         pool = PagedKVCache.init(self.model_cfg, self.num_pages, self.cfg.page_size,
-                                 self.cfg.dtype, stacked=self.model_cfg.scan_layers)
+                                 self.cfg.dtype, stacked=self.model_cfg.scan_layers,
+                                 combined=self.in_place)
         return pool.replace(page_table=jnp.full(self.alloc.table.shape, -1, jnp.int32))
 
     def init_cache(self) -> PagedKVCache:
@@ -99,7 +103,10 @@ class SlotPages:
     def bind_decode(self, cache: PagedKVCache, window: int, reach: int) -> PagedKVCache:
         """``bind`` for a decode chunk over ``window`` whose positions stay below ``reach``,
         with the prefixes its slots share (``prefix_plan``) when attending over them once per
-        prefix reads fewer entries than the plain window."""
+        prefix reads fewer entries than the plain window (a gathered window only: in place,
+        each sequence reads its own pages)."""
+        if self.in_place:
+            return self.bind(cache)
         lens = {s: len(prompt) for s, (prompt, _) in self.owner.items()}
         plan = plan_prefixes(self.alloc.table, lens, self.cfg.page_size, window, reach,
                              self.suffix_windows)

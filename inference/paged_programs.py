@@ -4,8 +4,8 @@ re-prefilled over pages it shares.
 
 Pure functions over (params, ``PagedKVCache`` carrying the slots' page table, ``SlotState``);
 ``SlotPages`` jits them with donation. Prefill is the dense sampler's own program
-(``programs``); decode is too, run over a dense window gathered from the pages once per chunk
-(``make_decode``).
+(``programs``); decode is too, run over a dense window gathered from the pages once per chunk,
+or over the pages in place (``make_decode``).
 """
 
 from __future__ import annotations
@@ -43,9 +43,13 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
             return pool.at[:, dst_N].set(pool[:, src_N], mode="drop")
         return pool.at[dst_N].set(pool[src_N], mode="drop")
 
-    if cache.is_stacked:
-        return cache.replace(k=cp(cache.k), v=cp(cache.v))
-    return cache.replace(k=tuple(map(cp, cache.k)), v=tuple(map(cp, cache.v)))
+    def layers(pools: tuple[jax.Array, ...] | jax.Array | None,
+               ) -> tuple[jax.Array, ...] | jax.Array | None:
+        if pools is None:  # a combined pool's values are in its keys' array
+            return None
+        return cp(pools) if cache.is_stacked else tuple(map(cp, pools))
+
+    return cache.replace(k=layers(cache.k), v=layers(cache.v))
 
 
 def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
@@ -128,12 +132,18 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     each shared prefix gathered once for the slots listing it, each slot's own positions after
     it gathered into the suffix window the chunk writes, attention split over the two
     (``cascade_attention``); ``window`` is then unused, the shapes of ``shared`` fix the
-    program."""
+    program.
+
+    A ``combined`` pool (``sampler.paged_decode = in_place``) is decoded in place instead: the
+    dense sampler's steps over the ``PagedKVCache`` itself, each step writing its entries into
+    the pages and attending over them (the TPU kernel, or a gather per layer)."""
     dense = make_dense_decode(graphdef, max_len, chunk, on_trace, routing)
 
     def decode(params: nnx.State, cache: PagedKVCache, st: SlotState, slots_R: jax.Array,
                window: int) -> tuple[PagedKVCache, SlotState, tuple]:
         assert slots_R.shape == (cache.slots,), (slots_R.shape, cache.slots)  # paged_shapes
+        if cache.combined:  # decoding in place: every step reads and writes the pages
+            return dense(params, cache, st, slots_R, window=window)
         shared = cache.shared
         if shared is None:
             win, st_out, out = dense(params, dense_window(cache, window), st, slots_R,
@@ -163,6 +173,7 @@ def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
     """The pages of each row of ``table_BxM`` side by side as a dense ``KVCache`` (keys
     [B, K, H, M x S], values [B, K, M x S, H]); a -1 entry gives page 0's data, which attention
     masks (past the slot's position) and ``put_band`` never writes back."""
+    assert not cache.combined, "a combined pool decodes in place (sampler.paged_decode)"
     S = cache.page_size
     table_BxM = jnp.clip(table_BxM, 0, cache.num_pages - 1)
     B, M = table_BxM.shape

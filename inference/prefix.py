@@ -158,13 +158,16 @@ def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int)
 def warm_up(sampler: Any, recompute: bool) -> None:
     """Compile the extend (group members; with a prefix cache, every prompt bucket too) and,
     with ``recompute``, the tail variants on padding rows; then the decode chunks split over
-    shared prompts (``prefix_plan.warm_plans``: prompts filling their bucket) on padding rows."""
+    shared prompts (``prefix_plan.warm_plans``: prompts filling their bucket) on padding rows,
+    unless the decode runs in place."""
     cached = sampler.prompt_buckets if sampler.pages.prefix_cache else ()
     for length in (1, *cached):
         _start(sampler, [], length)
     for length in sampler.recompute_buckets if recompute else ():
         _tail(sampler, [], length)
     pages, cfg = sampler.pages, sampler.cfg
+    if pages.in_place:  # no split chunks: each sequence reads its own pages
+        return
     for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
                                    sampler.window_buckets, pages.suffix_windows):
         sampler.cache, sampler.state, _ = sampler._decode(

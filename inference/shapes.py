@@ -46,7 +46,7 @@ def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: R
     """The buckets of a sampler with ``cfg`` on ``mesh``."""
     T = cfg.max_len
     if cfg.kv_cache == "paged":
-        return paged_shapes(cfg)
+        return paged_shapes(cfg, decodes_in_place(cfg, mesh.devices.flat[0].platform))
     prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
     rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
     # A chunk may split into calls over ranges of its ranking with their own windows.
@@ -65,13 +65,23 @@ def prefill_pass_tokens(cfg: SamplerConfig, prompt_buckets: Sequence[int]) -> in
     return min(longest, cfg.prefill_tokens) if cfg.prefill_tokens > 0 else longest
 
 
-def paged_shapes(cfg: SamplerConfig) -> SamplerShapes:
+def decodes_in_place(cfg: SamplerConfig, platform: str) -> bool:
+    """Whether a paged cache's decode attends over its pages in place (``sampler.paged_decode``;
+    auto: on a TPU, where the ragged paged attention kernel reads them)."""
+    if cfg.paged_decode == "auto":
+        return platform == "tpu"
+    return cfg.paged_decode == "in_place"
+
+
+def paged_shapes(cfg: SamplerConfig, in_place: bool = False) -> SamplerShapes:
     """A paged cache decodes every slot in one call (lengths are data, not shapes) over the
     first columns of the page table: windows are the dense ones rounded up to whole pages
-    (``PagedKVCache.window``; max_len is whole pages). No row buckets or splits: the page
-    table, not the slot order, says where a sequence lives."""
+    (``PagedKVCache.window``; max_len is whole pages), or, decoding ``in_place``, the whole
+    table (one program). No row buckets or splits: the page table, not the slot order, says
+    where a sequence lives."""
     S, T, size = cfg.slots, cfg.max_len, cfg.page_size
     prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
-    windows = tuple(sorted({-(-w // size) * size for w in buckets_up_to(T, 32)}))
+    windows = (T,) if in_place else tuple(sorted({-(-w // size) * size
+                                                  for w in buckets_up_to(T, 32)}))
     return SamplerShapes(prompt_buckets=prompts, pass_tokens=prefill_pass_tokens(cfg, prompts),
                          window_buckets=windows, row_buckets=(S,), split=False)

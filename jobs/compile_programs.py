@@ -8,6 +8,7 @@ prompt bucket, and one decode chunk over every slot and the whole cache.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -29,7 +30,14 @@ from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
 from meshrl.inference.shapes import prefill_pass_tokens
 from meshrl.mesh import rules_for
-from meshrl.models import KVCache, abstract_model, flops_per_token, param_shardings, split_model
+from meshrl.models import (
+    KVCache,
+    abstract_model,
+    flops_per_token,
+    paged_kernel,
+    param_shardings,
+    split_model,
+)
 from meshrl.models.lora import LoraSetup
 from meshrl.trainer import (
     abstract_state,
@@ -229,13 +237,17 @@ def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Progra
     """One decode chunk (``sampler.decode_chunk`` steps) of every slot over the whole cache."""
     s = config.sampler
     cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
-    # The paged cache decodes over a window gathered from its pages, as Sampler builds it.
+    # The paged cache decodes over a window gathered from its pages or over the pages in place
+    # (``sampler.paged_decode``), as Sampler builds it.
     make = paged_programs.make_decode if s.kv_cache == "paged" else sampler_programs.make_decode
     decode = make(graphdef, s.max_len, s.decode_chunk, lambda _: None)
     jitted = jax.jit(decode, static_argnames=("window",), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
     every_slot = np.arange(s.slots, dtype=np.int32)
-    lowered = jitted.lower(params, cache, state, every_slot, window=s.max_len)
+    # A decode in place calls the TPU kernel, whose Mosaic lowering targets the mesh's chip.
+    scope = paged_kernel.lowering_for(mesh) if s.kv_cache == "paged" else contextlib.nullcontext()
+    with scope:
+        lowered = jitted.lower(params, cache, state, every_slot, window=s.max_len)
     flops = flops_per_token(cfg, s.max_len) / 3 * s.slots * s.decode_chunk
     return Program("decode", lowered, s.decode_chunk, flops, flops, per_chip_bytes(params),
                    per_chip_bytes(cache))

@@ -25,6 +25,7 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import kv_cache as kvc
 from meshrl.models import paged_attention as paged
+from meshrl.models import paged_kernel
 from meshrl.models.attention_fused import cudnn_attention, splash_attention
 from meshrl.models.attention_kernels import (
     BLOCK,
@@ -104,10 +105,16 @@ class Attention(nnx.Module):
                                                    positions_BxL, self.compute_dtype)
         elif isinstance(cache, paged.PagedKVCache):
             cache = paged.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
-            keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)
-            out_BxLxNxH = paged.paged_attention(
-                q_BxLxNxH, keys_PxSxKxH.astype(self.compute_dtype),
-                values_PxSxKxH.astype(self.compute_dtype), cache.page_table, positions_BxL)
+            if paged_kernel.applies(ctx, cache.combined, L):  # reads the pages in place
+                pool = cache.k if cache.is_stacked else cache.k[layer]
+                out_BxLxNxH = paged_kernel.sharded_ragged_paged_attention(
+                    q_BxLxNxH, pool.astype(self.compute_dtype), cache.page_table,
+                    positions_BxL, layer, ctx)
+            else:
+                keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)
+                out_BxLxNxH = paged.paged_attention(
+                    q_BxLxNxH, keys_PxSxKxH.astype(self.compute_dtype),
+                    values_PxSxKxH.astype(self.compute_dtype), cache.page_table, positions_BxL)
         else:
             cache = kvc.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
             keys, values_BxKxTxH = cache.layer(layer)  # keys in ``cache.key_layout``

@@ -1,8 +1,10 @@
 """Paged KV cache: a pool of fixed-size pages shared by all sequences, and attention over it.
 
 Per layer the pool holds keys and values as ``[num_pages P, page_size S, kv_heads K,
-head_dim H]``. A sequence owns the pages listed in its row of the page table
-``[slots B, pages_per_seq M]`` (int32): token at position t of slot b lives at
+head_dim H]``, or both in one combined pool ``[P, S, 2K, H]`` (kv head j's key at 2j, its value
+at 2j + 1: the TPU ragged paged attention kernel's layout, ``paged_kernel``). A sequence owns
+the pages listed in its row of the page table ``[slots B, pages_per_seq M]`` (int32): token at
+position t of slot b lives at
 ``page_table[b, t // S]``, offset ``t % S``. Pages need not be contiguous or in order, and two
 slots may list the same page (a shared prompt prefix), so memory follows the tokens actually
 held instead of ``slots x max_len``.
@@ -23,10 +25,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
 from meshrl.configs.schema import ModelConfig
-from meshrl.mesh.rules import Rules, logical_to_sharding
+from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.kv_cache import KVCache
 
@@ -38,47 +40,62 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 @struct.dataclass
 class PagedKVCache:
-    """Per layer: keys and values [P, S, K, H]: a tuple with one array per layer, or (for a
-    ``scan_layers`` model) one array stacked over a leading layers axis. ``page_table``
-    [slots B, pages_per_seq M] (int32, -1 = no page) rides along when the cache is handed to
-    the model's forward, so attention knows where each slot's positions live. ``shared``, on
-    the cache a decode chunk is handed, says which slots share which leading pages
-    (``cascade_attention``)."""
+    """Per layer: keys and values [P, S, K, H] (or, ``combined``, both in ``k`` [P, S, 2K, H]
+    and ``v`` None): a tuple with one array per layer, or (for a ``scan_layers`` model) one
+    array stacked over a leading layers axis. ``page_table`` [slots B, pages_per_seq M]
+    (int32, -1 = no page) rides along when the cache is handed to the model's forward, so
+    attention knows where each slot's positions live. ``shared``, on the cache a decode chunk
+    is handed, says which slots share which leading pages (``cascade_attention``)."""
 
     k: tuple[jax.Array, ...] | jax.Array
-    v: tuple[jax.Array, ...] | jax.Array
+    v: tuple[jax.Array, ...] | jax.Array | None
     page_table: jax.Array | None = None
     shared: SharedPrefix | None = None
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int,
-             dtype: jnp.dtype | str = jnp.float32, stacked: bool = False) -> PagedKVCache:
-        shape = cls.shape(cfg, num_pages, page_size)
-        if stacked:
-            return cls(jnp.zeros((cfg.num_layers, *shape), dtype),
-                       jnp.zeros((cfg.num_layers, *shape), dtype))
-        return cls(tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)))
+             dtype: jnp.dtype | str = jnp.float32, stacked: bool = False,
+             combined: bool = False) -> PagedKVCache:
+        """A zero pool; ``combined``: keys and values interleaved in ``k`` (``interleave``)."""
+        shape = cls.shape(cfg, num_pages, page_size, combined)
+
+        def pools() -> tuple[jax.Array, ...] | jax.Array:
+            if stacked:
+                return jnp.zeros((cfg.num_layers, *shape), dtype)
+            return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+
+        return cls(pools(), None if combined else pools())
 
     @staticmethod
-    def shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    def shape(cfg: ModelConfig, num_pages: int, page_size: int, combined: bool = False,
+              ) -> tuple[int, int, int, int]:
         if num_pages < 1 or page_size < 1:
             raise ValueError(f"paged cache: num_pages={num_pages}, page_size={page_size}: "
                              f"both must be >= 1")
-        return num_pages, page_size, cfg.num_kv_heads, cfg.resolved_head_dim
+        heads = cfg.num_kv_heads * (2 if combined else 1)
+        return num_pages, page_size, heads, cfg.resolved_head_dim
 
     @classmethod
     def shardings(cls, cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
-                  rules: Rules, stacked: bool = False) -> PagedKVCache:
+                  rules: Rules, stacked: bool = False, combined: bool = False,
+                  ) -> PagedKVCache:
         """A PagedKVCache of NamedShardings (for jit in/out_shardings); the page table, when
         the caller adds one, is replicated."""
+        # A combined pool shards its heads as the separate pools would: whole (key, value)
+        # pairs on each shard, or none (2K may divide where K does not).
         shape = cls.shape(cfg, num_pages, page_size)
         if stacked:
-            sh = logical_to_sharding(("layers", *PAGE_AXES), mesh, rules,
-                                     (cfg.num_layers, *shape))
-            return cls(sh, sh)
-        sh = logical_to_sharding(PAGE_AXES, mesh, rules, shape)
-        return cls((sh,) * cfg.num_layers, (sh,) * cfg.num_layers)
+            sh = NamedSharding(mesh, logical_to_spec(("layers", *PAGE_AXES), rules, mesh,
+                                                     (cfg.num_layers, *shape)))
+        else:
+            sh = (NamedSharding(mesh, logical_to_spec(PAGE_AXES, rules, mesh, shape)),
+                  ) * cfg.num_layers
+        return cls(sh, None if combined else sh)
+
+    @property
+    def combined(self) -> bool:
+        """Keys and values interleaved on the heads axis of ``k`` (``v`` is None)."""
+        return self.v is None
 
     @property
     def is_stacked(self) -> bool:
@@ -103,6 +120,10 @@ class PagedKVCache:
         return self.page_table.shape[1] * self.page_size
 
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
+        """One layer's (keys, values) pools [P, S, K, H] (of a combined pool: strided views)."""
+        if self.combined:
+            pool = self.k[layer]
+            return pool[..., 0::2, :], pool[..., 1::2, :]
         return self.k[layer], self.v[layer]
 
     def window(self, length: int, rows: int | None = None, lo: int = 0) -> PagedKVCache:
@@ -125,11 +146,13 @@ class PagedKVCache:
         """Layers stacked on a leading axis (a copy unless already stacked)."""
         if self.is_stacked:
             return self
-        return self.replace(k=jnp.stack(self.k), v=jnp.stack(self.v))
+        return self.replace(k=jnp.stack(self.k), v=None if self.combined else jnp.stack(self.v))
 
     def unstacked(self) -> PagedKVCache:
         """One array per layer (a copy unless already per layer)."""
-        return self.replace(k=tuple(self.k), v=tuple(self.v)) if self.is_stacked else self
+        if not self.is_stacked:
+            return self
+        return self.replace(k=tuple(self.k), v=None if self.combined else tuple(self.v))
 
     def put_slots(self, part: KVCache, slots_N: jax.Array) -> PagedKVCache:
         """Write a dense cache ``part`` (N rows, entries [0, T)) into the pages of slots
@@ -148,11 +171,7 @@ class PagedKVCache:
         def put(pool: jax.Array, x: jax.Array) -> jax.Array:
             return pool.at[page_NxT, off_NxT].set(x.astype(pool.dtype), mode="drop")
 
-        if self.is_stacked:
-            return self.replace(k=jax.vmap(put)(self.k, jnp.stack(keys_NxTxKxH)),
-                                v=jax.vmap(put)(self.v, jnp.stack(values_NxTxKxH)))
-        return self.replace(k=tuple(map(put, self.k, keys_NxTxKxH)),
-                            v=tuple(map(put, self.v, values_NxTxKxH)))
+        return _put_pools(self, put, keys_NxTxKxH, values_NxTxKxH)
 
 
 def slot_index(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: int,
@@ -174,14 +193,27 @@ def write(cache: PagedKVCache, layer: int | jax.Array, k_BxLxKxH: jax.Array,
     ``page_table_BxM`` defaults to the one the cache carries."""
     table = cache.page_table if page_table_BxM is None else page_table_BxM
     page_BxL, off_BxL = slot_index(table, positions_BxL, cache.page_size)
-    if cache.is_stacked:
-        k = cache.k.at[layer, page_BxL, off_BxL].set(k_BxLxKxH.astype(cache.k.dtype), mode="drop")
-        v = cache.v.at[layer, page_BxL, off_BxL].set(v_BxLxKxH.astype(cache.v.dtype), mode="drop")
-        return cache.replace(k=k, v=v)
-    k_l, v_l = cache.k[layer], cache.v[layer]
-    k_l = k_l.at[page_BxL, off_BxL].set(k_BxLxKxH.astype(k_l.dtype), mode="drop")
-    v_l = v_l.at[page_BxL, off_BxL].set(v_BxLxKxH.astype(v_l.dtype), mode="drop")
-    return cache.replace(k=_replace(cache.k, layer, k_l), v=_replace(cache.v, layer, v_l))
+
+    # A stacked pool takes the layer as a scatter index: one in-place scatter, no layer copy.
+    idx = (layer, page_BxL, off_BxL) if cache.is_stacked else (page_BxL, off_BxL)
+
+    def put(layers: tuple[jax.Array, ...] | jax.Array, x: jax.Array,
+            ) -> tuple[jax.Array, ...] | jax.Array:
+        if cache.is_stacked:
+            return layers.at[idx].set(x.astype(layers.dtype), mode="drop")
+        pool = layers[layer].at[idx].set(x.astype(layers[layer].dtype), mode="drop")
+        return _replace(layers, layer, pool)
+
+    if cache.combined:
+        return cache.replace(k=put(cache.k, interleave(k_BxLxKxH, v_BxLxKxH)))
+    return cache.replace(k=put(cache.k, k_BxLxKxH), v=put(cache.v, v_BxLxKxH))
+
+
+def interleave(k_XxKxH: jax.Array, v_XxKxH: jax.Array) -> jax.Array:
+    """Keys and values [..., K, H] as one [..., 2K, H]: kv head j's key at 2j, its value at
+    2j + 1 (the combined pool's layout, the TPU kernel's)."""
+    *lead, K, H = k_XxKxH.shape
+    return jnp.stack([k_XxKxH, v_XxKxH], axis=-2).reshape(*lead, 2 * K, H)
 
 
 def paged_attention(q_BxLxNxH: jax.Array, k_PxSxKxH: jax.Array, v_PxSxKxH: jax.Array,
@@ -215,6 +247,21 @@ def paged_attention(q_BxLxNxH: jax.Array, k_PxSxKxH: jax.Array, v_PxSxKxH: jax.A
 
 def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.Array, ...]:
     return layers[:i] + (x,) + layers[i + 1:]
+
+
+def _put_pools(cache: PagedKVCache, put: Callable[[jax.Array, jax.Array], jax.Array],
+               keys: tuple[jax.Array, ...], values: tuple[jax.Array, ...]) -> PagedKVCache:
+    """``cache`` with ``put(pool, x)`` applied per layer: keys into ``k`` and values into
+    ``v``, or both interleaved into a combined ``k``."""
+    if cache.combined:
+        pairs = tuple(map(interleave, keys, values))
+        k = jax.vmap(put)(cache.k, jnp.stack(pairs)) if cache.is_stacked else tuple(
+            map(put, cache.k, pairs))
+        return cache.replace(k=k)
+    if cache.is_stacked:
+        return cache.replace(k=jax.vmap(put)(cache.k, jnp.stack(keys)),
+                             v=jax.vmap(put)(cache.v, jnp.stack(values)))
+    return cache.replace(k=tuple(map(put, cache.k, keys)), v=tuple(map(put, cache.v, values)))
 
 
 def _per_layer(fn: Callable[[jax.Array], jax.Array], layers: tuple[jax.Array, ...] | jax.Array,

@@ -144,6 +144,24 @@ def test_ragged_paged_attention_kernel_compiles_for_the_slice_within_its_mesh():
     assert "tpu_custom_call" in text
 
 
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["per_layer", "stacked"])
+def test_paged_decode_on_a_tpu_reads_pages_in_place_through_the_kernel(scan_layers):
+    # sampler.paged_decode = auto: in place on a TPU. Gathering the slots' pages into a window
+    # per chunk held a copy of the live cache in temporaries (42 GiB a chip for 8B on v6e-8);
+    # a stacked pool handed to the kernel one layer slice at a time copied that layer's pool.
+    config = _config("rl", mesh__data=1, mesh__tensor=4, model__num_kv_heads=4,
+                     model__scan_layers=scan_layers,
+                     model__head_dim=128, sampler__dtype="bfloat16", sampler__slots=64,
+                     sampler__max_len=2048, sampler__kv_cache="paged",
+                     compile__programs=("decode",))
+
+    compiled = _compiled(config, "decode")
+
+    assert "tpu_custom_call" in compiled.as_text()  # the ragged paged attention kernel
+    memory = compiled.memory_analysis()
+    assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
+
+
 @pytest.mark.slow  # ~17 s: three compiles; the TPU code paths above stay in the default run
 def test_mesh_search_lists_every_split_and_keeps_the_fastest_that_fits(tmp_path, monkeypatch):
     from meshrl.jobs import compile_search

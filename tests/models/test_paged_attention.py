@@ -138,3 +138,42 @@ def test_positions_on_unassigned_pages_are_dropped():
                      jnp.asarray(table))
     written = np.asarray(cache.k[0]).any(axis=(1, 2, 3))
     assert written.tolist() == [p == 3 for p in range(P)]
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+def test_combined_pool_holds_what_separate_pools_hold(stacked):
+    rng = np.random.default_rng(7)
+    k_BxLxKxH, v_BxLxKxH = (jnp.asarray(rng.standard_normal((B, 3, K, H)), jnp.float32)
+                            for _ in range(2))
+    table = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    positions = jnp.asarray([[0, 1, 2], [4, 5, -1], [17, 18, 19]], jnp.int32)
+    zeros = jnp.zeros((2, P, S, K, H)) if stacked else (jnp.zeros((P, S, K, H)),) * 2
+    separate = pa.PagedKVCache(zeros, zeros, table)
+    combined = pa.PagedKVCache(jnp.zeros((2, P, S, 2 * K, H)) if stacked
+                               else (jnp.zeros((P, S, 2 * K, H)),) * 2, None, table)
+
+    separate, combined = (pa.write(c, 1, k_BxLxKxH, v_BxLxKxH, positions)
+                          for c in (separate, combined))
+
+    assert combined.combined and not separate.combined
+    for got, want in zip(combined.layer(1), separate.layer(1), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.asarray(combined.k[0]).any()  # the other layer untouched
+
+
+def test_combined_pool_shards_whole_key_value_pairs_or_none():
+    from meshrl.configs.schema import MeshConfig
+    from meshrl.mesh import create_mesh, rules_for
+
+    mesh = create_mesh(MeshConfig(data=1, tensor=2), jax.devices()[:2])
+
+    def combined_shard(kv_heads):
+        class Cfg:
+            num_kv_heads, resolved_head_dim, num_layers = kv_heads, H, 1
+
+        sh = pa.PagedKVCache.shardings(Cfg, P, S, mesh, rules_for("sample"), combined=True)
+        assert sh.v is None
+        return sh.k[0].shard_shape((P, S, 2 * kv_heads, H))
+
+    assert combined_shard(2) == (P, S, 2, H)  # one (key, value) pair a device
+    assert combined_shard(1) == (P, S, 2, H)  # a pair is never split: replicated

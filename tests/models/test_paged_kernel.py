@@ -8,6 +8,7 @@ import pytest
 
 from meshrl.models import paged_attention as pa
 from meshrl.models import paged_kernel as pk
+from meshrl.models.paged_attention import interleave
 
 B, N, K, H, S, M = 3, 4, 2, 8, 4, 5  # slots, q heads, kv heads (GQA 2), head dim, page, pages/seq
 P = B * M + 2
@@ -25,7 +26,7 @@ def _pool(seed: int = 0):
 def test_combined_pool_interleaves_each_kv_heads_key_and_value():
     k, v, _ = _pool()
 
-    kv = pk.combine_pages(k, v)
+    kv = interleave(k, v)
 
     assert kv.shape == (P, S, 2 * K, H)
     np.testing.assert_array_equal(kv[:, :, 0::2], k)
@@ -39,7 +40,20 @@ def test_kernel_reference_on_the_converted_inputs_equals_portable_paged_attentio
     last_B = np.array([6, 19, 11])  # ragged lengths; slot 2 within its 3 pages
     positions = jnp.asarray(last_B[:, None] - L + 1 + np.arange(L)[None], jnp.int32)
 
-    got = pk.ragged_paged_attention(q, pk.combine_pages(k, v), table, positions, reference=True)
+    got = pk.ragged_paged_attention(q, interleave(k, v), table, positions, reference=True)
+    want = pa.paged_attention(q, k, v, table, positions)
+
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_reads_a_layer_of_a_stacked_pool_through_offset_page_indices():
+    k, v, table = _pool(3)
+    other_k, other_v, _ = _pool(4)
+    stacked = jnp.stack([interleave(other_k, other_v), interleave(k, v)])  # [layers, P, S, 2K, H]
+    q = jnp.asarray(np.random.default_rng(5).standard_normal((B, 1, N, H)), jnp.float32)
+    positions = jnp.asarray([[6], [19], [11]], jnp.int32)
+
+    got = pk.ragged_paged_attention(q, stacked, table, positions, layer=1, reference=True)
     want = pa.paged_attention(q, k, v, table, positions)
 
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
