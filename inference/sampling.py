@@ -12,8 +12,6 @@ Every filter keeps a prefix of the tokens sorted by logit, so the kept set is al
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -81,33 +79,6 @@ def slot_keys(seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
     return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seed_B, position_B)
 
 
-def inverse_cdf(probs_BxV: jax.Array, u_B: jax.Array) -> jax.Array:
-    """Token of each row drawn from ``probs_BxV`` by one uniform ``u_B`` in [0, 1): the first
-    token whose cumulative mass reaches (1 - u) x the row's total (inverse transform sampling,
-    as FlashInfer's samplers do), so a zero-probability token is never drawn. A row draws one
-    random number, not one per token as the Gumbel trick does (most of a decode step's sampling
-    time on a CPU). The sum runs in two levels, over blocks of about sqrt(V) tokens and then
-    inside the chosen block: O(V) work (a flat cumsum is slow on XLA:CPU) and float32 sums of
-    sqrt(V) terms, not of V."""
-    B, V = probs_BxV.shape
-    w = max(1, math.isqrt(V - 1) + 1)  # block width, about sqrt(V)
-    nb = -(-V // w)
-    blocks_BxNxW = jnp.pad(probs_BxV, ((0, 0), (0, nb * w - V))).reshape(B, nb, w)
-    block_mass_BxN = blocks_BxNxW.sum(-1)
-    block_cdf_BxN = jnp.cumsum(block_mass_BxN, axis=-1)
-    target_B = (1.0 - u_B) * block_cdf_BxN[:, -1]  # in (0, total]
-    block_B = jnp.minimum(jnp.sum(block_cdf_BxN < target_B[:, None], axis=-1), nb - 1)
-    pick = block_B[:, None]
-    before_B = (jnp.take_along_axis(block_cdf_BxN, pick, axis=-1)
-                - jnp.take_along_axis(block_mass_BxN, pick, axis=-1))[:, 0]
-    inner_BxW = jnp.take_along_axis(blocks_BxNxW, pick[:, :, None], axis=1)[:, 0]
-    j_B = jnp.sum(before_B[:, None] + jnp.cumsum(inner_BxW, axis=-1) < target_B[:, None],
-                  axis=-1)
-    # Rounding may leave the block's sums just under the target: take its last live token.
-    last_B = w - 1 - jnp.argmax(inner_BxW[:, ::-1] > 0, axis=-1)
-    return (block_B * w + jnp.minimum(j_B, last_B)).astype(jnp.int32)
-
-
 def ban(logits_BxV: jax.Array, banned_BxS: jax.Array) -> jax.Array:
     """``logits_BxV`` with each row's ``banned_BxS`` ids (-1: none) at the finite minus
     infinity: a scatter of B x S entries, not a [B, V, S] comparison."""
@@ -157,8 +128,8 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
                                      min_p_B=min_p_B),
             lambda: filter_and_count(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
                                      jnp.ones_like(top_p_B), sort=False))
-        u_B = jax.vmap(jax.random.uniform)(slot_keys(seed_B, position_B))
-        tokens_B = inverse_cdf(jax.nn.softmax(filtered_BxV, axis=-1), u_B)
+        keys_B = slot_keys(seed_B, position_B)
+        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
         lp_B = jnp.take_along_axis(jax.nn.log_softmax(filtered_BxV, axis=-1),
                                    tokens_B[:, None], axis=-1)[:, 0]
         return tokens_B, lp_B, kept_B
