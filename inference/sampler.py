@@ -110,7 +110,8 @@ class Sampler:
         T, chunk, rec = self.cfg.max_len, self.cfg.decode_chunk, self.record_routing
         prefill = programs.make_prefill(self.graphdef, self.model_cfg, T,
                                         max_tokens=self.pass_tokens, routing=rec)
-        # The paged cache decodes over a window gathered from its pages (paged_programs).
+        # The paged cache decodes over a window gathered from its pages, or over the pages in
+        # place (paged_programs, sampler.paged_decode).
         make_decode = paged_programs.make_decode if self.pages else programs.make_decode
         decode = make_decode(self.graphdef, T, chunk, self.window_trace_shapes.append, rec)
         st_sh, cache_sh = self._repl, self._cache_sh

@@ -106,10 +106,11 @@ class Attention(nnx.Module):
         elif isinstance(cache, paged.PagedKVCache):
             cache = paged.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
             if paged_kernel.applies(ctx, cache.combined, L):  # reads the pages in place
+                # q takes the pool's dtype: casting the pool would copy it every step.
                 pool = cache.k if cache.is_stacked else cache.k[layer]
                 out_BxLxNxH = paged_kernel.sharded_ragged_paged_attention(
-                    q_BxLxNxH, pool.astype(self.compute_dtype), cache.page_table,
-                    positions_BxL, layer, ctx)
+                    q_BxLxNxH.astype(pool.dtype), pool, cache.page_table, positions_BxL, layer,
+                    ctx).astype(self.compute_dtype)
             else:
                 keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)
                 out_BxLxNxH = paged.paged_attention(
