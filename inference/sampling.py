@@ -41,7 +41,7 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     greedy_B = temperature_B <= 0.0
     safe_t_B = jnp.where(greedy_B, 1.0, temperature_B)
     scaled_BxV = logits_BxV / safe_t_B[:, None]
-    argmax_B = jnp.argmax(logits_BxV, axis=-1)
+    argmax_B = first_argmax(logits_BxV)
     greedy_BxV = jnp.where(jnp.arange(V)[None, :] == argmax_B[:, None], 0.0, _NEG)
     if not sort:  # no top-k/top-p/min-p anywhere in the batch: temperature only
         kept_B = jnp.where(greedy_B, 1, V).astype(jnp.int32)
@@ -68,6 +68,19 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     # Ties at the threshold are kept (and sampled), so the count is of the set, not n_keep.
     kept_B = jnp.where(greedy_B, 1, jnp.sum(in_set_BxV, axis=-1)).astype(jnp.int32)
     return jnp.where(greedy_B[:, None], greedy_BxV, filtered_BxV), kept_B
+
+
+def first_argmax(x_BxV: jax.Array) -> jax.Array:
+    """int32 ``[B]``: ``jnp.argmax(x_BxV, -1)`` for finite rows (ties: the lowest index).
+
+    A max and a masked min are two plain reductions that XLA vectorises; ``argmax`` lowers to
+    one (value, index) reduction, which XLA:CPU runs element by element with its producers
+    (the Gumbel noise's two logs) fused in. A row with a NaN gives V - 1.
+    """
+    V = x_BxV.shape[-1]
+    max_Bx1 = jnp.max(x_BxV, axis=-1, keepdims=True)
+    index_BxV = jnp.where(x_BxV == max_Bx1, jnp.arange(V, dtype=jnp.int32), V)
+    return jnp.minimum(jnp.min(index_BxV, axis=-1), V - 1)
 
 
 def slot_keys(seed_B: jax.Array, position_B: jax.Array) -> jax.Array:
@@ -116,7 +129,7 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
     min_p_B = jnp.zeros((B,), jnp.float32) if min_p_B is None else min_p_B
 
     def greedy() -> tuple[jax.Array, jax.Array, jax.Array]:
-        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        tokens_B = first_argmax(logits_BxV)
         return tokens_B, jnp.zeros(tokens_B.shape, jnp.float32), jnp.ones((B,), jnp.int32)
 
     def stochastic() -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -128,8 +141,11 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
                                      min_p_B=min_p_B),
             lambda: filter_and_count(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
                                      jnp.ones_like(top_p_B), sort=False))
-        keys_B = slot_keys(seed_B, position_B)
-        tokens_B = jax.vmap(jax.random.categorical)(keys_B, filtered_BxV).astype(jnp.int32)
+        # jax.random.categorical's draw (the same Gumbel noise, so the same tokens per seed),
+        # with the argmax taken by ``first_argmax``.
+        noise_BxV = jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(
+            slot_keys(seed_B, position_B))
+        tokens_B = first_argmax(filtered_BxV + noise_BxV)
         lp_B = jnp.take_along_axis(jax.nn.log_softmax(filtered_BxV, axis=-1),
                                    tokens_B[:, None], axis=-1)[:, 0]
         return tokens_B, lp_B, kept_B

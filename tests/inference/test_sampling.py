@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshrl.inference.sampling import filter_logits, sample
+from meshrl.inference.sampling import filter_logits, first_argmax, sample, slot_keys
 
 LOGITS_1xV = jnp.log(jnp.asarray([[0.1, 0.4, 0.2, 0.3]]))
 
@@ -85,3 +85,19 @@ def test_sampled_tokens_follow_the_softmax_over_many_positions():
     freq_V = np.bincount(np.asarray(tokens_B), minlength=V) / B
     # 20k draws: each frequency's standard error is at most 0.0035.
     np.testing.assert_allclose(freq_V, np.asarray(jax.nn.softmax(logits_V)), atol=0.012)
+
+
+def test_first_argmax_equals_argmax_with_ties_at_the_lowest_index():
+    rng = np.random.default_rng(0)
+    x_BxV = rng.integers(0, 4, size=(64, 37)).astype(np.float32)  # many ties
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x_BxV))),
+                                  np.argmax(x_BxV, axis=-1))
+
+
+def test_sampled_tokens_are_jax_categorical_draws_for_the_same_keys():
+    logits_BxV = jax.random.normal(jax.random.key(3), (16, 100))
+    seed_B, position_B = jnp.arange(16), jnp.arange(16) * 7
+    tokens_B = sample(logits_BxV, jnp.ones(16), jnp.zeros(16, jnp.int32), jnp.ones(16),
+                      seed_B, position_B)[0]
+    expected_B = jax.vmap(jax.random.categorical)(slot_keys(seed_B, position_B), logits_BxV)
+    np.testing.assert_array_equal(np.asarray(tokens_B), np.asarray(expected_B))
