@@ -115,19 +115,17 @@ def _prefix_part(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Ar
     B, L, N, H = q_BxLxNxH.shape
     R, Gm = cache.members_RxG.shape
     p_keys, p_values_RxKxPxH = cache.prefix.layer(layer)
-    K, P = p_values_RxKxPxH.shape[1], p_values_RxKxPxH.shape[2]
+    K = p_values_RxKxPxH.shape[1]
     G = N // K
     members_X = cache.members_RxG.reshape(R * Gm)
     q_XxLxNxH = jnp.take(q_BxLxNxH, members_X, axis=0, mode="fill", fill_value=0)
-    pos_XxL = jnp.take(positions_BxL, members_X, axis=0, mode="fill", fill_value=-1)
     # A row's queries side by side: [R, K, (member, g, l), H] against its prefix, read once.
     q_RxKxQxH = q_XxLxNxH.reshape(R, Gm, L, K, G, H).transpose(0, 3, 1, 4, 2, 5).reshape(
         R, K, Gm * G * L, H)
-    mask_XxKxGLxP = _per_query((jnp.arange(P)[None, None, :] <= pos_XxL[:, :, None]), K, G)
-    mask_RxKxQxP = mask_XxKxGLxP.reshape(R, Gm, K, G * L, P).transpose(0, 2, 1, 3, 4).reshape(
-        R, K, Gm * G * L, P)
+    # No mask: a prefix is whole pages written before the chunk, so every member sees all of
+    # it (``inference.prefix_plan``); padding members' parts are never read back.
     parts = partial_attention(q_RxKxQxH, p_keys.astype(dtype), p_values_RxKxPxH.astype(dtype),
-                              mask_RxKxQxP, cache.prefix.key_layout)
+                              None, cache.prefix.key_layout)
     # Back to slot order: member x of the rows -> its slot; slots in no row read index R * Gm.
     where_B = jnp.full((B,), R * Gm, jnp.int32).at[members_X].set(
         jnp.arange(R * Gm, dtype=jnp.int32), mode="drop")
@@ -148,18 +146,22 @@ def _per_query(mask_XxLxT: jax.Array, K: int, G: int) -> jax.Array:
 
 
 def partial_attention(q_XxKxQxH: jax.Array, keys: jax.Array, values_XxKxTxH: jax.Array,
-                      mask_XxKxQxT: jax.Array, key_layout: str = kvc.TRANSPOSED,
+                      mask_XxKxQxT: jax.Array | None, key_layout: str = kvc.TRANSPOSED,
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Softmax attention over the visible entries, unnormalized: (max score [X, K, Q], sum of
     exp(score - max) [X, K, Q], sum of exp(score - max) x value [X, K, Q, H]), in float32.
-    Keys are [X, K, H, T] or [X, K, T, H] (``key_layout``). No visible entry: sum 0."""
+    Keys are [X, K, H, T] or [X, K, T, H] (``key_layout``). No visible entry: sum 0. A mask of
+    None makes every entry visible (no selects over the scores)."""
     H = q_XxKxQxH.shape[-1]
     spec = "xkqh,xkht->xkqt" if key_layout == kvc.TRANSPOSED else "xkqh,xkth->xkqt"
     scores_XxKxQxT = jnp.einsum(spec, q_XxKxQxH, keys,
                                 preferred_element_type=jnp.float32) * (H ** -0.5)
-    scores_XxKxQxT = jnp.where(mask_XxKxQxT, scores_XxKxQxT, MASK_VALUE)
+    if mask_XxKxQxT is not None:
+        scores_XxKxQxT = jnp.where(mask_XxKxQxT, scores_XxKxQxT, MASK_VALUE)
     max_XxKxQ = scores_XxKxQxT.max(-1)
-    p_XxKxQxT = jnp.where(mask_XxKxQxT, jnp.exp(scores_XxKxQxT - max_XxKxQ[..., None]), 0.0)
+    p_XxKxQxT = jnp.exp(scores_XxKxQxT - max_XxKxQ[..., None])
+    if mask_XxKxQxT is not None:
+        p_XxKxQxT = jnp.where(mask_XxKxQxT, p_XxKxQxT, 0.0)
     out_XxKxQxH = jnp.einsum("xkqt,xkth->xkqh", p_XxKxQxT.astype(values_XxKxTxH.dtype),
                              values_XxKxTxH, preferred_element_type=jnp.float32)
     return max_XxKxQ, p_XxKxQxT.sum(-1), out_XxKxQxH
