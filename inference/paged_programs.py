@@ -23,7 +23,7 @@ from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
 from meshrl.models.decoder import apply_head, forward
 from meshrl.models.kv_cache import TRANSPOSED
-from meshrl.models.paged_attention import PagedKVCache, slot_index
+from meshrl.models.paged_attention import PagedKVCache, put_entries, slot_index
 
 
 def rows_view(cache: PagedKVCache, slots_N: jax.Array) -> PagedKVCache:
@@ -39,8 +39,10 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
     src_N = jnp.clip(src_N, 0, cache.num_pages - 1)
 
     def cp(pool: jax.Array) -> jax.Array:
-        if cache.is_stacked:
-            return pool.at[:, dst_N].set(pool[:, src_N], mode="drop")
+        if cache.is_stacked:  # the layer as an index, as ``put_entries`` (no pool relayout)
+            layer_Lx1 = jnp.arange(pool.shape[0])[:, None]
+            return pool.at[layer_Lx1, dst_N[None]].set(pool[layer_Lx1, src_N[None]],
+                                                        mode="drop")
         return pool.at[dst_N].set(pool[src_N], mode="drop")
 
     def layers(pools: tuple[jax.Array, ...] | jax.Array | None,
@@ -214,11 +216,9 @@ def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int,
         return jnp.take_along_axis(v_BxKxTxH, idx_BxC[:, None, :, None], axis=2
                                    ).transpose(0, 2, 1, 3)
 
-    def put(pool: jax.Array, band: jax.Array) -> jax.Array:
-        return pool.at[page_BxC, off_BxC].set(band.astype(pool.dtype), mode="drop")
-
     if cache.is_stacked:
-        return cache.replace(k=jax.vmap(lambda p, k: put(p, band_k(k)))(cache.k, win.k),
-                             v=jax.vmap(lambda p, v: put(p, band_v(v)))(cache.v, win.v))
-    return cache.replace(k=tuple(put(p, band_k(k)) for p, k in zip(cache.k, win.k)),
-                         v=tuple(put(p, band_v(v)) for p, v in zip(cache.v, win.v)))
+        bands_k, bands_v = jax.vmap(band_k)(win.k), jax.vmap(band_v)(win.v)
+    else:
+        bands_k, bands_v = tuple(map(band_k, win.k)), tuple(map(band_v, win.v))
+    return cache.replace(k=put_entries(cache.k, page_BxC, off_BxC, bands_k),
+                         v=put_entries(cache.v, page_BxC, off_BxC, bands_v))

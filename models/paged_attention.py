@@ -168,10 +168,7 @@ class PagedKVCache:
                                   else jnp.moveaxis(x, -1, -3), part.k)
         values_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3), part.v)
 
-        def put(pool: jax.Array, x: jax.Array) -> jax.Array:
-            return pool.at[page_NxT, off_NxT].set(x.astype(pool.dtype), mode="drop")
-
-        return _put_pools(self, put, keys_NxTxKxH, values_NxTxKxH)
+        return _put_pools(self, page_NxT, off_NxT, keys_NxTxKxH, values_NxTxKxH)
 
 
 def slot_index(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: int,
@@ -249,19 +246,35 @@ def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.A
     return layers[:i] + (x,) + layers[i + 1:]
 
 
-def _put_pools(cache: PagedKVCache, put: Callable[[jax.Array, jax.Array], jax.Array],
+def put_entries(pools: tuple[jax.Array, ...] | jax.Array, page_NxT: jax.Array,
+                off_NxT: jax.Array, x: tuple[jax.Array, ...] | jax.Array,
+                ) -> tuple[jax.Array, ...] | jax.Array:
+    """Per-layer pools ([P, S, K, H] each, ``x`` [N, T, K, H] each) or a stacked pool
+    ([layers, P, S, K, H], ``x`` [layers, N, T, K, H]) with each entry written at its (page,
+    offset); out-of-range pages are dropped. A stacked pool takes every layer in one scatter
+    with the layer as an index: as a vmapped (batch) dimension of the scatter, the TPU compiler
+    gave the pool a layout of its own and copied the whole pool in and out of it."""
+    def put(pool: jax.Array, idx: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
+        return pool.at[idx].set(x.astype(pool.dtype), mode="drop")
+
+    if isinstance(pools, tuple):
+        return tuple(put(p, (page_NxT, off_NxT), xi) for p, xi in zip(pools, x, strict=True))
+    layer_Lx1x1 = jnp.arange(pools.shape[0])[:, None, None]
+    return put(pools, (layer_Lx1x1, page_NxT[None], off_NxT[None]), x)
+
+
+def _put_pools(cache: PagedKVCache, page_NxT: jax.Array, off_NxT: jax.Array,
                keys: tuple[jax.Array, ...], values: tuple[jax.Array, ...]) -> PagedKVCache:
-    """``cache`` with ``put(pool, x)`` applied per layer: keys into ``k`` and values into
-    ``v``, or both interleaved into a combined ``k``."""
+    """``cache`` with each layer's entries written at (page, offset): keys into ``k`` and
+    values into ``v``, or both interleaved into a combined ``k``."""
+    def put(pools: tuple[jax.Array, ...] | jax.Array, xs: tuple[jax.Array, ...],
+            ) -> tuple[jax.Array, ...] | jax.Array:
+        return put_entries(pools, page_NxT, off_NxT,
+                           jnp.stack(xs) if cache.is_stacked else xs)
+
     if cache.combined:
-        pairs = tuple(map(interleave, keys, values))
-        k = jax.vmap(put)(cache.k, jnp.stack(pairs)) if cache.is_stacked else tuple(
-            map(put, cache.k, pairs))
-        return cache.replace(k=k)
-    if cache.is_stacked:
-        return cache.replace(k=jax.vmap(put)(cache.k, jnp.stack(keys)),
-                             v=jax.vmap(put)(cache.v, jnp.stack(values)))
-    return cache.replace(k=tuple(map(put, cache.k, keys)), v=tuple(map(put, cache.v, values)))
+        return cache.replace(k=put(cache.k, tuple(map(interleave, keys, values))))
+    return cache.replace(k=put(cache.k, keys), v=put(cache.v, values))
 
 
 def _per_layer(fn: Callable[[jax.Array], jax.Array], layers: tuple[jax.Array, ...] | jax.Array,

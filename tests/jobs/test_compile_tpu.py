@@ -162,6 +162,22 @@ def test_paged_decode_on_a_tpu_reads_pages_in_place_through_the_kernel(scan_laye
     assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
 
 
+def test_paged_prefill_on_a_tpu_writes_a_stacked_pool_in_place():
+    # Writing the prompts into a stacked pool with the layer as a vmapped scatter dimension
+    # made the TPU compiler lay the pool out anew inside the prefill loop: a copy of the whole
+    # pool in and one out (34 GiB of temporaries a chip for 8B on v6e-8, the dense prefill 0.1).
+    # (Two layers and one pass kept the layout; 8 layers in passes of 2,048 tokens did not.)
+    config = _config("rl", mesh__data=1, mesh__tensor=4, model__num_kv_heads=4,
+                     model__scan_layers=True, model__num_layers=8, model__head_dim=128,
+                     sampler__dtype="bfloat16", sampler__slots=64, sampler__max_len=2048,
+                     sampler__kv_cache="paged", sampler__prefill_tokens=2048,
+                     compile__programs=("prefill",))
+
+    memory = _compiled(config, "prefill").memory_analysis()
+
+    assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
+
+
 @pytest.mark.slow  # ~17 s: three compiles; the TPU code paths above stay in the default run
 def test_mesh_search_lists_every_split_and_keeps_the_fastest_that_fits(tmp_path, monkeypatch):
     from meshrl.jobs import compile_search
