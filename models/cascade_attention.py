@@ -101,15 +101,14 @@ def cascade_attention(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: j
     suffix_part = partial_attention(q_BxKxQxH, s_keys.astype(dtype),
                                     s_values_BxKxWxH.astype(dtype),
                                     _per_query(mask_BxLxW, K, G), suffix.key_layout)
-    prefix_part = _prefix_part(cache, layer, q_BxLxNxH, positions_BxL, dtype)
+    prefix_part = _prefix_part(cache, layer, q_BxLxNxH, dtype)
     out_BxKxQxH = merge(suffix_part, prefix_part)
     out_BxLxNxH = out_BxKxQxH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
     return cache, out_BxLxNxH.astype(q_BxLxNxH.dtype)
 
 
 def _prefix_part(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Array,
-                 positions_BxL: jax.Array, dtype: jnp.dtype,
-                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Each slot's partial attention over its row's prefix, as (max, sum, output) [B, K, Q]
     / [B, K, Q, H]; a slot in no row gets an empty part (sum 0)."""
     B, L, N, H = q_BxLxNxH.shape
