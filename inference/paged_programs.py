@@ -181,7 +181,8 @@ def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
     B, M = table_BxM.shape
 
     def gather(pool: jax.Array) -> jax.Array:  # [.., P, S, K, H] -> [.., B, T, K, H]
-        x = jnp.take(pool, table_BxM, axis=-4)
+        # "clip": the indices are in range already; take's default fill checks every element.
+        x = jnp.take(pool, table_BxM, axis=-4, mode="clip")
         return x.reshape(*x.shape[:-5], B, M * S, *x.shape[-2:])
 
     def keys(pool: jax.Array) -> jax.Array:
