@@ -177,3 +177,33 @@ def test_combined_pool_shards_whole_key_value_pairs_or_none():
 
     assert combined_shard(2) == (P, S, 2, H)  # one (key, value) pair a device
     assert combined_shard(1) == (P, S, 2, H)  # a pair is never split: replicated
+
+
+@pytest.mark.parametrize("combined", [False, True], ids=["separate", "combined"])
+def test_put_slots_writes_a_stacked_pool_as_it_writes_per_layer_pools(combined):
+    from meshrl.models.kv_cache import TRANSPOSED, KVCache
+
+    rng = np.random.default_rng(3)
+    T, layers = 2 * S + 1, 2  # a partial last page
+    keys = [jnp.asarray(rng.standard_normal((2, K, H, T)), jnp.float32) for _ in range(layers)]
+    values = [jnp.asarray(rng.standard_normal((2, K, T, H)), jnp.float32) for _ in range(layers)]
+    table = jnp.asarray(rng.permutation(P)[:B * M].reshape(B, M), jnp.int32)
+    slots = jnp.asarray([2, B], jnp.int32)  # slot 2 and a padding row (dropped)
+    heads = 2 * K if combined else K
+
+    def cache(stacked):
+        pools = (jnp.zeros((layers, P, S, heads, H)) if stacked
+                 else tuple(jnp.zeros((P, S, heads, H)) for _ in range(layers)))
+        return pa.PagedKVCache(pools, None if combined else pools, table)
+
+    per_layer = cache(False).put_slots(KVCache(tuple(keys), tuple(values), TRANSPOSED), slots)
+    stacked = cache(True).put_slots(
+        KVCache(jnp.stack(keys), jnp.stack(values), TRANSPOSED), slots)
+
+    for layer in range(layers):
+        for got, want in zip(stacked.layer(layer), per_layer.layer(layer), strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    written = np.asarray(per_layer.layer(1)[1])
+    np.testing.assert_array_equal(  # position S + 1 of slot 2: page table[2, 1], offset 1
+        written[int(table[2, 1]), 1], np.asarray(values[1][0, :, S + 1]))
+    assert np.count_nonzero(written.any(axis=(1, 2, 3))) == 3  # slot 2's three pages only
