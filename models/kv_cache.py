@@ -191,13 +191,24 @@ class KVCache:
         out-of-range slot indices are dropped (padding rows). A ``part`` in the other key
         layout is transposed to this one first (a copy of the part's keys)."""
         P, part = part.max_len, part.with_key_layout(self.key_layout)
+        if self.is_stacked:
+            # The layer as a scatter index, not a vmapped (batch) dimension: vmapped, the
+            # partitioner all-gathered a data-sharded cache to scatter into it (8B on v5p-8:
+            # 64 GiB a chip for each of k and v).
+            layer_Lx1 = jnp.arange(self.k.shape[0])[:, None]
+            rows = (layer_Lx1, slots_N[None])
+        else:
+            rows = (slots_N,)
 
         def put_k(f: jax.Array, p: jax.Array) -> jax.Array:
-            return f.at[slots_N, :, :, :P].set(p, mode="drop")
+            return f.at[(*rows, slice(None), slice(None), slice(None, P))].set(p, mode="drop")
 
         def put_v(f: jax.Array, p: jax.Array) -> jax.Array:
-            return f.at[slots_N, :, :P].set(p, mode="drop")
+            return f.at[(*rows, slice(None), slice(None, P))].set(p, mode="drop")
 
+        if self.is_stacked:
+            return KVCache(put_v(self.k, part.k) if self.keys_like_values else
+                           put_k(self.k, part.k), put_v(self.v, part.v), self.key_layout)
         return KVCache(_per_layer(put_v if self.keys_like_values else put_k, self.k, part.k),
                        _per_layer(put_v, self.v, part.v), self.key_layout)
 

@@ -162,6 +162,19 @@ def test_paged_decode_on_a_tpu_reads_pages_in_place_through_the_kernel(scan_laye
     assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
 
 
+def test_prefill_into_a_data_sharded_stacked_cache_gathers_no_cache():
+    # Scattering the prompts into the stacked cache with the layer as a vmapped dimension made
+    # the partitioner all-gather the slot-sharded cache (8B on v5p-8: 64 GiB a chip for each
+    # of keys and values; the prefill was refused at 159 GiB).
+    config = _config("rl", mesh__data=4, mesh__tensor=1, model__num_kv_heads=4,
+                     model__scan_layers=True, model__head_dim=128, sampler__dtype="bfloat16",
+                     sampler__slots=64, sampler__max_len=2048, compile__programs=("prefill",))
+
+    memory = _compiled(config, "prefill").memory_analysis()
+
+    assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
+
+
 def test_paged_prefill_on_a_tpu_writes_a_stacked_pool_in_place():
     # Writing the prompts into a stacked pool with the layer as a vmapped scatter dimension
     # made the TPU compiler lay the pool out anew inside the prefill loop: a copy of the whole

@@ -11,6 +11,7 @@ import numpy as np
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.models import KVCache, forward
+from meshrl.models.kv_cache import TIME_MAJOR
 from meshrl.tests.models.layer_stacking import unrolled_and_scanned
 from meshrl.tests.trees import assert_trees_close
 
@@ -54,6 +55,10 @@ def test_every_cache_operation_gives_the_same_entries_in_both_layouts():
     _assert_same(s_full.put_band(s_part, start_B, 3, rows_R),
                  full.put_band(part, start_B, 3, rows_R))
     _assert_same(s_full.put_slots(s_part, slots_N), full.put_slots(part, slots_N))
+    # Keys stored like values (the TPU layout) take the values' scatter.
+    t_full, t_part = (c.with_key_layout(TIME_MAJOR) for c in (full, part))
+    _assert_same(t_full.stacked().put_slots(t_part.stacked(), slots_N),
+                 t_full.put_slots(t_part, slots_N))
     assert s_full.unstacked().stacked().k.shape == s_full.k.shape
 
 
