@@ -22,7 +22,7 @@ from meshrl.inference.programs import make_decode as make_dense_decode
 from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
 from meshrl.models.decoder import apply_head, forward
-from meshrl.models.kv_cache import TRANSPOSED
+from meshrl.models.kv_cache import TRANSPOSED, with_layer_index
 from meshrl.models.paged_attention import PagedKVCache, put_entries, slot_index
 
 
@@ -39,10 +39,9 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
     src_N = jnp.clip(src_N, 0, cache.num_pages - 1)
 
     def cp(pool: jax.Array) -> jax.Array:
-        if cache.is_stacked:  # the layer as an index, as ``put_entries`` (no pool relayout)
-            layer_Lx1 = jnp.arange(pool.shape[0])[:, None]
-            return pool.at[layer_Lx1, dst_N[None]].set(pool[layer_Lx1, src_N[None]],
-                                                        mode="drop")
+        if cache.is_stacked:
+            return pool.at[with_layer_index(pool.shape[0], dst_N)].set(
+                pool[with_layer_index(pool.shape[0], src_N)], mode="drop")
         return pool.at[dst_N].set(pool[src_N], mode="drop")
 
     def layers(pools: tuple[jax.Array, ...] | jax.Array | None,

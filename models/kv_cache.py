@@ -191,14 +191,7 @@ class KVCache:
         out-of-range slot indices are dropped (padding rows). A ``part`` in the other key
         layout is transposed to this one first (a copy of the part's keys)."""
         P, part = part.max_len, part.with_key_layout(self.key_layout)
-        if self.is_stacked:
-            # The layer as a scatter index, not a vmapped (batch) dimension: vmapped, the
-            # partitioner all-gathered a data-sharded cache to scatter into it (8B on v5p-8:
-            # 64 GiB a chip for each of k and v).
-            layer_Lx1 = jnp.arange(self.k.shape[0])[:, None]
-            rows = (layer_Lx1, slots_N[None])
-        else:
-            rows = (slots_N,)
+        rows = with_layer_index(self.k.shape[0], slots_N) if self.is_stacked else (slots_N,)
 
         def put_k(f: jax.Array, p: jax.Array) -> jax.Array:
             return f.at[(*rows, slice(None), slice(None), slice(None, P))].set(p, mode="drop")
@@ -223,6 +216,15 @@ class KVCache:
     def layer(self, layer: int | jax.Array) -> tuple[jax.Array, jax.Array]:
         """(keys in ``key_layout``, values B x K x T x H) of one layer."""
         return self.k[layer], self.v[layer]
+
+
+def with_layer_index(layers: int, *idx: jax.Array) -> tuple[jax.Array, ...]:
+    """Scatter/gather indices ``idx`` (one shape) into every layer of a stacked array: the layer
+    as a leading index broadcast against them. Vmapped over the layers instead (a batch
+    dimension of the scatter), the TPU compiler gave the array a layout of its own and copied
+    it in and out, and the partitioner all-gathered it when sharded over slots."""
+    rank = idx[0].ndim
+    return (jnp.arange(layers).reshape(layers, *(1,) * rank), *(i[None] for i in idx))
 
 
 def key_layout_for(mesh: Mesh) -> str:

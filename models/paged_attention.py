@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
-from meshrl.models.kv_cache import KVCache
+from meshrl.models.kv_cache import KVCache, with_layer_index
 
 # Pages and their offsets are not sharded: any device may own any sequence's pages. Heads
 # shard over ``tensor`` like the dense cache.
@@ -162,13 +162,24 @@ class PagedKVCache:
         table_NxM = jnp.take(self.page_table, slots_N, axis=0, mode="fill", fill_value=-1)
         pos_NxT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (N, T))
         page_NxT, off_NxT = slot_index(table_NxM, pos_NxT, self.page_size)
-        # Dense keys are [N, K, H, T] or [N, K, T, H], values [N, K, T, H]: the pages take
-        # [N, T, K, H].
-        keys_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3) if part.keys_like_values
-                                  else jnp.moveaxis(x, -1, -3), part.k)
-        values_NxTxKxH = _per_layer(lambda x: jnp.swapaxes(x, -2, -3), part.v)
+        # Dense keys are [.., N, K, H, T] or [.., N, K, T, H], values [.., N, K, T, H]: the
+        # pages take [.., N, T, K, H]. The part takes the pool's layout (a stacked pool, a
+        # stacked part: no unstacking and restacking).
+        part = part.stacked() if self.is_stacked else part.unstacked()
 
-        return _put_pools(self, page_NxT, off_NxT, keys_NxTxKxH, values_NxTxKxH)
+        def layers(fn: Callable[[jax.Array], jax.Array], x: tuple[jax.Array, ...] | jax.Array,
+                   ) -> tuple[jax.Array, ...] | jax.Array:
+            return fn(x) if self.is_stacked else tuple(map(fn, x))
+
+        keys = layers(lambda x: jnp.swapaxes(x, -2, -3) if part.keys_like_values
+                      else jnp.moveaxis(x, -1, -3), part.k)
+        values = layers(lambda x: jnp.swapaxes(x, -2, -3), part.v)
+        if self.combined:
+            pairs = (interleave(keys, values) if self.is_stacked
+                     else tuple(map(interleave, keys, values)))
+            return self.replace(k=put_entries(self.k, page_NxT, off_NxT, pairs))
+        return self.replace(k=put_entries(self.k, page_NxT, off_NxT, keys),
+                            v=put_entries(self.v, page_NxT, off_NxT, values))
 
 
 def slot_index(page_table_BxM: jax.Array, positions_BxL: jax.Array, page_size: int,
@@ -252,32 +263,10 @@ def put_entries(pools: tuple[jax.Array, ...] | jax.Array, page_NxT: jax.Array,
     """Per-layer pools ([P, S, K, H] each, ``x`` [N, T, K, H] each) or a stacked pool
     ([layers, P, S, K, H], ``x`` [layers, N, T, K, H]) with each entry written at its (page,
     offset); out-of-range pages are dropped. A stacked pool takes every layer in one scatter
-    with the layer as an index: as a vmapped (batch) dimension of the scatter, the TPU compiler
-    gave the pool a layout of its own and copied the whole pool in and out of it."""
+    (``kv_cache.with_layer_index``)."""
     def put(pool: jax.Array, idx: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
         return pool.at[idx].set(x.astype(pool.dtype), mode="drop")
 
     if isinstance(pools, tuple):
         return tuple(put(p, (page_NxT, off_NxT), xi) for p, xi in zip(pools, x, strict=True))
-    layer_Lx1x1 = jnp.arange(pools.shape[0])[:, None, None]
-    return put(pools, (layer_Lx1x1, page_NxT[None], off_NxT[None]), x)
-
-
-def _put_pools(cache: PagedKVCache, page_NxT: jax.Array, off_NxT: jax.Array,
-               keys: tuple[jax.Array, ...], values: tuple[jax.Array, ...]) -> PagedKVCache:
-    """``cache`` with each layer's entries written at (page, offset): keys into ``k`` and
-    values into ``v``, or both interleaved into a combined ``k``."""
-    def put(pools: tuple[jax.Array, ...] | jax.Array, xs: tuple[jax.Array, ...],
-            ) -> tuple[jax.Array, ...] | jax.Array:
-        return put_entries(pools, page_NxT, off_NxT,
-                           jnp.stack(xs) if cache.is_stacked else xs)
-
-    if cache.combined:
-        return cache.replace(k=put(cache.k, tuple(map(interleave, keys, values))))
-    return cache.replace(k=put(cache.k, keys), v=put(cache.v, values))
-
-
-def _per_layer(fn: Callable[[jax.Array], jax.Array], layers: tuple[jax.Array, ...] | jax.Array,
-               ) -> tuple[jax.Array, ...]:
-    """``fn`` of each layer's array, as a tuple, from either dense-cache layout."""
-    return tuple(fn(x) for x in layers)
+    return put(pools, with_layer_index(pools.shape[0], page_NxT, off_NxT), x)
