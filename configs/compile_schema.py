@@ -9,7 +9,7 @@ from typing import Literal
 
 from meshrl.configs.fields import ConfigError, Section, field
 
-PROGRAMS = ("train", "prefill", "decode", "reference")
+PROGRAMS = ("train", "prefill", "decode", "reference", "reprefill", "reprefill_tail")
 _TOPOLOGY = re.compile(r"^(v5e|v5p|v6e)-[1-9][0-9]*$")
 
 
@@ -25,8 +25,11 @@ class CompileConfig(Section):
             "or v6e-N, named as Google Cloud names them (v5p-N has N/2 chips; v5e-N and v6e-N "
             "have N). Empty: the local devices.")
     programs: tuple[str, ...] = field(
-        (), "Programs to compile, from train, prefill, decode, reference. (): those the job "
-            "runs (sft: train; rl: train, prefill, decode, and reference when rl.kl_coef > 0).")
+        (), "Programs to compile, from train, prefill, decode, reference, reprefill (the "
+            "sampler's re-prefill after a weight update mid-generation: every slot over "
+            "sampler.max_len) and reprefill_tail (the paged cache's re-prefill after a group's "
+            "shared prompt pages). (): those the job runs every step (sft: train; rl: train, "
+            "prefill, decode, and reference when rl.kl_coef > 0).")
     job: Literal["sft", "rl"] = field(
         "rl", "The job whose programs are compiled; a config file sets it to its own job.")
     search: bool = field(

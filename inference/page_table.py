@@ -15,6 +15,7 @@ The page table travels inside the ``PagedKVCache`` handed to the prefill and dec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -29,9 +30,32 @@ from meshrl.inference.prefix_cache import PrefixCache
 from meshrl.inference.prefix_plan import PrefixPlan, plan_prefixes, suffix_buckets
 from meshrl.inference.requests import Completion, Request, token_budget
 from meshrl.inference.shapes import decodes_in_place
-from meshrl.mesh.rules import Rules
+from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.paged_attention import PagedKVCache
+
+
+def pool_shards(cfg: SamplerConfig, num_pages: int, mesh: Mesh, rules: Rules) -> int:
+    """Shards of a pool decoded in place (``COMBINED_PAGE_AXES``): those of the slots (both
+    ``cache_slots``), so each device holds the pages of the sequences it decodes; the page count
+    must divide like the slots, each shard holding one ``max_len`` sequence at least."""
+    slots_spec, pages_spec = (logical_to_spec(("cache_slots",), rules, mesh, (n,))[0]
+                              for n in (cfg.slots, num_pages))
+    if slots_spec != pages_spec:
+        raise ValueError(f"sampler.num_pages={num_pages} must split over the mesh axes "
+                         f"{slots_spec} like sampler.slots={cfg.slots} (a multiple of "
+                         f"{math.prod(mesh.shape[a] for a in _axes(slots_spec))})")
+    shards = math.prod(mesh.shape[a] for a in _axes(pages_spec))
+    per_seq = cfg.max_len // cfg.page_size
+    if num_pages // shards < per_seq:  # a slot takes pages of its own shard only
+        raise ValueError(f"sampler.num_pages={num_pages} gives each of {shards} shards "
+                         f"{num_pages // shards} pages, fewer than one max_len sequence needs "
+                         f"({per_seq}): use >= {shards * per_seq} or 0")
+    return shards
+
+
+def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 class SlotPages:
@@ -41,10 +65,12 @@ class SlotPages:
         self.cfg, self.model_cfg = cfg, model_cfg
         per_seq = cfg.max_len // cfg.page_size  # the schema checks that page_size divides it
         self.num_pages = cfg.num_pages or cfg.slots * per_seq
-        self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq)
-        self._table_sh = NamedSharding(mesh, PartitionSpec())
-        # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's).
+        # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's),
+        # its pages sharded like the slots.
         self.in_place = decodes_in_place(cfg, mesh.devices.flat[0].platform)
+        shards = pool_shards(cfg, self.num_pages, mesh, rules) if self.in_place else 1
+        self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq, shards)
+        self._table_sh = NamedSharding(mesh, PartitionSpec())
         pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
                                          stacked=model_cfg.scan_layers, combined=self.in_place)
         self.sharding = pool_sh.replace(page_table=self._table_sh)
@@ -138,12 +164,13 @@ class SlotPages:
         if leader is not None:
             self.alloc.share(leader, slot, self.shared_pages(request))
         elif self.prefix_cache:
-            cached = self.prefix_cache.match(request.prompt_ids, self.shared_pages(request))
+            cached = self.prefix_cache.match(request.prompt_ids, self.shared_pages(request),
+                                             self.alloc.shard_of_slot(slot))
             self.alloc.adopt(slot, cached)
             self.start[slot] = len(cached) * self.cfg.page_size
         need = -(-self.tokens_needed(request) // self.cfg.page_size) - self.alloc.held(slot)
         if self.prefix_cache:
-            self.prefix_cache.evict(need)
+            self.prefix_cache.evict(need, self.alloc.shard_of_slot(slot))
         if self.alloc.reserve(slot, self.tokens_needed(request)):
             self.owner[slot] = (request.prompt_ids, self.version)
             return True

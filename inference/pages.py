@@ -5,6 +5,11 @@ A slot gets pages as its sequence grows (``reserve``), never moves them, and ret
 ``release``. A page listed by several slots (a shared prompt prefix, ``share``) is freed when
 its last holder releases it. A reservation that does not fit takes nothing and returns False,
 so the caller can keep the request waiting in arrival order.
+
+With ``shards`` > 1 (the sampler's slots and the pool's pages sharded over the same mesh axes)
+the slots and the pages split into that many equal consecutive ranges, and a slot only ever
+lists pages of its own range: attention then reads each sequence's pages on the device that
+holds the sequence, and no device holds another shard's pages.
 """
 
 from __future__ import annotations
@@ -15,19 +20,36 @@ import numpy as np
 
 
 class PageAllocator:
-    def __init__(self, num_pages: int, page_size: int, slots: int, pages_per_seq: int):
-        if min(num_pages, page_size, slots, pages_per_seq) < 1:
+    def __init__(self, num_pages: int, page_size: int, slots: int, pages_per_seq: int,
+                 shards: int = 1):
+        if min(num_pages, page_size, slots, pages_per_seq, shards) < 1:
             raise ValueError(f"page allocator: num_pages={num_pages}, page_size={page_size}, "
-                             f"slots={slots}, pages_per_seq={pages_per_seq}: all must be >= 1")
+                             f"slots={slots}, pages_per_seq={pages_per_seq}, shards={shards}: "
+                             f"all must be >= 1")
+        if slots % shards or num_pages % shards:
+            raise ValueError(f"page allocator: slots={slots} and num_pages={num_pages} must "
+                             f"both divide into shards={shards} equal ranges")
         self.page_size = page_size
         self.table = np.full((slots, pages_per_seq), -1, np.int32)
         self.refs = np.zeros(num_pages, np.int32)
+        self._slots_per_shard, self._pages_per_shard = slots // shards, num_pages // shards
         # Lowest page first: a fresh pool fills from the front, which keeps tests readable.
-        self._free = list(range(num_pages - 1, -1, -1))
+        self._free = [list(range((d + 1) * self._pages_per_shard - 1,
+                                 d * self._pages_per_shard - 1, -1)) for d in range(shards)]
+
+    def shard_of_slot(self, slot: int) -> int:
+        return slot // self._slots_per_shard
+
+    def shard_of_page(self, page: int) -> int:
+        return int(page) // self._pages_per_shard
 
     @property
     def free_pages(self) -> int:
-        return len(self._free)
+        return sum(map(len, self._free))
+
+    def free_in(self, shard: int) -> int:
+        """Free pages a slot of ``shard`` may take."""
+        return len(self._free[shard])
 
     @property
     def pages_in_use(self) -> int:
@@ -42,11 +64,11 @@ class PageAllocator:
         if need > self.table.shape[1]:
             raise ValueError(f"page allocator: {num_tokens} tokens need {need} pages: more than "
                              f"pages_per_seq={self.table.shape[1]}")
-        have = self.held(slot)
-        if need - have > len(self._free):
+        have, free = self.held(slot), self._free[self.shard_of_slot(slot)]
+        if need - have > len(free):
             return False
         for i in range(have, need):
-            page = self._free.pop()
+            page = free.pop()
             self.refs[page] = 1
             self.table[slot, i] = page
         return True
@@ -65,6 +87,10 @@ class PageAllocator:
         if self.held(slot):
             raise ValueError(f"page allocator: slot {slot} already holds pages")
         pages = np.asarray(pages, np.int32)
+        shard = self.shard_of_slot(slot)
+        if any(self.shard_of_page(p) != shard for p in pages):
+            raise ValueError(f"page allocator: slot {slot} (shard {shard}) cannot list pages "
+                             f"{pages.tolist()}: a slot lists only its own shard's pages")
         self.table[slot, :len(pages)] = pages
         self.refs[pages] += 1
 
@@ -72,7 +98,9 @@ class PageAllocator:
         """Drop ``slot``'s references; pages nobody else lists return to the pool."""
         pages = self.table[slot][self.table[slot] >= 0]
         self.refs[pages] -= 1
-        self._free.extend(int(p) for p in pages[::-1] if self.refs[p] == 0)
+        for p in pages[::-1]:
+            if self.refs[p] == 0:
+                self._free[self.shard_of_page(p)].append(int(p))
         self.table[slot] = -1
 
     def hold(self, page: int) -> None:
@@ -83,6 +111,6 @@ class PageAllocator:
         """Drop a ``hold``; True when the page went back to the pool."""
         self.refs[page] -= 1
         if self.refs[page] == 0:
-            self._free.append(page)
+            self._free[self.shard_of_page(page)].append(page)
             return True
         return False

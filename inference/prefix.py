@@ -6,7 +6,8 @@ while a live sequence holds the prompt's pages under the current weights, lists 
 full prompt pages as its own (refcounted, ``PageAllocator.share``) and gets a copy of the page
 holding the last prompt token, whose entry it writes again in a one-token forward that gives
 its first token's logits (``paged_programs.make_extend``). The prompt runs through the model
-once per group, and its pages are held once. With a prefix cache (``prefix_cache``), a leader
+once per group (per shard of a sharded pool, whose slots list only their own shard's pages),
+and its pages are held once. With a prefix cache (``prefix_cache``), a leader
 lists the cached pages of its prompt's longest cached prefix and runs only the rest of its
 prompt. Pages are reserved first come, first served: the first request the pool cannot hold
 stops admission until pages return.
@@ -44,24 +45,27 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     # A live sequence whose prompt pages hold this version's entries leads its prompt's later
     # samples too: a group admitted over several rounds (slots free up one by one) runs its
     # prompt once, not once per round.
-    leaders = {tuple(p): s for s, (p, v) in pages.owner.items() if v == pages.version}
+    # With a sharded pool a slot lists only its own shard's pages: a group leads per shard.
+    shard = pages.alloc.shard_of_slot
+    leaders = {(tuple(p), shard(s)): s for s, (p, v) in pages.owner.items()
+               if v == pages.version}
     solo: list[tuple[int, Request]] = []
     cached: list[Row] = []
     members: list[Row] = []
     table, no_page = pages.alloc.table, pages.num_pages
-    for s in free:
-        if not queue:
-            break
+    free = list(free)
+    while free and queue:
         r = queue[0]
-        lead = leaders.get(tuple(r.prompt_ids))
-        if not pages.reserve(s, r, lead):
+        s, lead = _place(pages, free, r, leaders)
+        if s is None:
             break
+        free.remove(s)
         queue.popleft()
         if lead is not None:
             k = pages.shared_pages(r)
             members.append((s, r, len(r.prompt_ids) - 1, table[lead, k], table[s, k]))
             continue
-        leaders[tuple(r.prompt_ids)] = s
+        leaders[(tuple(r.prompt_ids), shard(s))] = s
         start = pages.start.pop(s, 0)
         if start:
             cached.append((s, r, start, no_page, no_page))
@@ -79,6 +83,22 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
             admitted.append(_start(sampler, rows[lo:lo + step], length))
     pages.fanouts += len(members)
     return admitted
+
+
+def _place(pages: Any, free: Sequence[int], request: Request,
+           leaders: dict[tuple[tuple[int, ...], int], int]) -> tuple[int | None, int | None]:
+    """(slot, leader) for ``request``, its pages reserved: the first free slot of a shard where
+    its prompt already leads (it lists the leader's pages), else of the first shard whose pages
+    can hold it; (None, None) when none can. One pool (one shard): the first free slot."""
+    shard, key = pages.alloc.shard_of_slot, tuple(request.prompt_ids)
+    firsts: dict[int, int] = {}
+    for s in free:
+        firsts.setdefault(shard(s), s)
+    for d in sorted(firsts, key=lambda d: ((key, d) not in leaders, firsts[d])):
+        lead = leaders.get((key, d))
+        if pages.reserve(firsts[d], request, lead):
+            return firsts[d], lead
+    return None, None
 
 
 def _start(sampler: Any, rows: Sequence[Row], length: int,

@@ -7,7 +7,8 @@ multi-turn episode, the next group of one prompt) lists them instead of prefilli
 keys and values depend only on the tokens up to its end, so pages of different sequences chain.
 Entries hold a reference on their page; the least recently used go first when the cache is over
 its size or the pool is short. Entries are computed under one weight version: a new version
-clears the cache.
+clears the cache. With a sharded pool (``PageAllocator`` shards) a page serves only slots of
+its own shard, so entries are keyed by shard too.
 """
 
 from __future__ import annotations
@@ -21,17 +22,21 @@ from meshrl.inference.pages import PageAllocator
 class PrefixCache:
     def __init__(self, alloc: PageAllocator, page_size: int, capacity: int):
         self.alloc, self.page_size, self.capacity = alloc, page_size, capacity
-        self.entries: collections.OrderedDict[tuple[int, ...], int] = collections.OrderedDict()
+        # (shard, token prefix) -> page
+        self.entries: collections.OrderedDict[tuple[int, tuple[int, ...]], int] = \
+            collections.OrderedDict()
         self.hits = 0  # pages listed from the cache instead of prefilled
 
-    def match(self, prompt: Sequence[int], most: int) -> list[int]:
-        """Pages of the longest cached prefix of ``prompt``, at most ``most`` of them."""
+    def match(self, prompt: Sequence[int], most: int, shard: int = 0) -> list[int]:
+        """Pages of ``shard`` holding the longest cached prefix of ``prompt``, at most ``most``
+        of them."""
         pages: list[int] = []
         for i in range(most):
-            page = self.entries.get(tuple(prompt[:(i + 1) * self.page_size]))
+            key = (shard, tuple(prompt[:(i + 1) * self.page_size]))
+            page = self.entries.get(key)
             if page is None:
                 break
-            self.entries.move_to_end(tuple(prompt[:(i + 1) * self.page_size]))
+            self.entries.move_to_end(key)
             pages.append(page)
         self.hits += len(pages)
         return pages
@@ -39,20 +44,24 @@ class PrefixCache:
     def insert(self, prompt: Sequence[int], pages: Sequence[int]) -> None:
         """Keep the pages holding only ``prompt``'s tokens (``pages``: its page-table row)."""
         for i in range(len(prompt) // self.page_size):
-            key = tuple(prompt[:(i + 1) * self.page_size])
+            if pages[i] < 0:
+                continue
+            key = (self.alloc.shard_of_page(pages[i]), tuple(prompt[:(i + 1) * self.page_size]))
             if key in self.entries:
                 self.entries.move_to_end(key)
-            elif pages[i] >= 0:
+            else:
                 self.entries[key] = int(pages[i])
                 self.alloc.hold(int(pages[i]))
         while len(self.entries) > self.capacity:
             self.alloc.drop(self.entries.popitem(last=False)[1])
 
-    def evict(self, pages: int) -> None:
-        """Drop least recently used entries until ``pages`` more pages are free (or none is
-        left)."""
-        while self.entries and self.alloc.free_pages < pages:
-            self.alloc.drop(self.entries.popitem(last=False)[1])
+    def evict(self, pages: int, shard: int = 0) -> None:
+        """Drop least recently used entries of ``shard`` until it has ``pages`` free pages (or
+        none of its entries is left)."""
+        for key in [k for k in self.entries if k[0] == shard]:
+            if self.alloc.free_in(shard) >= pages:
+                return
+            self.alloc.drop(self.entries.pop(key))
 
     def clear(self) -> None:
         while self.entries:

@@ -52,7 +52,8 @@ def target(cfg: CompileConfig) -> tuple[list[Any], chips.Chip | None, str]:
     return list(desc.devices), topo.chip, f"{topo.name} ({topo.chips} chips, {topo.shape})"
 
 
-TRAIN_PHASE, SAMPLING_PHASE = ("train", "reference"), ("prefill", "decode")
+TRAIN_PHASE = ("train", "reference")
+SAMPLING_PHASE = ("prefill", "decode", "reprefill", "reprefill_tail")
 
 
 def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,

@@ -72,7 +72,7 @@ def advice(config: Config, program: str) -> str:
         more.append(f"trainer.microbatches = {2 * t.microbatches}")
         if program == "train" and config.model.remat != "full":
             more.append("model.remat = 'full'")
-    elif program == "prefill":
+    elif program in ("prefill", "reprefill", "reprefill_tail"):
         more.append(f"sampler.prefill_tokens = {max(1, config.sampler.prefill_tokens // 2)}")
     else:
         more.append(f"sampler.slots = {max(1, config.sampler.slots // 2)} or a shorter "

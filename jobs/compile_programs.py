@@ -3,7 +3,8 @@
 Each builder jits its program exactly as the run does (the same step constructors, shardings and
 donation) and lowers it on ``ShapeDtypeStruct``s: the SFT or RL train step at the full batch,
 the frozen-reference forward of the KL, the sampler's prefill of a full admission of the largest
-prompt bucket, and one decode chunk over every slot and the whole cache.
+prompt bucket, one decode chunk over every slot and the whole cache, and the re-prefills after a
+mid-generation weight update (on request).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from meshrl.trainer import (
 )
 from meshrl.trainer.reference import ref_fields, reference_logprobs
 from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+from meshrl.utils.errors import UserError
 from meshrl.workflows.setup import routing_shape
 
 
@@ -210,15 +212,16 @@ def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
 
 
 def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
-                    all_positions: bool = False, max_tokens: int | None = None) -> Program:
-    """One prefill of every slot with prompts of the largest bucket, as ``Sampler`` jits it
-    (passes of ``shapes.prefill_pass_tokens`` tokens), every pass run: the sampler's pass count is
-    a traced value, fixed here so the cost analysis knows the loop's trip count
-    (``max_tokens``: the pass size, default ``sampler.prefill_tokens``; ``all_positions``: the
-    head on every prompt position, a baseline of benchmarks/memory.py)."""
+                    all_positions: bool = False, max_tokens: int | None = None,
+                    bucket: int | None = None, name: str = "prefill") -> Program:
+    """One prefill of every slot with prompts of the largest bucket (or ``bucket``), as
+    ``Sampler`` jits it (passes of ``shapes.prefill_pass_tokens`` tokens), every pass run: the
+    sampler's pass count is a traced value, fixed here so the cost analysis knows the loop's
+    trip count (``max_tokens``: the pass size, default ``sampler.prefill_tokens``;
+    ``all_positions``: the head on every prompt position, a baseline of benchmarks/memory.py)."""
     s = config.sampler
     cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
-    S, P = s.slots, s.prompt_buckets[-1]
+    S, P = s.slots, bucket or s.prompt_buckets[-1]
     host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
             slot_settings([], S, s))
     tokens, lens, slots, settings = (abstract_tree(x, repl) for x in host)
@@ -229,7 +232,36 @@ def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
                      out_shardings=(cache_sh, repl, repl))
     lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)
     flops = flops_per_token(cfg, P) / 3 * S * P
-    return Program("prefill", lowered, 1, flops, flops, per_chip_bytes(params),
+    return Program(name, lowered, 1, flops, flops, per_chip_bytes(params), per_chip_bytes(cache))
+
+
+def reprefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """The re-prefill after a weight update mid-generation: the prefill program over the
+    longest re-prefill bucket (``max_len``: a sequence's prompt and tokens so far) in every
+    slot, passes as the prompt's."""
+    return prefill_program(config, model_cfg, mesh, bucket=config.sampler.max_len,
+                           name="reprefill")
+
+
+def reprefill_tail_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
+    """The paged cache's re-prefill of group members after their shared prompt pages: every
+    slot's tail of ``max_len`` positions written into its pages while attending over them
+    (several queries a row: the portable page gather, also on a TPU), as ``SlotPages`` jits
+    it."""
+    s = config.sampler
+    if s.kv_cache != "paged":
+        raise UserError(f"compile.programs includes 'reprefill_tail': only the paged cache "
+                        f"re-prefills tails over shared pages; sampler.kv_cache = "
+                        f"{s.kv_cache!r}")
+    cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
+    S, L = s.slots, s.max_len
+    tail = paged_programs.make_tail(graphdef, prefill_pass_tokens(s, s.prompt_buckets))
+    jitted = jax.jit(tail, donate_argnums=(1, 2), out_shardings=(cache_sh, repl))
+    host = (np.zeros((S, L), np.int32), np.zeros((S, L), np.int32),
+            np.arange(S, dtype=np.int32), np.int32(S))
+    lowered = jitted.lower(params, cache, state, *(abstract_tree(x, repl) for x in host))
+    flops = flops_per_token(cfg, L) / 3 * S * L
+    return Program("reprefill_tail", lowered, 1, flops, flops, per_chip_bytes(params),
                    per_chip_bytes(cache))
 
 
@@ -255,7 +287,8 @@ def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Progra
 
 BUILDERS: dict[str, Callable[[Config, ModelConfig, Mesh], Program]] = {
     "train": train_program, "reference": reference_program, "prefill": prefill_program,
-    "decode": decode_program}
+    "decode": decode_program, "reprefill": reprefill_program,
+    "reprefill_tail": reprefill_tail_program}
 
 
 def default_programs(config: Config) -> tuple[str, ...]:

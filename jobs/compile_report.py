@@ -51,13 +51,13 @@ def table(report: Mapping[str, Any]) -> str:
     lines = [f"compile: {report['job']} programs for {report['target']}"
              + (f"; chip {chip} figures from {report['chip_source']}" if chip else
                 "; no chip figures for this device kind: memory and collectives only")]
-    head = (f"{'program':<10} {'HBM/chip GiB':>12} {'of':>6} {'fits':>12} {'TFLOP/step':>10} "
+    head = (f"{'program':<14} {'HBM/chip GiB':>12} {'of':>6} {'fits':>12} {'TFLOP/step':>10} "
             f"{'HBM GB/step':>11} {'compute/hbm/coll ms':>22} {'step ms':>8} {'MFU':>5} "
             f"{'bound':>11}  collectives/step")
     lines.append(head)
     for e in report["programs"]:
         if e.get("error"):
-            lines.append(f"{e['program']:<10} {e['hbm_per_chip_gib']:>12.3f} "
+            lines.append(f"{e['program']:<14} {e['hbm_per_chip_gib']:>12.3f} "
                          f"{e['hbm_capacity_gib'] or 0:>6.1f} {_fit(e):>12}  refused by the "
                          f"compiler: {e['error'][:120]}")
             continue
@@ -66,7 +66,7 @@ def table(report: Mapping[str, Any]) -> str:
         cap = "-" if e["hbm_capacity_gib"] is None else f"{e['hbm_capacity_gib']:.1f}"
         mfu = "-" if e["mfu_roofline"] is None else f"{e['mfu_roofline']:.0%}"
         lines.append(
-            f"{e['program']:<10} {e['hbm_per_chip_gib']:>12.3f} {cap:>6} {_fit(e):>12} "
+            f"{e['program']:<14} {e['hbm_per_chip_gib']:>12.3f} {cap:>6} {_fit(e):>12} "
             f"{e['model_flops'] / 1e12:>10.4g} {e['hbm_traffic_bytes'] / 1e9:>11.4g} "
             f"{times:>22} {_ms(e['step_s_roofline']):>8} {mfu:>5} {r.get('bound', '-'):>11}  "
             f"{_collectives(e)}")

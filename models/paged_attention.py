@@ -32,10 +32,19 @@ from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.kv_cache import KVCache, with_layer_index
 
-# Pages and their offsets are not sharded: any device may own any sequence's pages. Heads
-# shard over ``tensor`` like the dense cache.
+# Pages of separate key and value pools are not sharded: a decode that gathers a window may
+# read any slot's pages. A combined pool, which the decode reads in place, shards its pages
+# like the slots (``cache_slots``): the sampler's allocator gives each slot pages of its own
+# shard (``inference.pages``), so each device reads only its own. Offsets within a page are
+# not sharded; heads shard over ``tensor`` like the dense cache.
 PAGE_AXES = (None, None, "kv_heads", "head_dim")
+COMBINED_PAGE_AXES = ("cache_slots", None, "kv_heads", "head_dim")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def page_axes(combined: bool) -> tuple[str | None, ...]:
+    """Logical axes of a pool's [P, S, K, H] (``combined``: read in place, pages sharded)."""
+    return COMBINED_PAGE_AXES if combined else PAGE_AXES
 
 
 @struct.dataclass
@@ -83,12 +92,12 @@ class PagedKVCache:
         the caller adds one, is replicated."""
         # A combined pool shards its heads as the separate pools would: whole (key, value)
         # pairs on each shard, or none (2K may divide where K does not).
-        shape = cls.shape(cfg, num_pages, page_size)
+        shape, axes = cls.shape(cfg, num_pages, page_size), page_axes(combined)
         if stacked:
-            sh = NamedSharding(mesh, logical_to_spec(("layers", *PAGE_AXES), rules, mesh,
+            sh = NamedSharding(mesh, logical_to_spec(("layers", *axes), rules, mesh,
                                                      (cfg.num_layers, *shape)))
         else:
-            sh = (NamedSharding(mesh, logical_to_spec(PAGE_AXES, rules, mesh, shape)),
+            sh = (NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape)),
                   ) * cfg.num_layers
         return cls(sh, None if combined else sh)
 

@@ -6,8 +6,9 @@ pages in place, where the portable ``paged_attention.paged_attention`` gathers t
 contiguous copy on every call. Its pool is one array per layer, keys and values interleaved on
 the heads axis: ``kv[page, offset, 2j]`` is kv head j's key and ``2j + 1`` its value (the
 combined ``PagedKVCache``, ``paged_attention.interleave``). The sampler's decode calls it on a
-TPU mesh (``applies``), in ``jax.shard_map`` over the batch and the pool's head shards, each
-holding whole (key, value) pairs (``sharded_ragged_paged_attention``).
+TPU mesh (``applies``), in ``jax.shard_map`` over the batch, whose slots' pages each shard
+holds, and the pool's head shards, each holding whole (key, value) pairs
+(``sharded_ragged_paged_attention``).
 
 Two things the kernel reads from the host when left to itself, both given explicitly here so a
 CPU host can compile it for a TPU topology: its block sizes (``Blocks``; the kernel's own table
@@ -20,13 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from meshrl.models.paged_attention import PAGE_AXES
+from meshrl.models.paged_attention import COMBINED_PAGE_AXES
 from meshrl.models.sharding import ShardingContext
 
 
@@ -98,26 +99,35 @@ def applies(ctx: ShardingContext | None, combined: bool, queries: int) -> bool:
 
 def sharded_ragged_paged_attention(q_BxLxNxH: jax.Array, pool: jax.Array,
                                    page_table_BxM: jax.Array, positions_BxL: jax.Array,
-                                   layer: int | jax.Array, ctx: ShardingContext) -> jax.Array:
+                                   layer: int | jax.Array, ctx: ShardingContext,
+                                   attend: Callable[..., jax.Array] | None = None) -> jax.Array:
     """``ragged_paged_attention`` of layer ``layer`` of a combined ``pool`` (one layer's
     [P, S, 2K, H], or all layers' stacked: ``layer`` then picks its pages) inside
     ``jax.shard_map`` (XLA cannot partition a Pallas call): each device runs it on its batch
-    shard and on the heads its shard of the pool holds (whole (key, value) pairs, and the
-    query heads of those kv heads); q is gathered to the pool's head sharding where it
-    differs."""
+    shard, over the pages its shard of the pool holds (those of its slots; the page table is
+    renumbered from the shard's first page) and on its heads (whole (key, value) pairs, and
+    the query heads of those kv heads); q is gathered to the pool's head sharding where it
+    differs. ``attend``: what runs on each shard, same signature (tests: a portable one)."""
+    attend = attend or ragged_paged_attention
     stacked = pool.ndim == 5
     # The pool's sharding as ``PagedKVCache.shardings`` gives it (heads as the separate pools').
-    logical = (("layers",) if stacked else ()) + PAGE_AXES
+    logical = (("layers",) if stacked else ()) + COMBINED_PAGE_AXES
     pool_spec = ctx.sharding(logical, (*pool.shape[:-2], pool.shape[-2] // 2,
                                        pool.shape[-1])).spec
-    heads = pool_spec[-2]
-    assert all(a is None for i, a in enumerate(pool_spec) if i != pool.ndim - 2), pool_spec
+    heads, pages = pool_spec[-2], pool_spec[-4]
+    assert all(a is None for i, a in enumerate(pool_spec) if i not in (pool.ndim - 2,
+                                                                        pool.ndim - 4)), pool_spec
     batch = ctx.sharding(("batch", "length", "act_heads", "head_dim"), q_BxLxNxH.shape).spec[0]
+    # A sequence's pages sit on the shard of its slot (the allocator's rule), so each shard's
+    # rows read only its own pages, numbered from its first.
+    assert pages is None or pages == batch, (pages, batch)
     q_spec, rows = PartitionSpec(batch, None, heads, None), PartitionSpec(batch, None)
 
     def local(q: jax.Array, kv: jax.Array, table: jax.Array, pos: jax.Array,
               layer: jax.Array) -> jax.Array:
-        return ragged_paged_attention(q, kv, table, pos, layer if stacked else None)
+        if pages is not None:
+            table = jnp.where(table >= 0, table - jax.lax.axis_index(pages) * kv.shape[-4], -1)
+        return attend(q, kv, table, pos, layer if stacked else None)
 
     return jax.shard_map(local, mesh=ctx.mesh,
                          in_specs=(q_spec, pool_spec, rows, rows, PartitionSpec()),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshrl.configs.schema import MeshConfig
 from meshrl.inference.sampler import Request
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
@@ -172,5 +173,56 @@ def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
     out = sampler.generate([Request([p + 1 for p in PROMPT], max_new_tokens=51, seed=1)])
 
     assert len(out[0].tokens) == 51
-    assert set(sampler.pages.prefix_cache.entries) == {
-        tuple(p + 1 for p in PROMPT[:4 * (i + 1)]) for i in range(3)}
+    assert set(sampler.pages.prefix_cache.entries) == {  # (shard, prefix): one shard here
+        (0, tuple(p + 1 for p in PROMPT[:4 * (i + 1)])) for i in range(3)}
+
+
+# A pool decoded in place (TPU's default) shards its pages with the slots over data.
+SHARDED = dict(mesh_cfg=MeshConfig(data=2, tensor=1), kv_cache="paged", paged_decode="in_place")
+
+
+def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_params):
+    _, old = tiny_params
+    new = split_model(create_model(TINY, seed=1))[1]
+    budgets = (10,) * 4
+    want, _ = _run(make_sampler(old, mesh_cfg=SHARDED["mesh_cfg"], **KW),
+                   _group(budgets=budgets), update=new)
+    sampler = make_sampler(old, **SHARDED, **KW)
+
+    got, (_, prefills) = _run(sampler, _group(budgets=budgets), update=new)
+
+    _assert_same(got, want)
+    # Slots 0-1 and their pages on one device, 2-3 on the other: the group leads once per
+    # shard, and re-prefills once per shard after the update.
+    assert sampler.cache.k[0].sharding.spec[0] == "data"
+    assert prefills == 2 and sampler.pages.fanouts == 2
+    assert sampler.pages.prompt_prefills == 4 and sampler.pages.tail_prefills == 2
+    assert sampler.pages.pages_in_use == 0
+
+
+def test_page_count_that_does_not_split_like_the_slots_is_refused(tiny_params):
+    _, params = tiny_params
+    with pytest.raises(ValueError, match="sampler.num_pages=33 must split over the mesh axes"):
+        make_sampler(params, **SHARDED, num_pages=33, **KW)
+    # 16 pages hold one max_len sequence, but 8 a shard do not.
+    with pytest.raises(ValueError, match="sampler.num_pages=16 gives each of 2 shards 8 pages"):
+        make_sampler(params, **SHARDED, num_pages=16, **KW)
+    # A gathered window may read any slot's pages: its pool is not sharded.
+    window = make_sampler(params, **{**SHARDED, "paged_decode": "window"}, num_pages=16, **KW)
+    assert window.cache.k[0].sharding.spec[0] is None
+
+
+def test_request_takes_a_slot_on_another_shard_when_its_first_free_shard_is_short(tiny_params):
+    _, params = tiny_params
+    # 12 pages over 2 shards, 6 each; a request needs 6 (22 positions of 4).
+    sampler = make_sampler(params, **SHARDED, num_pages=12, **{**KW, "max_len": 24})
+    first, other = Request(PROMPT, max_new_tokens=10, seed=0), \
+        Request([p + 1 for p in PROMPT], max_new_tokens=10, seed=1)
+    sampler.submit(first)
+    sampler.submit(other)
+
+    sampler.step()
+
+    # Slot 1 shares shard 0 with slot 0, whose request holds all its pages: slot 2 runs it.
+    assert [c is not None for c in sampler.slots.out] == [True, False, True, False]
+    assert not sampler._queue

@@ -44,3 +44,25 @@ def test_shared_prefix_pages_free_only_after_last_holder():
 def test_bad_sizes_name_the_values():
     with pytest.raises(ValueError, match="page_size=0"):
         PageAllocator(num_pages=4, page_size=0, slots=1, pages_per_seq=1)
+
+
+def test_sharded_pool_gives_each_slot_pages_of_its_own_shard():
+    # 4 slots and 8 pages over 2 shards: slots 0-1 take pages 0-3, slots 2-3 pages 4-7.
+    a = PageAllocator(num_pages=8, page_size=4, slots=4, pages_per_seq=4, shards=2)
+    assert a.reserve(0, 12) and a.reserve(3, 8)
+    assert set(a.table[0, :3]) <= {0, 1, 2, 3} and set(a.table[3, :2]) <= {4, 5, 6, 7}
+    assert a.free_in(0) == 1 and a.free_in(1) == 2
+    # Shard 0 is short while shard 1 still has pages: slot 1 waits, slot 2 does not.
+    assert not a.reserve(1, 8) and a.held(1) == 0
+    assert a.reserve(2, 8) and a.free_in(1) == 0
+    a.release(0)
+    assert a.free_in(0) == 4 and a.free_pages == 4
+
+
+def test_sharded_pool_refuses_a_page_of_another_shard_and_uneven_sizes():
+    a = PageAllocator(num_pages=8, page_size=4, slots=4, pages_per_seq=4, shards=2)
+    assert a.reserve(0, 8)
+    with pytest.raises(ValueError, match="slot 2 \\(shard 1\\) cannot list pages"):
+        a.share(0, 2, 2)
+    with pytest.raises(ValueError, match="num_pages=7 must both divide into shards=2"):
+        PageAllocator(num_pages=7, page_size=4, slots=4, pages_per_seq=4, shards=2)

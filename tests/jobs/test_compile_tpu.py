@@ -191,6 +191,25 @@ def test_paged_prefill_on_a_tpu_writes_a_stacked_pool_in_place():
     assert memory.temp_size_in_bytes < memory.output_size_in_bytes / 20, memory
 
 
+def test_paged_pool_shards_over_data_with_its_slots(tmp_path):
+    # data=4: each chip holds the pages of its own slots. A pool replicated over data held
+    # every page on every chip and copied it (8B GRPO on v5p-8 asked 287.5 GiB a chip).
+    config = _config("rl", mesh__data=4, mesh__tensor=1, model__num_kv_heads=4,
+                     model__scan_layers=True, model__head_dim=128, sampler__dtype="bfloat16",
+                     sampler__slots=64, sampler__max_len=2048, sampler__kv_cache="paged",
+                     compile__programs=("prefill", "decode", "reprefill_tail"))
+    m = resolve_model_config(config.model)
+    pool = m.num_layers * 64 * 2048 * 2 * 4 * 128 * 2  # layers x slots x len x (k, v) x K x H
+
+    results = compile_job.run(config, str(tmp_path))
+
+    for r in results:
+        assert r["mesh"]["data"] == 4 and r["fits"], r
+        held = r["state_bytes_per_chip"]  # the chip's pages and the (replicated) page table
+        assert pool // 4 <= held < pool // 4 + 2**20, (r["program"], held)
+        assert r["memory_gib"]["temps"] * 2**30 < pool / 4, r  # no copy of the chip's pool
+
+
 @pytest.mark.slow  # ~17 s: three compiles; the TPU code paths above stay in the default run
 def test_mesh_search_lists_every_split_and_keeps_the_fastest_that_fits(tmp_path, monkeypatch):
     from meshrl.jobs import compile_search

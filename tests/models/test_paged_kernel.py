@@ -2,13 +2,17 @@
 them equals ``paged_attention`` (the kernel itself compiles for a TPU slice in
 tests/jobs/test_compile_tpu.py)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from meshrl.configs.schema import MeshConfig
+from meshrl.mesh import create_mesh
 from meshrl.models import paged_attention as pa
 from meshrl.models import paged_kernel as pk
 from meshrl.models.paged_attention import interleave
+from meshrl.models.sharding import ShardingContext
 
 B, N, K, H, S, M = 3, 4, 2, 8, 4, 5  # slots, q heads, kv heads (GQA 2), head dim, page, pages/seq
 P = B * M + 2
@@ -68,3 +72,25 @@ def test_free_slots_get_a_nonempty_window_and_missing_pages_an_existing_page():
 
     assert kv_lens.tolist() == [6, 1] and pages.tolist() == [[3, 0], [0, 0]]
     assert cu_q_lens.tolist() == [0, 1, 2] and num_seqs.tolist() == [2]
+
+
+def test_pool_sharded_with_the_slots_reads_each_shards_pages_renumbered():
+    # data = 2: slots 0-1 and their pages [0, 8) on one device, slots 2-3 and [8, 16) on the
+    # other. Each shard runs attention on its own pages, numbered from its first.
+    mesh = create_mesh(MeshConfig(data=2, tensor=1), jax.devices()[:2])
+    ctx = ShardingContext.for_role(mesh, "sample")
+    rng = np.random.default_rng(6)
+    k, v = (jnp.asarray(rng.standard_normal((16, S, K, H)), jnp.float32) for _ in range(2))
+    table = np.array([[3, 0, 5, -1], [6, 1, -1, -1], [12, 8, 15, 9], [10, -1, -1, -1]], np.int32)
+    q = jnp.asarray(rng.standard_normal((4, 1, N, H)), jnp.float32)
+    positions = jnp.asarray([[10], [6], [13], [2]], jnp.int32)
+
+    def portable(q, kv, table, pos, layer):
+        return pa.paged_attention(q, kv[:, :, 0::2], kv[:, :, 1::2], table, pos)
+
+    got = jax.jit(lambda q, kv, t, p: pk.sharded_ragged_paged_attention(
+        q, kv, t, p, 0, ctx, attend=portable))(q, interleave(k, v), jnp.asarray(table), positions)
+    want = pa.paged_attention(q, k, v, jnp.asarray(table), positions)
+
+    assert ctx.sharding(pa.COMBINED_PAGE_AXES, (16, S, K, H)).spec[0] == "data"
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
