@@ -36,9 +36,9 @@ from meshrl.models.paged_attention import PagedKVCache
 
 
 def pool_shards(cfg: SamplerConfig, num_pages: int, mesh: Mesh, rules: Rules) -> int:
-    """Shards of a pool decoded in place (``COMBINED_PAGE_AXES``): those of the slots (both
-    ``cache_slots``), so each device holds the pages of the sequences it decodes; the page count
-    must divide like the slots, each shard holding one ``max_len`` sequence at least."""
+    """Shards of the pool's pages (``PAGE_AXES``): those of the slots (both ``cache_slots``),
+    so each device holds the pages of the sequences it decodes; the page count must divide like
+    the slots, each shard holding one ``max_len`` sequence at least."""
     slots_spec, pages_spec = (logical_to_spec(("cache_slots",), rules, mesh, (n,))[0]
                               for n in (cfg.slots, num_pages))
     if slots_spec != pages_spec:
@@ -65,14 +65,15 @@ class SlotPages:
         self.cfg, self.model_cfg = cfg, model_cfg
         per_seq = cfg.max_len // cfg.page_size  # the schema checks that page_size divides it
         self.num_pages = cfg.num_pages or cfg.slots * per_seq
-        # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's),
-        # its pages sharded like the slots.
+        # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's).
         self.in_place = decodes_in_place(cfg, mesh.devices.flat[0].platform)
-        shards = pool_shards(cfg, self.num_pages, mesh, rules) if self.in_place else 1
-        self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq, shards)
+        self.shards = pool_shards(cfg, self.num_pages, mesh, rules)
+        self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq,
+                                   self.shards)
         self._table_sh = NamedSharding(mesh, PartitionSpec())
         pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
-                                         stacked=model_cfg.scan_layers, combined=self.in_place)
+                                         stacked=model_cfg.scan_layers, combined=self.in_place,
+                                         shards=self.shards)
         self.sharding = pool_sh.replace(page_table=self._table_sh)
         # Work counters (``prefix``): prompt rows prefilled from position 0 (admissions and
         # re-prefills), group members started from a leader's pages, and tails re-prefilled
@@ -110,7 +111,7 @@ class SlotPages:
         """A zero pool (stacked over layers for a ``scan_layers`` model) with an empty table."""
         pool = PagedKVCache.init(self.model_cfg, self.num_pages, self.cfg.page_size,
                                  self.cfg.dtype, stacked=self.model_cfg.scan_layers,
-                                 combined=self.in_place)
+                                 combined=self.in_place, shards=self.shards)
         return pool.replace(page_table=jnp.full(self.alloc.table.shape, -1, jnp.int32))
 
     def init_cache(self) -> PagedKVCache:
@@ -131,7 +132,9 @@ class SlotPages:
         with the prefixes its slots share (``prefix_plan``) when attending over them once per
         prefix reads fewer entries than the plain window (a gathered window only: in place,
         each sequence reads its own pages)."""
-        if self.in_place:
+        # A shared prefix row gathers its pages for members that may sit on any shard: the
+        # cascade needs a pool every device holds whole.
+        if self.in_place or self.shards > 1:
             return self.bind(cache)
         lens = {s: len(prompt) for s, (prompt, _) in self.owner.items()}
         plan = plan_prefixes(self.alloc.table, lens, self.cfg.page_size, window, reach,

@@ -23,7 +23,7 @@ from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
 from meshrl.models.decoder import apply_head, forward
 from meshrl.models.kv_cache import TRANSPOSED, with_layer_index
-from meshrl.models.paged_attention import PagedKVCache, put_entries, slot_index
+from meshrl.models.paged_attention import PagedKVCache, put_entries, slot_index, take_pages
 
 
 def rows_view(cache: PagedKVCache, slots_N: jax.Array) -> PagedKVCache:
@@ -180,8 +180,7 @@ def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
     B, M = table_BxM.shape
 
     def gather(pool: jax.Array) -> jax.Array:  # [.., P, S, K, H] -> [.., B, T, K, H]
-        # "clip": the indices are in range already; take's default fill checks every element.
-        x = jnp.take(pool, table_BxM, axis=-4, mode="clip")
+        x = take_pages(pool, table_BxM, cache.shards if B == cache.slots else 1)
         return x.reshape(*x.shape[:-5], B, M * S, *x.shape[-2:])
 
     def keys(pool: jax.Array) -> jax.Array:
@@ -220,5 +219,5 @@ def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int,
         bands_k, bands_v = jax.vmap(band_k)(win.k), jax.vmap(band_v)(win.v)
     else:
         bands_k, bands_v = tuple(map(band_k, win.k)), tuple(map(band_v, win.v))
-    return cache.replace(k=put_entries(cache.k, page_BxC, off_BxC, bands_k),
-                         v=put_entries(cache.v, page_BxC, off_BxC, bands_v))
+    return cache.replace(k=put_entries(cache.k, page_BxC, off_BxC, bands_k, cache.shards),
+                         v=put_entries(cache.v, page_BxC, off_BxC, bands_v, cache.shards))

@@ -186,7 +186,7 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     for length in sampler.recompute_buckets if recompute else ():
         _tail(sampler, [], length)
     pages, cfg = sampler.pages, sampler.cfg
-    if pages.in_place:  # no split chunks: each sequence reads its own pages
+    if pages.in_place or pages.shards > 1:  # no split chunks (``SlotPages.bind_decode``)
         return
     for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
                                    sampler.window_buckets, pages.suffix_windows):

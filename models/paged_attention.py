@@ -32,19 +32,12 @@ from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.kv_cache import KVCache, with_layer_index
 
-# Pages of separate key and value pools are not sharded: a decode that gathers a window may
-# read any slot's pages. A combined pool, which the decode reads in place, shards its pages
-# like the slots (``cache_slots``): the sampler's allocator gives each slot pages of its own
-# shard (``inference.pages``), so each device reads only its own. Offsets within a page are
+# Pages shard like the slots (``cache_slots``): the sampler's allocator gives each slot pages
+# of its own shard (``inference.pages``), so the decode reads each slot's pages on the device
+# that holds the slot (``take_pages``, the TPU kernel's shard_map). Offsets within a page are
 # not sharded; heads shard over ``tensor`` like the dense cache.
-PAGE_AXES = (None, None, "kv_heads", "head_dim")
-COMBINED_PAGE_AXES = ("cache_slots", None, "kv_heads", "head_dim")
+PAGE_AXES = ("cache_slots", None, "kv_heads", "head_dim")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-def page_axes(combined: bool) -> tuple[str | None, ...]:
-    """Logical axes of a pool's [P, S, K, H] (``combined``: read in place, pages sharded)."""
-    return COMBINED_PAGE_AXES if combined else PAGE_AXES
 
 
 @struct.dataclass
@@ -54,17 +47,20 @@ class PagedKVCache:
     array stacked over a leading layers axis. ``page_table`` [slots B, pages_per_seq M]
     (int32, -1 = no page) rides along when the cache is handed to the model's forward, so
     attention knows where each slot's positions live. ``shared``, on the cache a decode chunk
-    is handed, says which slots share which leading pages (``cascade_attention``)."""
+    is handed, says which slots share which leading pages (``cascade_attention``). ``shards``:
+    the equal consecutive ranges slots and pages split into (``PAGE_AXES``), a slot's pages in
+    its own range."""
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array | None
     page_table: jax.Array | None = None
     shared: SharedPrefix | None = None
+    shards: int = struct.field(pytree_node=False, default=1)
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int,
              dtype: jnp.dtype | str = jnp.float32, stacked: bool = False,
-             combined: bool = False) -> PagedKVCache:
+             combined: bool = False, shards: int = 1) -> PagedKVCache:
         """A zero pool; ``combined``: keys and values interleaved in ``k`` (``interleave``)."""
         shape = cls.shape(cfg, num_pages, page_size, combined)
 
@@ -73,7 +69,7 @@ class PagedKVCache:
                 return jnp.zeros((cfg.num_layers, *shape), dtype)
             return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
 
-        return cls(pools(), None if combined else pools())
+        return cls(pools(), None if combined else pools(), shards=shards)
 
     @staticmethod
     def shape(cfg: ModelConfig, num_pages: int, page_size: int, combined: bool = False,
@@ -87,19 +83,19 @@ class PagedKVCache:
     @classmethod
     def shardings(cls, cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
                   rules: Rules, stacked: bool = False, combined: bool = False,
-                  ) -> PagedKVCache:
+                  shards: int = 1) -> PagedKVCache:
         """A PagedKVCache of NamedShardings (for jit in/out_shardings); the page table, when
         the caller adds one, is replicated."""
         # A combined pool shards its heads as the separate pools would: whole (key, value)
         # pairs on each shard, or none (2K may divide where K does not).
-        shape, axes = cls.shape(cfg, num_pages, page_size), page_axes(combined)
+        shape = cls.shape(cfg, num_pages, page_size)
         if stacked:
-            sh = NamedSharding(mesh, logical_to_spec(("layers", *axes), rules, mesh,
+            sh = NamedSharding(mesh, logical_to_spec(("layers", *PAGE_AXES), rules, mesh,
                                                      (cfg.num_layers, *shape)))
         else:
-            sh = (NamedSharding(mesh, logical_to_spec(axes, rules, mesh, shape)),
+            sh = (NamedSharding(mesh, logical_to_spec(PAGE_AXES, rules, mesh, shape)),
                   ) * cfg.num_layers
-        return cls(sh, None if combined else sh)
+        return cls(sh, None if combined else sh, shards=shards)
 
     @property
     def combined(self) -> bool:
@@ -267,15 +263,56 @@ def _replace(layers: tuple[jax.Array, ...], i: int, x: jax.Array) -> tuple[jax.A
 
 
 def put_entries(pools: tuple[jax.Array, ...] | jax.Array, page_NxT: jax.Array,
-                off_NxT: jax.Array, x: tuple[jax.Array, ...] | jax.Array,
+                off_NxT: jax.Array, x: tuple[jax.Array, ...] | jax.Array, shards: int = 1,
                 ) -> tuple[jax.Array, ...] | jax.Array:
     """Per-layer pools ([P, S, K, H] each, ``x`` [N, T, K, H] each) or a stacked pool
     ([layers, P, S, K, H], ``x`` [layers, N, T, K, H]) with each entry written at its (page,
     offset); out-of-range pages are dropped. A stacked pool takes every layer in one scatter
-    (``kv_cache.with_layer_index``)."""
-    def put(pool: jax.Array, idx: tuple[jax.Array, ...], x: jax.Array) -> jax.Array:
+    (``kv_cache.with_layer_index``). ``shards`` > 1: the N rows are the slots in order, each
+    writing only pages of its own shard, and each shard scatters into its own pages
+    (``by_shard``)."""
+    def put(pool: jax.Array, page: jax.Array, off: jax.Array, x: jax.Array) -> jax.Array:
+        idx = (page, off) if pool.ndim == 4 else with_layer_index(pool.shape[0], page, off)
         return pool.at[idx].set(x.astype(pool.dtype), mode="drop")
 
+    def put_sharded(pool: jax.Array, x: jax.Array) -> jax.Array:
+        return by_shard(put, pool, shards, page_NxT, ((off_NxT, 0), (x, x.ndim - 4)))
+
     if isinstance(pools, tuple):
-        return tuple(put(p, (page_NxT, off_NxT), xi) for p, xi in zip(pools, x, strict=True))
-    return put(pools, with_layer_index(pools.shape[0], page_NxT, off_NxT), x)
+        return tuple(put_sharded(p, xi) for p, xi in zip(pools, x, strict=True))
+    return put_sharded(pools, x)
+
+
+def take_pages(pool: jax.Array, table_BxM: jax.Array, shards: int = 1) -> jax.Array:
+    """The pages of each row of ``table_BxM`` (in range) from ``pool`` [.., P, S, K, H]:
+    [.., B, M, S, K, H]. ``shards`` > 1: the B rows are the slots in order, each listing pages
+    of its own shard, gathered on that shard (``by_shard``)."""
+    def take(pool: jax.Array, table: jax.Array) -> jax.Array:
+        # "clip": the indices are in range already; take's default fill checks every element.
+        return jnp.take(pool, table, axis=-4, mode="clip")
+
+    return by_shard(take, pool, shards, table_BxM)
+
+
+def by_shard(fn: Callable[..., jax.Array], pool: jax.Array, shards: int, pages_Nx: jax.Array,
+             rows: tuple[tuple[jax.Array, int], ...] = ()) -> jax.Array:
+    """``fn(pool, pages, *rows)`` run per shard: ``pool`` [.., P, S, K, H] split into
+    ``shards`` ranges of pages, ``pages_Nx`` (global page numbers, N rows: the slots in
+    order) and each (array, axis of its N rows) of ``rows`` into as many ranges of rows,
+    pages renumbered within their shard's range, and the results (pool-shaped, or rows after
+    the pool's leading axes) joined back. A gather or scatter vmapped over the shards keeps each
+    shard's rows on its own pages: over global numbers the partitioner, which cannot see that
+    a row's pages are its shard's, gathers the whole pool onto every device."""
+    if shards == 1:
+        return fn(pool, pages_Nx, *(r for r, _ in rows))
+    lead, per = pool.ndim - 4, pool.shape[-4] // shards
+
+    def split(x: jax.Array, axis: int) -> jax.Array:
+        return x.reshape(*x.shape[:axis], shards, x.shape[axis] // shards, *x.shape[axis + 1:])
+
+    pages = split(pages_Nx, 0)
+    pages = pages - (jnp.arange(shards, dtype=pages.dtype) * per).reshape(
+        shards, *(1,) * (pages.ndim - 1))
+    out = jax.vmap(fn, in_axes=(lead, 0, *(axis for _, axis in rows)), out_axes=lead)(
+        split(pool, lead), pages, *(split(r, axis) for r, axis in rows))
+    return out.reshape(*out.shape[:lead], -1, *out.shape[lead + 2:])

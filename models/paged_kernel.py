@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from meshrl.models.paged_attention import COMBINED_PAGE_AXES
+from meshrl.models.paged_attention import PAGE_AXES
 from meshrl.models.sharding import ShardingContext
 
 
@@ -111,7 +111,7 @@ def sharded_ragged_paged_attention(q_BxLxNxH: jax.Array, pool: jax.Array,
     attend = attend or ragged_paged_attention
     stacked = pool.ndim == 5
     # The pool's sharding as ``PagedKVCache.shardings`` gives it (heads as the separate pools').
-    logical = (("layers",) if stacked else ()) + COMBINED_PAGE_AXES
+    logical = (("layers",) if stacked else ()) + PAGE_AXES
     pool_spec = ctx.sharding(logical, (*pool.shape[:-2], pool.shape[-2] // 2,
                                        pool.shape[-1])).spec
     heads, pages = pool_spec[-2], pool_spec[-4]

@@ -177,17 +177,18 @@ def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
         (0, tuple(p + 1 for p in PROMPT[:4 * (i + 1)])) for i in range(3)}
 
 
-# A pool decoded in place (TPU's default) shards its pages with the slots over data.
+# The pool shards its pages with the slots over data.
 SHARDED = dict(mesh_cfg=MeshConfig(data=2, tensor=1), kv_cache="paged", paged_decode="in_place")
 
 
-def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_params):
+@pytest.mark.parametrize("decode", ["in_place", "window"])
+def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_params, decode):
     _, old = tiny_params
     new = split_model(create_model(TINY, seed=1))[1]
     budgets = (10,) * 4
     want, _ = _run(make_sampler(old, mesh_cfg=SHARDED["mesh_cfg"], **KW),
                    _group(budgets=budgets), update=new)
-    sampler = make_sampler(old, **SHARDED, **KW)
+    sampler = make_sampler(old, **{**SHARDED, "paged_decode": decode}, **KW)
 
     got, (_, prefills) = _run(sampler, _group(budgets=budgets), update=new)
 
@@ -207,9 +208,8 @@ def test_page_count_that_does_not_split_like_the_slots_is_refused(tiny_params):
     # 16 pages hold one max_len sequence, but 8 a shard do not.
     with pytest.raises(ValueError, match="sampler.num_pages=16 gives each of 2 shards 8 pages"):
         make_sampler(params, **SHARDED, num_pages=16, **KW)
-    # A gathered window may read any slot's pages: its pool is not sharded.
-    window = make_sampler(params, **{**SHARDED, "paged_decode": "window"}, num_pages=16, **KW)
-    assert window.cache.k[0].sharding.spec[0] is None
+    with pytest.raises(ValueError, match="sampler.num_pages=16 gives each of 2 shards"):
+        make_sampler(params, **{**SHARDED, "paged_decode": "window"}, num_pages=16, **KW)
 
 
 def test_request_takes_a_slot_on_another_shard_when_its_first_free_shard_is_short(tiny_params):

@@ -59,11 +59,14 @@ def test_paged_decode_updates_the_page_pool_in_place_without_a_second_copy():
     results = compile_job.compile_all(config, *compile_job.target(config.compile)[:2])
     assert [r["program"] for r in results] == ["prefill", "decode"]
     s, m = config.sampler, config.model
+    data = results[1]["mesh"]["data"]
+    assert data > 1 and s.slots % data == 0
     pool_gib = (2 * m.num_layers * s.slots * s.max_len * m.num_kv_heads * m.resolved_head_dim
-                * 4 / 2**30)  # keys and values, float32; the pool is replicated over data
+                * 4 / 2**30) / data  # keys and values, float32, a device's pages (with its slots)
     decode = results[1]["memory_gib"]
     assert decode["aliased"] >= pool_gib * 0.999, (decode, pool_gib)  # donated, written in place
-    assert decode["temps"] < 0.25 * pool_gib, (decode, pool_gib)  # pages are never copied
+    # Pages are never copied, nor gathered from other devices: the window of a device's slots.
+    assert decode["temps"] < 1.5 * pool_gib, (decode, pool_gib)
 
 
 @pytest.mark.parametrize(("field", "value", "rule"), [

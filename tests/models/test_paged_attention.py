@@ -207,3 +207,25 @@ def test_put_slots_writes_a_stacked_pool_as_it_writes_per_layer_pools(combined):
     np.testing.assert_array_equal(  # position S + 1 of slot 2: page table[2, 1], offset 1
         written[int(table[2, 1]), 1], np.asarray(values[1][0, :, S + 1]))
     assert np.count_nonzero(written.any(axis=(1, 2, 3))) == 3  # slot 2's three pages only
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["per_layer", "stacked"])
+def test_sharded_take_and_put_equal_the_global_ones(stacked):
+    # 4 slots over 2 shards, 12 pages: slots 0-1 list pages 0-5, slots 2-3 pages 6-11 (a
+    # missing page, -1, is out of range: clipped on reads, dropped on writes).
+    rng = np.random.default_rng(7)
+    shape = ((2,) if stacked else ()) + (12, S, K, H)
+    pool = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    table = jnp.asarray([[4, 0, 2], [1, 5, 3], [9, 6, 11], [7, 10, 8]], jnp.int32)
+    pages = jnp.asarray([[4, 2], [12, 3], [6, 11], [12, 8]], jnp.int32)  # 12: dropped
+    offs = jnp.asarray([[1, 3], [0, 2], [0, 1], [3, 3]], jnp.int32)
+    x = jnp.asarray(rng.standard_normal(shape[:-4] + (4, 2, K, H)), jnp.float32)
+    pools = pool if stacked else (pool,)
+    xs = x if stacked else (x,)
+
+    np.testing.assert_array_equal(pa.take_pages(pool, table, 2), pa.take_pages(pool, table))
+    got = pa.put_entries(pools, pages, offs, xs, shards=2)
+    want = pa.put_entries(pools, pages, offs, xs)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert not np.array_equal(jax.tree.leaves(got)[0], pool)  # the writes landed

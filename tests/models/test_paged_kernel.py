@@ -92,5 +92,5 @@ def test_pool_sharded_with_the_slots_reads_each_shards_pages_renumbered():
         q, kv, t, p, 0, ctx, attend=portable))(q, interleave(k, v), jnp.asarray(table), positions)
     want = pa.paged_attention(q, k, v, jnp.asarray(table), positions)
 
-    assert ctx.sharding(pa.COMBINED_PAGE_AXES, (16, S, K, H)).spec[0] == "data"
+    assert ctx.sharding(pa.PAGE_AXES, (16, S, K, H)).spec[0] == "data"
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
