@@ -181,7 +181,8 @@ def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
 SHARDED = dict(mesh_cfg=MeshConfig(data=2, tensor=1), kv_cache="paged", paged_decode="in_place")
 
 
-@pytest.mark.parametrize("decode", ["in_place", "window"])
+# The window's per-shard gather and write-back: also tests/models/test_paged_attention.py.
+@pytest.mark.parametrize("decode", ["in_place", pytest.param("window", marks=pytest.mark.slow)])
 def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_params, decode):
     _, old = tiny_params
     new = split_model(create_model(TINY, seed=1))[1]
