@@ -65,7 +65,9 @@ class SamplerConfig(Section):
                                "divide sampler.max_len.", at_least(1))
     num_pages: int = field(
         0, "Pages in the paged KV cache pool (kv_cache = paged). 0: slots x max_len / page_size "
-           "(never short); fewer makes admissions wait for pages; at least max_len / page_size.",
+           "(never short); fewer makes admissions wait for pages; at least max_len / page_size. "
+           "Where the slots split over mesh axes (data), the pages split with them: a multiple "
+           "of that split, each shard holding max_len / page_size pages at least.",
         at_least(0))
     prefix_cache_pages: int = field(
         0, "kv_cache = paged: pages of finished prompts kept for later requests starting with "

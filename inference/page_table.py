@@ -35,23 +35,20 @@ from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.paged_attention import PagedKVCache
 
 
-def pool_shards(cfg: SamplerConfig, num_pages: int, mesh: Mesh, rules: Rules) -> int:
-    """Shards of the pool's pages (``PAGE_AXES``): those of the slots (both ``cache_slots``),
-    so each device holds the pages of the sequences it decodes; the page count must divide like
-    the slots, each shard holding one ``max_len`` sequence at least."""
-    slots_spec, pages_spec = (logical_to_spec(("cache_slots",), rules, mesh, (n,))[0]
-                              for n in (cfg.slots, num_pages))
-    if slots_spec != pages_spec:
-        raise ValueError(f"sampler.num_pages={num_pages} must split over the mesh axes "
-                         f"{slots_spec} like sampler.slots={cfg.slots} (a multiple of "
-                         f"{math.prod(mesh.shape[a] for a in _axes(slots_spec))})")
-    shards = math.prod(mesh.shape[a] for a in _axes(pages_spec))
+def pool_shards(cfg: SamplerConfig, num_pages: int, mesh: Mesh, rules: Rules,
+                ) -> tuple[int, tuple[str, ...]]:
+    """(shards, mesh axes) of the pool's pages: those of the slots (``cache_slots``), so each
+    device holds the pages of the sequences it decodes; the page count must split as the
+    slots do, each shard holding one ``max_len`` sequence at least."""
+    axes = _axes(logical_to_spec(("cache_slots",), rules, mesh, (cfg.slots,))[0])
+    shards = math.prod(mesh.shape[a] for a in axes)
     per_seq = cfg.max_len // cfg.page_size
-    if num_pages // shards < per_seq:  # a slot takes pages of its own shard only
-        raise ValueError(f"sampler.num_pages={num_pages} gives each of {shards} shards "
-                         f"{num_pages // shards} pages, fewer than one max_len sequence needs "
-                         f"({per_seq}): use >= {shards * per_seq} or 0")
-    return shards
+    if num_pages % shards or num_pages // shards < per_seq:  # a slot takes its shard's pages
+        raise ValueError(f"sampler.num_pages={num_pages}: the pool splits over the mesh axes "
+                         f"{axes} like sampler.slots={cfg.slots}, into {shards} shards, each "
+                         f"holding one max_len sequence ({per_seq} pages): use a multiple of "
+                         f"{shards} that is >= {shards * per_seq}, or 0")
+    return shards, axes
 
 
 def _axes(entry: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -67,13 +64,13 @@ class SlotPages:
         self.num_pages = cfg.num_pages or cfg.slots * per_seq
         # Decoding in place keeps keys and values in one interleaved pool (the TPU kernel's).
         self.in_place = decodes_in_place(cfg, mesh.devices.flat[0].platform)
-        self.shards = pool_shards(cfg, self.num_pages, mesh, rules)
+        self.shards, self.page_axes = pool_shards(cfg, self.num_pages, mesh, rules)
         self.alloc = PageAllocator(self.num_pages, cfg.page_size, cfg.slots, per_seq,
                                    self.shards)
         self._table_sh = NamedSharding(mesh, PartitionSpec())
         pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
                                          stacked=model_cfg.scan_layers, combined=self.in_place,
-                                         shards=self.shards)
+                                         shards=self.shards, page_axes=self.page_axes)
         self.sharding = pool_sh.replace(page_table=self._table_sh)
         # Work counters (``prefix``): prompt rows prefilled from position 0 (admissions and
         # re-prefills), group members started from a leader's pages, and tails re-prefilled
@@ -111,7 +108,8 @@ class SlotPages:
         """A zero pool (stacked over layers for a ``scan_layers`` model) with an empty table."""
         pool = PagedKVCache.init(self.model_cfg, self.num_pages, self.cfg.page_size,
                                  self.cfg.dtype, stacked=self.model_cfg.scan_layers,
-                                 combined=self.in_place, shards=self.shards)
+                                 combined=self.in_place, shards=self.shards,
+                                 page_axes=self.page_axes)
         return pool.replace(page_table=jnp.full(self.alloc.table.shape, -1, jnp.int32))
 
     def init_cache(self) -> PagedKVCache:
@@ -164,6 +162,7 @@ class SlotPages:
         """Give ``slot`` pages for ``request`` after listing the prompt pages it shares: its
         ``leader``'s, or those the prefix cache holds (``start[slot]``: positions they cover);
         False, nothing taken, when the pool is short even after evicting cached pages."""
+        cached: list[int] = []
         if leader is not None:
             self.alloc.share(leader, slot, self.shared_pages(request))
         elif self.prefix_cache:
@@ -179,6 +178,8 @@ class SlotPages:
             return True
         self.alloc.release(slot)
         self.start.pop(slot, None)
+        if self.prefix_cache:  # listed nothing after all (the shard may have dropped entries)
+            self.prefix_cache.hits -= len(cached)
         return False
 
     def release(self, slots: Sequence[int]) -> None:

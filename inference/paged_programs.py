@@ -30,7 +30,7 @@ def rows_view(cache: PagedKVCache, slots_N: jax.Array) -> PagedKVCache:
     """``cache`` with the page-table rows of ``slots_N`` (out of range: no pages, so a padding
     row's writes are dropped)."""
     return cache.replace(page_table=jnp.take(cache.page_table, slots_N, axis=0, mode="fill",
-                                             fill_value=-1))
+                                             fill_value=-1), slot_rows=False)
 
 
 def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> PagedKVCache:
@@ -82,7 +82,7 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
             last_RxD = jnp.take_along_axis(hidden_RxLxD, last_R[:, None, None], axis=1)[:, 0]
             st, out = first_token(st, apply_head(graphdef, params, last_RxD), lens_R, slots_R,
                                   settings_R, max_len)
-            return (cache.replace(page_table=table), st), out
+            return (cache.replace(page_table=table, slot_rows=True), st), out
 
         (cache, st), out = in_passes(
             one_pass, (copy_pages(cache, src_N, dst_N), st),
@@ -110,7 +110,7 @@ def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
             tokens_RxL, pos_RxL, slots_R = rows
             _, cache = forward(graphdef, params, tokens_RxL, pos_RxL, None,
                                rows_view(cache, slots_R), return_hidden=True)
-            return cache.replace(page_table=table), ()
+            return cache.replace(page_table=table, slot_rows=True), ()
 
         cache, _ = in_passes(one_pass, cache, (tokens_NxL, pos_NxL, slots_N), n_rows,
                              pass_rows(*tokens_NxL.shape, max_tokens))
@@ -172,15 +172,18 @@ def dense_window(cache: PagedKVCache, window: int) -> KVCache:
 
 def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
     """The pages of each row of ``table_BxM`` side by side as a dense ``KVCache`` (keys
-    [B, K, H, M x S], values [B, K, M x S, H]); a -1 entry gives page 0's data, which attention
-    masks (past the slot's position) and ``put_band`` never writes back."""
+    [B, K, H, M x S], values [B, K, M x S, H]); a -1 entry gives some page's data (page 0, or
+    the first of the row's shard), which attention masks (past the slot's position) and
+    ``put_band`` never writes back."""
     assert not cache.combined, "a combined pool decodes in place (sampler.paged_decode)"
     S = cache.page_size
     table_BxM = jnp.clip(table_BxM, 0, cache.num_pages - 1)
     B, M = table_BxM.shape
 
     def gather(pool: jax.Array) -> jax.Array:  # [.., P, S, K, H] -> [.., B, T, K, H]
-        x = take_pages(pool, table_BxM, cache.shards if B == cache.slots else 1)
+        # Per shard only where the rows are the slots in order (a shard's pages are its slots').
+        x = take_pages(pool, table_BxM,
+                       cache.shards if cache.slot_rows and B == cache.slots else 1)
         return x.reshape(*x.shape[:-5], B, M * S, *x.shape[-2:])
 
     def keys(pool: jax.Array) -> jax.Array:

@@ -89,7 +89,8 @@ def _place(pages: Any, free: Sequence[int], request: Request,
            leaders: dict[tuple[tuple[int, ...], int], int]) -> tuple[int | None, int | None]:
     """(slot, leader) for ``request``, its pages reserved: the first free slot of a shard where
     its prompt already leads (it lists the leader's pages), else of the first shard whose pages
-    can hold it; (None, None) when none can. One pool (one shard): the first free slot."""
+    can hold it; (None, None) when none can. One pool (one shard): the first free slot. A shard
+    tried and found short may have dropped cached prefix pages making room."""
     shard, key = pages.alloc.shard_of_slot, tuple(request.prompt_ids)
     firsts: dict[int, int] = {}
     for s in free:

@@ -105,12 +105,15 @@ class Attention(nnx.Module):
                                                    positions_BxL, self.compute_dtype)
         elif isinstance(cache, paged.PagedKVCache):
             cache = paged.write(cache, layer, k_BxLxKxH, v_BxLxKxH, positions_BxL)
-            if paged_kernel.applies(ctx, cache.combined, L):  # reads the pages in place
+            # The kernel reads each shard's pages for the rows on that shard: rows must be the
+            # slots in order when the pages are sharded (a group start's rows are not).
+            if (paged_kernel.applies(ctx, cache.combined, L)
+                    and (cache.slot_rows or not cache.page_axes)):  # reads the pages in place
                 # q takes the pool's dtype: casting the pool would copy it every step.
                 pool = cache.k if cache.is_stacked else cache.k[layer]
                 out_BxLxNxH = paged_kernel.sharded_ragged_paged_attention(
                     q_BxLxNxH.astype(pool.dtype), pool, cache.page_table, positions_BxL, layer,
-                    ctx).astype(self.compute_dtype)
+                    ctx, page_axes=cache.page_axes).astype(self.compute_dtype)
             else:
                 keys_PxSxKxH, values_PxSxKxH = cache.layer(layer)
                 out_BxLxNxH = paged.paged_attention(

@@ -25,19 +25,26 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules, logical_to_spec
 from meshrl.models.cascade_attention import SharedPrefix
 from meshrl.models.kv_cache import KVCache, with_layer_index
 
-# Pages shard like the slots (``cache_slots``): the sampler's allocator gives each slot pages
-# of its own shard (``inference.pages``), so the decode reads each slot's pages on the device
-# that holds the slot (``take_pages``, the TPU kernel's shard_map). Offsets within a page are
-# not sharded; heads shard over ``tensor`` like the dense cache.
-PAGE_AXES = ("cache_slots", None, "kv_heads", "head_dim")
+# Pages shard over the mesh axes of the slots (``PagedKVCache.page_axes``, given explicitly: a
+# page count may divide where the slot count does not); the sampler's allocator gives each slot
+# pages of its own shard (``inference.pages``), so the decode reads each slot's pages on the
+# device that holds the slot (``take_pages``, the TPU kernel's shard_map). Offsets within a
+# page are not sharded; heads shard over ``tensor`` like the dense cache.
+PAGE_AXES = (None, None, "kv_heads", "head_dim")
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def pool_spec(spec: PartitionSpec, page_axes: tuple[str, ...]) -> PartitionSpec:
+    """``spec`` of a pool ([.., P, S, K, H]) with its pages over ``page_axes``."""
+    entry = None if not page_axes else page_axes[0] if len(page_axes) == 1 else page_axes
+    return PartitionSpec(*spec[:-4], entry, *spec[-3:])
 
 
 @struct.dataclass
@@ -48,19 +55,23 @@ class PagedKVCache:
     (int32, -1 = no page) rides along when the cache is handed to the model's forward, so
     attention knows where each slot's positions live. ``shared``, on the cache a decode chunk
     is handed, says which slots share which leading pages (``cascade_attention``). ``shards``:
-    the equal consecutive ranges slots and pages split into (``PAGE_AXES``), a slot's pages in
-    its own range."""
+    the equal consecutive ranges slots and pages split into over the mesh axes ``page_axes``
+    (the slots'), a slot's pages in its own range; ``slot_rows``: the page table's rows are the
+    slots in order (a program's view of some slots' rows is not)."""
 
     k: tuple[jax.Array, ...] | jax.Array
     v: tuple[jax.Array, ...] | jax.Array | None
     page_table: jax.Array | None = None
     shared: SharedPrefix | None = None
     shards: int = struct.field(pytree_node=False, default=1)
+    page_axes: tuple[str, ...] = struct.field(pytree_node=False, default=())
+    slot_rows: bool = struct.field(pytree_node=False, default=True)
 
     @classmethod
     def init(cls, cfg: ModelConfig, num_pages: int, page_size: int,
              dtype: jnp.dtype | str = jnp.float32, stacked: bool = False,
-             combined: bool = False, shards: int = 1) -> PagedKVCache:
+             combined: bool = False, shards: int = 1, page_axes: tuple[str, ...] = (),
+             ) -> PagedKVCache:
         """A zero pool; ``combined``: keys and values interleaved in ``k`` (``interleave``)."""
         shape = cls.shape(cfg, num_pages, page_size, combined)
 
@@ -69,7 +80,7 @@ class PagedKVCache:
                 return jnp.zeros((cfg.num_layers, *shape), dtype)
             return tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
 
-        return cls(pools(), None if combined else pools(), shards=shards)
+        return cls(pools(), None if combined else pools(), shards=shards, page_axes=page_axes)
 
     @staticmethod
     def shape(cfg: ModelConfig, num_pages: int, page_size: int, combined: bool = False,
@@ -83,19 +94,20 @@ class PagedKVCache:
     @classmethod
     def shardings(cls, cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
                   rules: Rules, stacked: bool = False, combined: bool = False,
-                  shards: int = 1) -> PagedKVCache:
+                  shards: int = 1, page_axes: tuple[str, ...] = ()) -> PagedKVCache:
         """A PagedKVCache of NamedShardings (for jit in/out_shardings); the page table, when
         the caller adds one, is replicated."""
         # A combined pool shards its heads as the separate pools would: whole (key, value)
         # pairs on each shard, or none (2K may divide where K does not).
         shape = cls.shape(cfg, num_pages, page_size)
         if stacked:
-            sh = NamedSharding(mesh, logical_to_spec(("layers", *PAGE_AXES), rules, mesh,
-                                                     (cfg.num_layers, *shape)))
+            spec = pool_spec(logical_to_spec(("layers", *PAGE_AXES), rules, mesh,
+                                             (cfg.num_layers, *shape)), page_axes)
+            sh = NamedSharding(mesh, spec)
         else:
-            sh = (NamedSharding(mesh, logical_to_spec(PAGE_AXES, rules, mesh, shape)),
-                  ) * cfg.num_layers
-        return cls(sh, None if combined else sh, shards=shards)
+            spec = pool_spec(logical_to_spec(PAGE_AXES, rules, mesh, shape), page_axes)
+            sh = (NamedSharding(mesh, spec),) * cfg.num_layers
+        return cls(sh, None if combined else sh, shards=shards, page_axes=page_axes)
 
     @property
     def combined(self) -> bool:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from meshrl.models import paged_attention
 from meshrl.models.paged_attention import PAGE_AXES
 from meshrl.models.sharding import ShardingContext
 
@@ -100,20 +101,23 @@ def applies(ctx: ShardingContext | None, combined: bool, queries: int) -> bool:
 def sharded_ragged_paged_attention(q_BxLxNxH: jax.Array, pool: jax.Array,
                                    page_table_BxM: jax.Array, positions_BxL: jax.Array,
                                    layer: int | jax.Array, ctx: ShardingContext,
-                                   attend: Callable[..., jax.Array] | None = None) -> jax.Array:
+                                   attend: Callable[..., jax.Array] | None = None,
+                                   page_axes: tuple[str, ...] = ()) -> jax.Array:
     """``ragged_paged_attention`` of layer ``layer`` of a combined ``pool`` (one layer's
     [P, S, 2K, H], or all layers' stacked: ``layer`` then picks its pages) inside
     ``jax.shard_map`` (XLA cannot partition a Pallas call): each device runs it on its batch
     shard, over the pages its shard of the pool holds (those of its slots; the page table is
     renumbered from the shard's first page) and on its heads (whole (key, value) pairs, and
     the query heads of those kv heads); q is gathered to the pool's head sharding where it
-    differs. ``attend``: what runs on each shard, same signature (tests: a portable one)."""
+    differs. ``page_axes``: the mesh axes the pool's pages shard over, those of the batch (the
+    rows are the slots in order). ``attend``: what runs on each shard, same signature (tests: a
+    portable one)."""
     attend = attend or ragged_paged_attention
     stacked = pool.ndim == 5
     # The pool's sharding as ``PagedKVCache.shardings`` gives it (heads as the separate pools').
     logical = (("layers",) if stacked else ()) + PAGE_AXES
-    pool_spec = ctx.sharding(logical, (*pool.shape[:-2], pool.shape[-2] // 2,
-                                       pool.shape[-1])).spec
+    pool_spec = paged_attention.pool_spec(ctx.sharding(logical, (
+        *pool.shape[:-2], pool.shape[-2] // 2, pool.shape[-1])).spec, page_axes)
     heads, pages = pool_spec[-2], pool_spec[-4]
     assert all(a is None for i, a in enumerate(pool_spec) if i not in (pool.ndim - 2,
                                                                         pool.ndim - 4)), pool_spec

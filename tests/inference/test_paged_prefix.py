@@ -204,12 +204,12 @@ def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_par
 
 def test_page_count_that_does_not_split_like_the_slots_is_refused(tiny_params):
     _, params = tiny_params
-    with pytest.raises(ValueError, match="sampler.num_pages=33 must split over the mesh axes"):
+    with pytest.raises(ValueError, match="sampler.num_pages=33: the pool splits over the mesh"):
         make_sampler(params, **SHARDED, num_pages=33, **KW)
     # 16 pages hold one max_len sequence, but 8 a shard do not.
-    with pytest.raises(ValueError, match="sampler.num_pages=16 gives each of 2 shards 8 pages"):
+    with pytest.raises(ValueError, match="num_pages=16: .* into 2 shards, each holding one max"):
         make_sampler(params, **SHARDED, num_pages=16, **KW)
-    with pytest.raises(ValueError, match="sampler.num_pages=16 gives each of 2 shards"):
+    with pytest.raises(ValueError, match="num_pages=16: .* into 2 shards"):
         make_sampler(params, **{**SHARDED, "paged_decode": "window"}, num_pages=16, **KW)
 
 
@@ -227,3 +227,37 @@ def test_request_takes_a_slot_on_another_shard_when_its_first_free_shard_is_shor
     # Slot 1 shares shard 0 with slot 0, whose request holds all its pages: slot 2 runs it.
     assert [c is not None for c in sampler.slots.out] == [True, False, True, False]
     assert not sampler._queue
+
+
+def test_pool_pages_shard_over_the_axes_the_slots_split_over(tiny_params):
+    _, params = tiny_params
+    # 2 slots on data=2 x expert=2: the slots split over data only, and so do the pages (the
+    # default page count would also divide over expert).
+    sampler = make_sampler(params, mesh_cfg=MeshConfig(data=2, expert=2, tensor=1),
+                           kv_cache="paged", paged_decode="in_place", slots=2, **KW)
+
+    assert sampler.pages.shards == 2 and sampler.pages.page_axes == ("data",)
+    assert sampler.cache.k[0].sharding.spec[0] == "data"
+
+
+def test_group_start_on_a_sharded_pool_keeps_the_kernel_to_slot_rows(tiny_params, monkeypatch):
+    # The TPU kernel's shard_map reads each device's pages for the rows on that device: right
+    # for a decode (rows are the slots in order), wrong for a group start (rows are the
+    # members). On CPU: the kernel's place taken by the portable attention, as if on a TPU.
+    from meshrl.models import paged_attention as pa
+    from meshrl.models import paged_kernel as pk
+
+    def portable(q, kv, table, pos, layer=None):
+        kv = kv if layer is None else kv[layer]
+        return pa.paged_attention(q, kv[:, :, 0::2], kv[:, :, 1::2], table, pos)
+
+    monkeypatch.setattr(pk, "applies", lambda ctx, combined, queries: combined and queries == 1)
+    monkeypatch.setattr(pk, "ragged_paged_attention", portable)
+    _, params = tiny_params
+    group = [Request(PROMPT, max_new_tokens=6, seed=i) for i in range(12)]
+    kw = {**KW, "slots": 16}
+    want, _ = _run(make_sampler(params, mesh_cfg=SHARDED["mesh_cfg"], **kw), group)
+
+    got, _ = _run(make_sampler(params, **SHARDED, **kw), group)
+
+    _assert_same(got, want)

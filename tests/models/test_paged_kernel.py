@@ -89,8 +89,8 @@ def test_pool_sharded_with_the_slots_reads_each_shards_pages_renumbered():
         return pa.paged_attention(q, kv[:, :, 0::2], kv[:, :, 1::2], table, pos)
 
     got = jax.jit(lambda q, kv, t, p: pk.sharded_ragged_paged_attention(
-        q, kv, t, p, 0, ctx, attend=portable))(q, interleave(k, v), jnp.asarray(table), positions)
+        q, kv, t, p, 0, ctx, attend=portable, page_axes=("data",)))(
+        q, interleave(k, v), jnp.asarray(table), positions)
     want = pa.paged_attention(q, k, v, jnp.asarray(table), positions)
 
-    assert ctx.sharding(pa.PAGE_AXES, (16, S, K, H)).spec[0] == "data"
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
