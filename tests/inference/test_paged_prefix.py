@@ -240,6 +240,7 @@ def test_pool_pages_shard_over_the_axes_the_slots_split_over(tiny_params):
     assert sampler.cache.k[0].sharding.spec[0] == "data"
 
 
+@pytest.mark.slow  # the sharded group itself: test_pool_sharded_over_data_... in the default run
 def test_group_start_on_a_sharded_pool_keeps_the_kernel_to_slot_rows(tiny_params, monkeypatch):
     # The TPU kernel's shard_map reads each device's pages for the rows on that device: right
     # for a decode (rows are the slots in order), wrong for a group start (rows are the
