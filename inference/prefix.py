@@ -7,10 +7,10 @@ full prompt pages as its own (refcounted, ``PageAllocator.share``) and gets a co
 holding the last prompt token, whose entry it writes again in a one-token forward that gives
 its first token's logits (``paged_programs.make_extend``). The prompt runs through the model
 once per group (per shard of a sharded pool, whose slots list only their own shard's pages),
-and its pages are held once. With a prefix cache (``prefix_cache``), a leader
-lists the cached pages of its prompt's longest cached prefix and runs only the rest of its
-prompt. Pages are reserved first come, first served: the first request the pool cannot hold
-stops admission until pages return.
+and its pages are held once. With a prefix cache (``prefix_cache``), a leader lists the cached
+pages of its prompt's longest cached prefix and runs only the rest of its prompt. Pages are
+reserved first come, first served: the first request no shard of the pool can hold stops
+admission until pages return.
 
 After a weight update every live sequence is re-prefilled under the new weights. A group's
 shared pages are re-prefilled once, by the first live member's full re-prefill; the other
