@@ -70,7 +70,7 @@ class SlotPages:
         self._table_sh = NamedSharding(mesh, PartitionSpec())
         pool_sh = PagedKVCache.shardings(model_cfg, self.num_pages, cfg.page_size, mesh, rules,
                                          stacked=model_cfg.scan_layers, combined=self.in_place,
-                                         shards=self.shards, page_axes=self.page_axes)
+                                         page_axes=self.page_axes)
         self.sharding = pool_sh.replace(page_table=self._table_sh)
         # Work counters (``prefix``): prompt rows prefilled from position 0 (admissions and
         # re-prefills), group members started from a leader's pages, and tails re-prefilled
@@ -175,11 +175,11 @@ class SlotPages:
             self.prefix_cache.evict(need, self.alloc.shard_of_slot(slot))
         if self.alloc.reserve(slot, self.tokens_needed(request)):
             self.owner[slot] = (request.prompt_ids, self.version)
+            if self.prefix_cache:
+                self.prefix_cache.hits += len(cached)
             return True
         self.alloc.release(slot)
         self.start.pop(slot, None)
-        if self.prefix_cache:  # listed nothing after all (the shard may have dropped entries)
-            self.prefix_cache.hits -= len(cached)
         return False
 
     def release(self, slots: Sequence[int]) -> None:

@@ -25,7 +25,7 @@ class PrefixCache:
         # (shard, token prefix) -> page
         self.entries: collections.OrderedDict[tuple[int, tuple[int, ...]], int] = \
             collections.OrderedDict()
-        self.hits = 0  # pages listed from the cache instead of prefilled
+        self.hits = 0  # pages listed from the cache instead of prefilled (``SlotPages.reserve``)
 
     def match(self, prompt: Sequence[int], most: int, shard: int = 0) -> list[int]:
         """Pages of ``shard`` holding the longest cached prefix of ``prompt``, at most ``most``
@@ -38,7 +38,6 @@ class PrefixCache:
                 break
             self.entries.move_to_end(key)
             pages.append(page)
-        self.hits += len(pages)
         return pages
 
     def insert(self, prompt: Sequence[int], pages: Sequence[int]) -> None:
@@ -58,8 +57,9 @@ class PrefixCache:
     def evict(self, pages: int, shard: int = 0) -> None:
         """Drop least recently used entries of ``shard`` until it has ``pages`` free pages (or
         none of its entries is left)."""
-        for key in [k for k in self.entries if k[0] == shard]:
-            if self.alloc.free_in(shard) >= pages:
+        while self.alloc.free_in(shard) < pages:
+            key = next((k for k in self.entries if k[0] == shard), None)
+            if key is None:
                 return
             self.alloc.drop(self.entries.pop(key))
 

@@ -20,6 +20,7 @@ cache's roles in the sampler's programs without copying entries.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -94,9 +95,9 @@ class PagedKVCache:
     @classmethod
     def shardings(cls, cfg: ModelConfig, num_pages: int, page_size: int, mesh: Mesh,
                   rules: Rules, stacked: bool = False, combined: bool = False,
-                  shards: int = 1, page_axes: tuple[str, ...] = ()) -> PagedKVCache:
-        """A PagedKVCache of NamedShardings (for jit in/out_shardings); the page table, when
-        the caller adds one, is replicated."""
+                  page_axes: tuple[str, ...] = ()) -> PagedKVCache:
+        """A PagedKVCache of NamedShardings (for jit in/out_shardings), pages over
+        ``page_axes``; the page table, when the caller adds one, is replicated."""
         # A combined pool shards its heads as the separate pools would: whole (key, value)
         # pairs on each shard, or none (2K may divide where K does not).
         shape = cls.shape(cfg, num_pages, page_size)
@@ -107,6 +108,7 @@ class PagedKVCache:
         else:
             spec = pool_spec(logical_to_spec(PAGE_AXES, rules, mesh, shape), page_axes)
             sh = (NamedSharding(mesh, spec),) * cfg.num_layers
+        shards = math.prod(mesh.shape[a] for a in page_axes)
         return cls(sh, None if combined else sh, shards=shards, page_axes=page_axes)
 
     @property
