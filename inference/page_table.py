@@ -16,7 +16,7 @@ The page table travels inside the ``PagedKVCache`` handed to the prefill and dec
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,7 @@ from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import paged_programs
 from meshrl.inference.pages import PageAllocator
 from meshrl.inference.prefix_cache import PrefixCache
-from meshrl.inference.prefix_plan import PrefixPlan, plan_prefixes, suffix_buckets
+from meshrl.inference.prefix_plan import PrefixPlan, plan_prefixes
 from meshrl.inference.requests import Completion, Request, token_budget
 from meshrl.inference.shapes import decodes_in_place
 from meshrl.mesh.rules import Rules, logical_to_spec
@@ -77,7 +77,6 @@ class SlotPages:
         # over shared pages.
         self.prompt_prefills = self.fanouts = self.tail_prefills = 0
         self.cascade_chunks = 0  # decode chunks split over shared prefixes (``bind_decode``)
-        self.suffix_windows = suffix_buckets(cfg.max_len, cfg.page_size)
         self.prefix_cache = (PrefixCache(self.alloc, cfg.page_size, cfg.prefix_cache_pages)
                              if cfg.prefix_cache_pages else None)
         self.version = -1  # of the weights the pages being written are computed under
@@ -125,18 +124,19 @@ class SlotPages:
         its table while the call it was handed to may still be queued)."""
         return cache.replace(page_table=jax.device_put(self.alloc.table.copy(), self._table_sh))
 
-    def bind_decode(self, cache: PagedKVCache, window: int, reach: int) -> PagedKVCache:
-        """``bind`` for a decode chunk over ``window`` whose positions stay below ``reach``,
-        with the prefixes its slots share (``prefix_plan``) when attending over them once per
-        prefix reads fewer entries than the plain window (a gathered window only: in place,
-        each sequence reads its own pages)."""
+    def bind_decode(self, cache: PagedKVCache, window: int, positions: Mapping[int, int]
+                    ) -> PagedKVCache:
+        """``bind`` for a decode chunk over ``window`` of the slots ``positions`` names (slot ->
+        the position it feeds next), with the prefixes its slots share (``prefix_plan``) when
+        attending over them once per prefix reads fewer entries than the plain window (a
+        gathered window only: in place, each sequence reads its own pages)."""
         # A shared prefix row gathers its pages for members that may sit on any shard: the
         # cascade needs a pool every device holds whole.
         if self.in_place or self.shards > 1:
             return self.bind(cache)
         lens = {s: len(prompt) for s, (prompt, _) in self.owner.items()}
-        plan = plan_prefixes(self.alloc.table, lens, self.cfg.page_size, window, reach,
-                             self.suffix_windows)
+        plan = plan_prefixes(self.alloc.table, lens, positions, self.cfg.page_size, window,
+                             self.cfg.decode_chunk)
         if plan is None:
             return self.bind(cache)
         self.cascade_chunks += 1
@@ -144,8 +144,8 @@ class SlotPages:
 
     def bind_plan(self, cache: PagedKVCache, plan: PrefixPlan) -> PagedKVCache:
         """``bind`` with ``plan`` as the cache's ``shared`` prefixes (one transfer)."""
-        table, *shared = jax.device_put((self.alloc.table.copy(), plan.rows_RxP,
-                                         plan.members_RxG, plan.suffix_BxM), self._table_sh)
+        table, *shared = jax.device_put(
+            (self.alloc.table.copy(), *plan.arrays()), self._table_sh)
         return cache.replace(page_table=table, shared=SharedPrefix(*shared))
 
     def tokens_needed(self, request: Request) -> int:

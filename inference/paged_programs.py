@@ -130,10 +130,10 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     does. Only a band past the shared prompt pages is written back, so no shared page changes.
 
     A cache carrying ``shared`` (``SharedPrefix``) decodes over a ``CascadeWindow`` instead:
-    each shared prefix gathered once for the slots listing it, each slot's own positions after
-    it gathered into the suffix window the chunk writes, attention split over the two
-    (``cascade_attention``); ``window`` is then unused, the shapes of ``shared`` fix the
-    program.
+    each shared prefix gathered once for the slots listing it, each slot's older positions
+    after it gathered in blocks of whole pages, and its newest ones into the band the chunk
+    writes, attention split over the three (``cascade_attention``); ``window`` is then unused,
+    the shapes of ``shared`` fix the program.
 
     A ``combined`` pool (``sampler.paged_decode = in_place``) is decoded in place instead: the
     dense sampler's steps over the ``PagedKVCache`` itself, each step writing its entries into
@@ -152,17 +152,21 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
             return put_band(cache, win, st.pos_B, chunk), st_out, out
         win = cascade_window(cache, shared)
         win, st_out, out = dense(params, win, st, slots_R, window=win.max_len)
-        cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.suffix_BxM, win.offset)
+        cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.band_BxW, win.offset_B)
         return cache.replace(shared=None), st_out, out
 
     return decode
 
 
 def cascade_window(cache: PagedKVCache, shared: SharedPrefix) -> CascadeWindow:
-    """The prefix rows and each slot's suffix of ``shared`` gathered from the pages."""
-    prefix = gather_window(cache, shared.rows_RxP)
-    return CascadeWindow(gather_window(cache, shared.suffix_BxM), prefix, shared.members_RxG,
-                         shared.rows_RxP.shape[1] * cache.page_size)
+    """The prefix rows, the blocks and each slot's band of ``shared`` gathered from the pages."""
+    # Rows, blocks and bands gather from the whole pool (``SlotPages.bind_decode``).
+    assert cache.shards == 1, cache.shards
+    valid_NxC = jnp.repeat(shared.blocks_NxQ >= 0, cache.page_size, axis=1)
+    return CascadeWindow(gather_window(cache, shared.band_BxW),
+                         gather_window(cache, shared.rows_RxP), shared.members_RxG,
+                         shared.band_start_B, gather_window(cache, shared.blocks_NxQ),
+                         shared.owners_N, valid_NxC)
 
 
 def dense_window(cache: PagedKVCache, window: int) -> KVCache:
@@ -198,11 +202,12 @@ def gather_window(cache: PagedKVCache, table_BxM: jax.Array) -> KVCache:
 
 
 def put_band(cache: PagedKVCache, win: KVCache, start_B: jax.Array, width: int,
-             table_BxM: jax.Array | None = None, offset: int = 0) -> PagedKVCache:
+             table_BxM: jax.Array | None = None, offset: int | jax.Array = 0) -> PagedKVCache:
     """``cache`` with positions [start_B[b], start_B[b] + width) of each slot b copied from the
     dense ``win`` into its pages (``KVCache.put_band``'s band, shifted left to fit the window);
     positions on no page of the slot are dropped. ``win`` holds positions [offset, offset + T)
-    on the pages of ``table_BxM`` (default: the page table's first columns)."""
+    (``offset``: one for all slots or one a slot) on the pages of ``table_BxM`` (default: the
+    page table's first columns)."""
     T = win.max_len
     width = min(width, T)
     if table_BxM is None:

@@ -190,7 +190,7 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     if pages.in_place or pages.shards > 1:  # no split chunks (``SlotPages.bind_decode``)
         return
     for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
-                                   sampler.window_buckets, pages.suffix_windows):
+                                   sampler.window_buckets, cfg.decode_chunk):
         sampler.cache, sampler.state, _ = sampler._decode(
             sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state,
             np.arange(cfg.slots, dtype=np.int32), window=window)

@@ -266,8 +266,7 @@ class Sampler:
             return self.cache
         if not live:
             return self.pages.bind(self.cache)
-        reach = min(max(map(self._pos, live)) + self.cfg.decode_chunk, self.cfg.max_len)
-        return self.pages.bind_decode(self.cache, window, reach)
+        return self.pages.bind_decode(self.cache, window, {s: self._pos(s) for s in live})
 
     def _run_prefill(self, seqs: Sequence[Sequence[int]], slots: Sequence[int],
                      reqs: Sequence[Request | None], bucket: int, resample: bool,

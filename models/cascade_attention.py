@@ -8,17 +8,20 @@ keeps its running max and sum (the log-sum-exp statistics), so the two merge int
 over the whole sequence (FlashInfer's cascade attention, vLLM's and SGLang's shared-prefix
 attention).
 
-A ``CascadeWindow`` holds, per layer, two dense windows gathered from the pages:
+A ``CascadeWindow`` holds, per layer, three dense windows gathered from the pages:
 
 * ``prefix``: R rows of positions [0, P) (keys [R, K, H, P], values [R, K, P, H]); row r is the
   prefix its members ``members_RxG[r]`` (slot indices, B: padding) all list as their first pages;
-* ``suffix``: each slot's positions [offset, offset + W) (keys [B, K, H, W], values
-  [B, K, W, H]), entry j holding position offset + j, where the decode writes its new entries.
+* ``blocks``: N blocks of a slot's older positions past the prefix (keys [N, K, H, C]), block n
+  read by slot ``owners_N[n]`` alone (B: padding); a block's padding pages are -1 in
+  ``SharedPrefix.blocks_NxQ`` and masked through ``block_valid_NxC``;
+* ``suffix``: each slot's band, positions [offset_B[b], offset_B[b] + W) (keys [B, K, H, W],
+  values [B, K, W, H]), where the decode writes its new entries.
 
 Every live slot is a member of exactly one row (a sequence sharing nothing is a row of its
-own), and ``offset`` is the prefix length P: each query attends to the prefix entries of its
-row and to its suffix entries, both at positions <= its own. ``SharedPrefix`` is the page-level
-description of the same split, carried by the ``PagedKVCache`` a decode program is handed.
+own), its blocks cover the positions from P up to its band, and each query attends to the
+entries of all three at positions <= its own. ``SharedPrefix`` is the page-level description
+of the same split, carried by the ``PagedKVCache`` a decode program is handed.
 """
 
 from __future__ import annotations
@@ -33,13 +36,17 @@ from meshrl.models.attention_kernels import MASK_VALUE
 
 @struct.dataclass
 class SharedPrefix:
-    """A decode chunk's shared prefixes, in pages: ``rows_RxP`` the pages of R prefixes of P
-    pages each (-1: a padding row), ``members_RxG`` the slots attending each row's prefix (the
-    slot count B: padding), ``suffix_BxM`` each slot's pages from position P x page_size on."""
+    """A decode chunk's split, in pages: ``rows_RxP`` the pages of R prefixes of P pages each
+    (-1: a padding row), ``members_RxG`` the slots attending each row's prefix (the slot count
+    B: padding), ``blocks_NxQ`` / ``owners_N`` each block's pages (-1: none) and slot,
+    ``band_BxW`` each slot's band pages, from position ``band_start_B``."""
 
     rows_RxP: jax.Array  # noqa: N815
     members_RxG: jax.Array  # noqa: N815
-    suffix_BxM: jax.Array  # noqa: N815
+    blocks_NxQ: jax.Array  # noqa: N815
+    owners_N: jax.Array  # noqa: N815
+    band_BxW: jax.Array  # noqa: N815
+    band_start_B: jax.Array  # noqa: N815
 
 
 @struct.dataclass
@@ -50,7 +57,10 @@ class CascadeWindow:
     suffix: kvc.KVCache
     prefix: kvc.KVCache
     members_RxG: jax.Array  # noqa: N815
-    offset: int = struct.field(pytree_node=False, default=0)
+    offset_B: jax.Array  # noqa: N815
+    blocks: kvc.KVCache | None = None
+    owners_N: jax.Array | None = None  # noqa: N815
+    block_valid_NxC: jax.Array | None = None  # noqa: N815
 
     @property
     def k(self) -> kvc.Layers:
@@ -74,20 +84,25 @@ class CascadeWindow:
         return self.suffix.is_stacked
 
     def stacked(self) -> CascadeWindow:
-        return self.replace(suffix=self.suffix.stacked(), prefix=self.prefix.stacked())
+        blocks = None if self.blocks is None else self.blocks.stacked()
+        return self.replace(suffix=self.suffix.stacked(), prefix=self.prefix.stacked(),
+                            blocks=blocks)
 
     def unstacked(self) -> CascadeWindow:
-        return self.replace(suffix=self.suffix.unstacked(), prefix=self.prefix.unstacked())
+        blocks = None if self.blocks is None else self.blocks.unstacked()
+        return self.replace(suffix=self.suffix.unstacked(), prefix=self.prefix.unstacked(),
+                            blocks=blocks)
 
 
 def cascade_attention(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Array,
                       k_BxLxKxH: jax.Array, v_BxLxKxH: jax.Array, positions_BxL: jax.Array,
                       dtype: jnp.dtype) -> tuple[CascadeWindow, jax.Array]:
     """Write one layer's new keys/values at ``positions_BxL`` into the suffix window (positions
-    before ``cache.offset`` or past the window are dropped), then attend each query to its
-    row's prefix and its own suffix up to its position. Returns (cache, output [B, L, N, H])."""
+    before ``cache.offset_B`` or past the window are dropped), then attend each query to its
+    row's prefix, its blocks and its own suffix up to its position. Returns (cache, output
+    [B, L, N, H])."""
     B, L, N, H = q_BxLxNxH.shape
-    local_BxL = positions_BxL - cache.offset
+    local_BxL = positions_BxL - cache.offset_B[:, None]
     # Negative indices would wrap: send them past the window, where the write drops them.
     suffix = kvc.write(cache.suffix, layer, k_BxLxKxH, v_BxLxKxH,
                        jnp.where(local_BxL >= 0, local_BxL, cache.max_len))
@@ -101,8 +116,10 @@ def cascade_attention(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: j
     suffix_part = partial_attention(q_BxKxQxH, s_keys.astype(dtype),
                                     s_values_BxKxWxH.astype(dtype),
                                     _per_query(mask_BxLxW, K, G), suffix.key_layout)
-    prefix_part = _prefix_part(cache, layer, q_BxLxNxH, dtype)
-    out_BxKxQxH = merge(suffix_part, prefix_part)
+    parts = [suffix_part, _prefix_part(cache, layer, q_BxLxNxH, dtype)]
+    if cache.blocks is not None:
+        parts.append(_blocks_part(cache, layer, q_BxKxQxH, dtype))
+    out_BxKxQxH = merge(*parts)
     out_BxLxNxH = out_BxKxQxH.reshape(B, K, G, L, H).transpose(0, 3, 1, 2, 4).reshape(B, L, N, H)
     return cache, out_BxLxNxH.astype(q_BxLxNxH.dtype)
 
@@ -136,6 +153,28 @@ def _prefix_part(cache: CascadeWindow, layer: int | jax.Array, q_BxLxNxH: jax.Ar
 
     m, s, o = parts
     return to_slots(m, MASK_VALUE), to_slots(s, 0.0), to_slots(o, 0.0)
+
+
+def _blocks_part(cache: CascadeWindow, layer: int | jax.Array, q_BxKxQxH: jax.Array,
+                 dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Each slot's partial attention over its own blocks, as (max, sum, output) [B, K, Q] /
+    [B, K, Q, H]: every block against its slot's queries, then the blocks of a slot combined
+    (a slot with no block gets an empty part, sum 0)."""
+    B = q_BxKxQxH.shape[0]
+    keys, values_NxKxCxH = cache.blocks.layer(layer)
+    owners_N = cache.owners_N
+    q_NxKxQxH = jnp.take(q_BxKxQxH, owners_N, axis=0, mode="fill", fill_value=0)
+    # Every query of the chunk sits past its blocks: only padding pages are masked.
+    mask = cache.block_valid_NxC[:, None, None, :]
+    m_N, s_N, o_N = partial_attention(q_NxKxQxH, keys.astype(dtype), values_NxKxCxH.astype(dtype),
+                                      mask, cache.blocks.key_layout)
+    # Padding blocks (owner B) fall outside the segments and are dropped.
+    m_B = jax.ops.segment_max(m_N, owners_N, B)
+    m_B = jnp.maximum(m_B, MASK_VALUE)  # no block: the empty max, -inf
+    scale_N = jnp.exp(m_N - jnp.take(m_B, owners_N, axis=0, mode="fill", fill_value=0.0))
+    s_B = jax.ops.segment_sum(scale_N * s_N, owners_N, B)
+    o_B = jax.ops.segment_sum(scale_N[..., None] * o_N, owners_N, B)
+    return m_B, s_B, o_B
 
 
 def _per_query(mask_XxLxT: jax.Array, K: int, G: int) -> jax.Array:

@@ -62,3 +62,24 @@ def test_chunks_on_sharded_meshes_equal_the_dense_cache(tiny_params, mesh, split
 
     _assert_same(got, want)
     assert (sampler.pages.cascade_chunks > 0) == split
+
+
+# Long enough for several blocks of older pages a slot (pages of 4, blocks of 4 pages); stop
+# ids end samples at different steps, so slots sit at different positions; lagged read-back
+# plans each chunk from positions that count the tokens still in flight.
+@pytest.mark.parametrize("readback", ["immediate", "lagged"])
+def test_slots_at_different_positions_read_their_own_blocks_like_the_dense_cache(tiny_params,
+                                                                                 readback):
+    _, params = tiny_params
+    kw = dict(page_size=4, max_new_tokens=44, prompt_buckets=(16,), readback=readback)
+    requests = [Request(PROMPT, max_new_tokens=44, seed=i, temperature=1.0,
+                        stop_ids=tuple(range(1, 5))) for i in range(6)]
+    want = make_sampler(params, **kw).generate(requests)
+    sampler = make_sampler(params, kv_cache="paged", **kw)
+
+    got = sampler.generate(requests)
+
+    _assert_same(got, want)
+    assert len({len(c.tokens) for c in got}) > 1
+    assert max(len(c.tokens) for c in got) > 2 * 4 * 4  # past two blocks of older pages
+    assert sampler.pages.cascade_chunks > 0

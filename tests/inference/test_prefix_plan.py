@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from meshrl.inference.prefix_plan import plan_prefixes, suffix_buckets, warm_plans
+from meshrl.inference.prefix_plan import BLOCK_PAGES, plan_prefixes, warm_plans
 
 S, B, M = 4, 8, 16  # page size, slots, pages a slot's row of the table holds
-WINDOWS = suffix_buckets(M * S, S)
+CHUNK = 4
 
 
 def _table(prefixes: list[list[int]], own: int = 4) -> np.ndarray:
@@ -26,7 +26,7 @@ def test_a_group_shares_its_rows_and_lone_slots_get_rows_of_their_own():
     prefixes = [[0, 1, 2]] * 6 + [[10, 11, 12], [20, 21, 22]]
     lens = {b: 13 for b in range(B)}
 
-    plan = plan_prefixes(_table(prefixes), lens, S, window=32, reach=20, windows=WINDOWS)
+    plan = plan_prefixes(_table(prefixes), lens, _at(lens, 13), S, window=32, chunk=CHUNK)
 
     # The group of 6 and two lone slots: 4 rows of 4 (B / 2 rows of 2 would need 5, 8 rows
     # of 1 read the shared pages 6 times).
@@ -37,15 +37,42 @@ def test_a_group_shares_its_rows_and_lone_slots_get_rows_of_their_own():
     for row, pages in zip(plan.members_RxG, plan.rows_RxP, strict=True):
         for s in row[row < B]:  # each member lists the row's pages first
             np.testing.assert_array_equal(table[s, :3], pages)
-    # The suffix starts after the 3 shared pages and covers the reach: positions 12 .. 20.
+    # The band starts at the page of position 13 (page 3, right after the 3 shared pages) and
+    # holds the chunk's positions 13 .. 16: pages 3 and 4 of each slot; no older pages.
     assert plan.rows_RxP.shape[1] == 3
-    np.testing.assert_array_equal(plan.suffix_BxM, _table(prefixes)[:, 3:3 + 2])
+    np.testing.assert_array_equal(plan.band_BxW, _table(prefixes)[:, 3:3 + 2])
+    np.testing.assert_array_equal(plan.band_start_B, [12] * B)
+    assert (plan.owners_N == B).all() and (plan.blocks_NxQ == -1).all()
+
+
+def _at(lens: dict[int, int], pos: int) -> dict[int, int]:
+    return {b: pos for b in lens}
+
+
+def test_each_slot_reads_its_own_older_pages_in_blocks_up_to_its_band():
+    # One group of 8 (prompt of 9: two shared pages), slots decoding at different positions.
+    table = _table([[0, 1]] * B, own=M - 2)
+    lens = {b: 9 for b in range(B)}
+    positions = {b: 9 + 5 * b for b in range(B)}  # slot 7 at 44: page 11
+
+    plan = plan_prefixes(table, lens, positions, S, window=64, chunk=CHUNK)
+
+    assert plan is not None and plan.rows_RxP.shape[1] == 2
+    for b in range(B):
+        start = positions[b] // S * S
+        assert plan.band_start_B[b] == start
+        np.testing.assert_array_equal(plan.band_BxW[b], table[b, start // S:start // S + 2])
+        # Its blocks list its pages from the prefix end up to the band, in order.
+        mine = plan.blocks_NxQ[plan.owners_N == b]
+        np.testing.assert_array_equal(mine[mine >= 0], table[b, 2:start // S])
+        assert len(mine) == -(-(start // S - 2) // BLOCK_PAGES)
 
 
 def test_one_group_of_all_slots_takes_the_fewest_rows():
     lens = {b: 13 for b in range(B)}
 
-    plan = plan_prefixes(_table([[0, 1, 2]] * B), lens, S, window=32, reach=20, windows=WINDOWS)
+    plan = plan_prefixes(_table([[0, 1, 2]] * B), lens, _at(lens, 13), S, window=32,
+                         chunk=CHUNK)
 
     assert plan.members_RxG.shape == (1, B)
     np.testing.assert_array_equal(plan.rows_RxP, [[0, 1, 2]])
@@ -55,13 +82,13 @@ def test_distinct_prompts_share_nothing_so_no_plan():
     prefixes = [[10 * b, 10 * b + 1, 10 * b + 2] for b in range(B)]
     lens = {b: 13 for b in range(B)}
 
-    assert plan_prefixes(_table(prefixes), lens, S, window=32, reach=20,
-                         windows=WINDOWS) is None
+    assert plan_prefixes(_table(prefixes), lens, _at(lens, 13), S, window=32,
+                         chunk=CHUNK) is None
 
 
 def test_fewer_than_two_live_slots_get_no_plan():
-    assert plan_prefixes(_table([[0, 1, 2]] * B), {0: 13}, S, window=32, reach=20,
-                         windows=WINDOWS) is None
+    assert plan_prefixes(_table([[0, 1, 2]] * B), {0: 13}, {0: 13}, S, window=32,
+                         chunk=CHUNK) is None
 
 
 def test_the_prefix_never_covers_a_position_a_live_slot_may_still_write():
@@ -70,7 +97,7 @@ def test_the_prefix_never_covers_a_position_a_live_slot_may_still_write():
     table = _table([[0, 1, 2]] * 7 + [[0]])
     lens = {b: 13 for b in range(7)} | {7: 5}
 
-    plan = plan_prefixes(table, lens, S, window=32, reach=20, windows=WINDOWS)
+    plan = plan_prefixes(table, lens, _at(lens, 13) | {7: 5}, S, window=32, chunk=CHUNK)
 
     assert plan is not None and plan.rows_RxP.shape[1] == 1
     np.testing.assert_array_equal(plan.members_RxG.ravel()[plan.members_RxG.ravel() < B],
@@ -81,15 +108,17 @@ def test_warm_plans_hold_the_shapes_a_group_filling_its_prompt_bucket_takes():
     lens = {b: 13 for b in range(B)}  # fills a prompt bucket of 13
     table = _table([[0, 1, 2]] * 6 + [[10, 11, 12], [20, 21, 22]], own=M - 3)
     windows = (32, 48, 64)
-    warm = {(w, p.rows_RxP.shape, p.members_RxG.shape, p.suffix_BxM.shape)
-            for w, p in warm_plans(B, M * S, S, (13,), windows, WINDOWS)}
+
+    def shapes(p) -> tuple:
+        return tuple(a.shape for a in p.arrays())
+
+    warm = {(w, shapes(p)) for w, p in warm_plans(B, M * S, S, (13,), windows, CHUNK)}
 
     taken = 0
-    for reach in range(14, M * S + 1):
-        window = min(w for w in windows if w >= reach)
-        plan = plan_prefixes(table, lens, S, window, reach, WINDOWS)
+    for pos in range(13, M * S):
+        window = min(w for w in windows if w >= min(pos + CHUNK, M * S))
+        plan = plan_prefixes(table, lens, _at(lens, pos), S, window, CHUNK)
         if plan is not None:
             taken += 1
-            assert (window, plan.rows_RxP.shape, plan.members_RxG.shape,
-                    plan.suffix_BxM.shape) in warm
+            assert (window, shapes(plan)) in warm
     assert taken > 0
