@@ -1,10 +1,11 @@
 """The GRPO workload on this tree (paged KV cache) against a git worktree of another commit
-(that commit's sampler as its ``SamplerConfig`` takes it: dense), in separate processes.
+(that commit's sampler with ``--base_kv_cache``: dense by default), in separate processes.
 
   python benchmarks/sampler_vs_commit.py --commit b816cf4            # the full workload
   python benchmarks/sampler_vs_commit.py --commit b816cf4 --quick    # a small one
   python benchmarks/sampler_vs_commit.py --tree /path/to/checkout    # an existing checkout
   python benchmarks/sampler_vs_commit.py --paged_decode in_place      # this tree decoding in place
+  python benchmarks/sampler_vs_commit.py --commit abcae6e --base_kv_cache paged  # paged vs paged
 
 Workload (``grpo_requests``, shared with benchmarks/sampler.py): ``--prompts`` random prompts
 (32) of ``--prompt_len`` tokens (512), each sampled G = ``--group`` (8) times, submitted
@@ -166,7 +167,7 @@ class Worker:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--commit", default="b816cf4", help="the baseline commit (dense sampler)")
+    ap.add_argument("--commit", default="b816cf4", help="the baseline commit")
     ap.add_argument("--tree", help="an existing checkout of the baseline (instead of --commit)")
     ap.add_argument("--rounds", type=int, default=3, help=">= 3 interleaved rounds")
     ap.add_argument("--quick", action="store_true", help=f"the small workload {QUICK}")
@@ -174,6 +175,8 @@ def main() -> None:
         ap.add_argument(f"--{k}", type=int, help=f"default {v} ({QUICK[k]} with --quick)")
     ap.add_argument("--paged_decode", default="auto", choices=("auto", "window", "in_place"),
                     help="this tree's sampler.paged_decode")
+    ap.add_argument("--base_kv_cache", default="dense", choices=("dense", "paged"),
+                    help="the baseline's sampler.kv_cache (paged: a commit that has it)")
     ap.add_argument("--serve", choices=("dense", "paged"), help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -185,7 +188,7 @@ def main() -> None:
     from meshrl.benchmarks.figures import emit, paired_ratios, spread
 
     with _worktree(args.commit, args.tree) as base_tree:
-        sides = {"base": Worker(base_tree, "dense", work),
+        sides = {"base": Worker(base_tree, args.base_kv_cache, work),
                  "this": Worker(REPO, "paged", work, args.paged_decode)}
         runs: dict[str, list[dict]] = {k: [] for k in sides}
         for i in range(args.rounds):
@@ -196,7 +199,7 @@ def main() -> None:
             w.close()
     tok_s = {k: [r["tokens"] / r["s"] for r in v] for k, v in runs.items()}
     emit({"benchmark": "sampler_vs_commit", "commit": args.tree or args.commit, **work,
-          "paged_decode": args.paged_decode,
+          "paged_decode": args.paged_decode, "base_kv_cache": args.base_kv_cache,
           **spread("speedup", paired_ratios(tok_s["this"], tok_s["base"]), 3),
           **spread("base_tok_s", tok_s["base"], 1), **spread("this_tok_s", tok_s["this"], 1),
           "prompt_kv_per_group": sides["this"].info["prompt_kv_per_group"],
