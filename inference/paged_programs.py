@@ -119,6 +119,11 @@ def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
     return tail
 
 
+# The ``window`` a chunk split over shared prefixes is called with: its ``SharedPrefix``
+# shapes fix the program, so every plain window it stands in for shares one.
+SPLIT_WINDOW = 0
+
+
 def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
                 on_trace: Callable[[tuple[int, ...]], Any], routing: bool = False) -> Callable:
     """decode(params, cache, st, slots_R, window) on the paged cache (``slots_R``: every slot,
@@ -132,8 +137,8 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     A cache carrying ``shared`` (``SharedPrefix``) decodes over a ``CascadeWindow`` instead:
     each shared prefix gathered once for the slots listing it, each slot's older positions
     after it gathered in blocks of whole pages, and its newest ones into the band the chunk
-    writes, attention split over the three (``cascade_attention``); ``window`` is then unused,
-    the shapes of ``shared`` fix the program.
+    writes, attention split over the three (``cascade_attention``); ``window`` is then
+    ``SPLIT_WINDOW``, the shapes of ``shared`` fix the program.
 
     A ``combined`` pool (``sampler.paged_decode = in_place``) is decoded in place instead: the
     dense sampler's steps over the ``PagedKVCache`` itself, each step writing its entries into

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from meshrl.inference import admission
+from meshrl.inference.paged_programs import SPLIT_WINDOW
 from meshrl.inference.prefix_plan import warm_plans
 from meshrl.inference.requests import Completion, Request, slot_settings
 from meshrl.utils.buckets import bucket_for
@@ -189,8 +190,8 @@ def warm_up(sampler: Any, recompute: bool) -> None:
     pages, cfg = sampler.pages, sampler.cfg
     if pages.in_place or pages.shards > 1:  # no split chunks (``SlotPages.bind_decode``)
         return
-    for window, plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
-                                   sampler.window_buckets, cfg.decode_chunk):
+    for plan in warm_plans(cfg.slots, cfg.max_len, cfg.page_size, sampler.prompt_buckets,
+                           sampler.window_buckets, cfg.decode_chunk):
         sampler.cache, sampler.state, _ = sampler._decode(
             sampler.params, pages.bind_plan(sampler.cache, plan), sampler.state,
-            np.arange(cfg.slots, dtype=np.int32), window=window)
+            np.arange(cfg.slots, dtype=np.int32), window=SPLIT_WINDOW)

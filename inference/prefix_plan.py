@@ -192,27 +192,27 @@ def _bands(table_BxM: np.ndarray, starts: Mapping[int, int], p: int, pages: int,
 
 
 def warm_plans(slots: int, max_len: int, page_size: int, prompt_lengths: Sequence[int],
-               windows: Sequence[int], chunk: int) -> list[tuple[int, PrefixPlan]]:
-    """(plain window, plan of padding rows) of every split ``plan_prefixes`` may take for a
-    chunk whose live prompts are all ``n`` tokens long and decode side by side, for each ``n``
-    of ``prompt_lengths`` (the prompt buckets: prompts filling them): what warming up
-    compiles."""
+               windows: Sequence[int], chunk: int) -> list[PrefixPlan]:
+    """A plan of padding rows for every shape ``plan_prefixes`` may take for a chunk whose
+    live prompts are all ``n`` tokens long, for each ``n`` of ``prompt_lengths`` (the prompt
+    buckets: prompts filling them), its slots at any positions: what warming up compiles."""
     S, W = page_size, band_width(chunk, page_size)
     buckets = block_buckets(slots, max_len, page_size)
-    out = []
+    shapes = set()
     for n in sorted(set(prompt_lengths)):
         p = (n - 1) // S
-        sizes = {(bucket_for(min(pos + chunk, max_len), windows),
-                  bucket_for(max(1, slots * _blocks(band_start(pos, S) // S - p)), buckets))
-                 for pos in range(n - 1, max_len)} if p else set()
-        for window, blocks in sorted(sizes):
-            for rows, width in _row_shapes(slots):
-                cost = rows * p * S + blocks * BLOCK_PAGES * S + slots * W
-                if rows >= slots or cost > CASCADE_SHARE * slots * window:
-                    continue
-                out.append((window, PrefixPlan(
-                    np.full((rows, p), -1, np.int32), np.full((rows, width), slots, np.int32),
-                    np.full((blocks, BLOCK_PAGES), -1, np.int32),
-                    np.full((blocks,), slots, np.int32), np.full((slots, W // S), -1, np.int32),
-                    np.full((slots,), p * S, np.int32))))
-    return out
+        if not p:
+            continue
+        for pos in range(n - 1, max_len):  # the chunk's furthest slot
+            window = bucket_for(min(pos + chunk, max_len), windows)
+            most = bucket_for(max(1, slots * _blocks(band_start(pos, S) // S - p)), buckets)
+            for blocks in (b for b in buckets if b <= most):  # the others nearer the prompt
+                for rows, width in _row_shapes(slots):
+                    cost = rows * p * S + blocks * BLOCK_PAGES * S + slots * W
+                    if rows < slots and cost <= CASCADE_SHARE * slots * window:
+                        shapes.add((p, rows, width, blocks))
+    return [PrefixPlan(np.full((rows, p), -1, np.int32), np.full((rows, width), slots, np.int32),
+                       np.full((blocks, BLOCK_PAGES), -1, np.int32),
+                       np.full((blocks,), slots, np.int32), np.full((slots, W // S), -1, np.int32),
+                       np.full((slots,), p * S, np.int32))
+            for p, rows, width, blocks in sorted(shapes)]

@@ -346,8 +346,11 @@ class Sampler:
         for slots, rows, window in rnd.calls:
             slots_R = np.full((rows,), S, np.int32)  # index S: a padding row
             slots_R[:len(slots)] = slots
-            self.cache, self.state, out = self._decode(self.params, self._bound(window, live),
-                                                       self.state, slots_R, window=window)
+            cache = self._bound(window, live)
+            if getattr(cache, "shared", None) is not None:
+                window = paged_programs.SPLIT_WINDOW  # the plan's shapes fix the program
+            self.cache, self.state, out = self._decode(self.params, cache, self.state, slots_R,
+                                                       window=window)
             rnd.outs.append(out)
             rnd.rows.append([self.slots.out[s] for s in slots] + [None] * (rows - len(slots)))
         rnd.decoding = {id(c) for row in rnd.rows for c in row if c is not None}

@@ -70,18 +70,26 @@ def test_chunks_on_sharded_meshes_equal_the_dense_cache(tiny_params, mesh, split
 # Lagged only in the default run: immediate read-back plans from exact positions, a subset.
 @pytest.mark.parametrize("readback", [pytest.param("immediate", marks=pytest.mark.slow),
                                       "lagged"])
-def test_slots_at_different_positions_read_their_own_blocks_like_the_dense_cache(tiny_params,
-                                                                                 readback):
+def test_slots_at_different_positions_read_their_own_blocks_like_the_dense_cache(
+        tiny_params, readback, monkeypatch):
     _, params = tiny_params
     kw = dict(page_size=4, max_new_tokens=44, prompt_buckets=(16,), readback=readback)
     requests = [Request(PROMPT, max_new_tokens=44, seed=i, temperature=1.0,
                         stop_ids=tuple(range(1, 5))) for i in range(6)]
     want = make_sampler(params, **kw).generate(requests)
     sampler = make_sampler(params, kv_cache="paged", **kw)
+    plans = []
+    bind_plan = sampler.pages.bind_plan
+    monkeypatch.setattr(sampler.pages, "bind_plan",
+                        lambda cache, plan: plans.append(plan) or bind_plan(cache, plan))
 
     got = sampler.generate(requests)
 
     _assert_same(got, want)
     assert len({len(c.tokens) for c in got}) > 1
-    assert max(len(c.tokens) for c in got) > 2 * 4 * 4  # past two blocks of older pages
-    assert sampler.pages.cascade_chunks > 0
+    # Split chunks whose slots read blocks of their own, two blocks for some slot, at
+    # different positions.
+    blocks_a_slot = [np.bincount(p.owners_N[p.owners_N < 4], minlength=4) for p in plans]
+    assert max(b.max() for b in blocks_a_slot) >= 2
+    assert any(len(set(p.band_start_B.tolist())) > 1 and (b > 0).any()
+               for p, b in zip(plans, blocks_a_slot, strict=True))

@@ -93,3 +93,20 @@ def test_put_band_of_a_suffix_window_writes_its_positions_into_the_suffix_pages(
     after = put_band(cache, marked, jnp.asarray([5, 9, 0], jnp.int32), 2, suffix_BxM, SIZE)
 
     _assert_only_written(after, before, {1: slice(1, 3), 4: slice(1, 3)})
+
+
+def test_put_band_with_a_start_a_slot_writes_each_slots_positions_into_its_own_pages():
+    cache = _cache(False)
+    before = [_pool(cache, i) for i in range(CFG.num_layers)]
+    # Bands of two pages from each slot's own page: slot 0 from position 4 (pages 1-2), slot 1
+    # from position 8 (page 4, then none), slot 2 (no pages) from 4.
+    band_BxW = jnp.asarray([[1, 2], [4, -1], [-1, -1]], jnp.int32)
+    offset_B = jnp.asarray([4, 8, 4], jnp.int32)
+    win = gather_window(cache, band_BxW)
+    marked = win.replace(k=tuple(jnp.full_like(k, 7.0) for k in win.k),
+                         v=tuple(jnp.full_like(v, 7.0) for v in win.v))
+
+    # Slot 0 wrote positions 5-6 (band entries 1-2), slot 1 positions 9-10 (entries 1-2).
+    after = put_band(cache, marked, jnp.asarray([5, 9, 4], jnp.int32), 2, band_BxW, offset_B)
+
+    _assert_only_written(after, before, {1: slice(1, 3), 4: slice(1, 3)})

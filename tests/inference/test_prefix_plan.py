@@ -112,13 +112,18 @@ def test_warm_plans_hold_the_shapes_a_group_filling_its_prompt_bucket_takes():
     def shapes(p) -> tuple:
         return tuple(a.shape for a in p.arrays())
 
-    warm = {(w, shapes(p)) for w, p in warm_plans(B, M * S, S, (13,), windows, CHUNK)}
+    warm = {shapes(p) for p in warm_plans(B, M * S, S, (13,), windows, CHUNK)}
 
-    taken = 0
-    for pos in range(13, M * S):
-        window = min(w for w in windows if w >= min(pos + CHUNK, M * S))
-        plan = plan_prefixes(table, lens, _at(lens, pos), S, window, CHUNK)
+    # Slots side by side and at scattered positions (samples that ended and were replaced).
+    rng = np.random.default_rng(0)
+    side_by_side = [_at(lens, pos) for pos in range(13, M * S - CHUNK)]
+    scattered = [dict(enumerate(rng.integers(13, M * S - CHUNK, B).tolist())) for _ in range(200)]
+    taken = with_blocks = 0
+    for positions in side_by_side + scattered:
+        window = min(w for w in windows if w >= min(max(positions.values()) + CHUNK, M * S))
+        plan = plan_prefixes(table, lens, positions, S, window, CHUNK)
         if plan is not None:
             taken += 1
-            assert (window, shapes(plan)) in warm
-    assert taken > 0
+            with_blocks += bool((plan.owners_N < B).any())
+            assert shapes(plan) in warm, (positions, shapes(plan))
+    assert taken > 100 and with_blocks > 50
