@@ -203,9 +203,11 @@ def warm_plans(slots: int, max_len: int, page_size: int, prompt_lengths: Sequenc
         p = (n - 1) // S
         if not p:
             continue
-        for pos in range(n - 1, max_len):  # the chunk's furthest slot
-            window = bucket_for(min(pos + chunk, max_len), windows)
-            most = bucket_for(max(1, slots * _blocks(band_start(pos, S) // S - p)), buckets)
+        # (plain window, most blocks) for each position of the chunk's furthest slot.
+        sizes = {(bucket_for(min(pos + chunk, max_len), windows),
+                  bucket_for(max(1, slots * _blocks(band_start(pos, S) // S - p)), buckets))
+                 for pos in range(n - 1, max_len)}
+        for window, most in sizes:
             for blocks in (b for b in buckets if b <= most):  # the others nearer the prompt
                 for rows, width in _row_shapes(slots):
                     cost = rows * p * S + blocks * BLOCK_PAGES * S + slots * W
