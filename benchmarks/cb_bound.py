@@ -18,7 +18,7 @@ Figures (medians over the rounds, ``<name>_spread`` [min, max]):
   No first-come-first-served scheduler of unknown lengths decodes fewer row-steps or fuller
   calls, so this bounds what ``cb_speedup`` can reach here.
 * of_ideal: ideal continuous seconds / measured continuous seconds (1: no scheduling loss).
-* full_row_step_us: that per-row-step cost; drain_s: continuous decode seconds in calls with
+* full_row_step_us: that per-row-step cost; drain_s: continuous decode seconds in chunks with
   fewer than half of the slots live; prefill_calls and decode_calls of each schedule.
 Floor check: a continuous run faster than its ideal by more than 5% is a broken measurement
 (``"valid": false``, exit 1).
@@ -45,11 +45,13 @@ CHUNK = 16  # benchmarks/sampler.py's decode_chunk
 
 class TimedCalls:
     """Wraps a sampler's decode and prefill programs to time each call to completion; records
-    (kind, rows, live rows, seconds) per call."""
+    (kind, rows, live rows, live slots of the chunk, seconds) per call (a chunk may split its
+    live slots over several decode calls)."""
 
     def __init__(self, sampler: Sampler):
-        self.calls: list[tuple[str, int, int, float]] = []
-        decode, prefill = sampler._decode, sampler._prefill
+        self.calls: list[tuple[str, int, int, int, float]] = []
+        self.chunk_live = 0
+        decode, prefill, dispatch = sampler._decode, sampler._prefill, sampler._dispatch_chunk
 
         def timed_decode(*args, **kw):
             slots_R = np.asarray(args[3])
@@ -59,12 +61,17 @@ class TimedCalls:
         def timed_prefill(*args, **kw):
             return self._time("prefill", 0, 0, prefill, args, kw)
 
+        def chunk(rnd, live):
+            self.chunk_live = len(live)
+            return dispatch(rnd, live)
+
         sampler._decode, sampler._prefill = timed_decode, timed_prefill
+        sampler._dispatch_chunk = chunk
 
     def _time(self, kind: str, rows: int, live: int, fn, args, kw):
         t = time.perf_counter()
         out = jax.block_until_ready(fn(*args, **kw))
-        self.calls.append((kind, rows, live, time.perf_counter() - t))
+        self.calls.append((kind, rows, live, self.chunk_live, time.perf_counter() - t))
         return out
 
 
@@ -91,9 +98,9 @@ def ideal_seconds(useful: int, calls: list) -> tuple[float, float, float]:
     full = [c for c in calls if c[0] == "decode" and c[1] == c[2] == SLOTS]
     if not full:
         raise RuntimeError("the continuous run made no decode call with every slot live")
-    per_row_step = sum(c[3] for c in full) / (len(full) * SLOTS * CHUNK)
-    prefill = sum(c[3] for c in calls if c[0] == "prefill")
-    drain = sum(c[3] for c in calls if c[0] == "decode" and c[2] < SLOTS // 2)
+    per_row_step = sum(c[4] for c in full) / (len(full) * SLOTS * CHUNK)
+    prefill = sum(c[4] for c in calls if c[0] == "prefill")
+    drain = sum(c[4] for c in calls if c[0] == "decode" and c[3] < SLOTS // 2)
     return useful * per_row_step + prefill, per_row_step, drain
 
 

@@ -93,9 +93,10 @@ class SlotPages:
                               donate_argnums=(1, 2), out_shardings=(*out_sh, st_sh))
         self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_tokens), donate_argnums=(1, 2),
                             out_shardings=out_sh)
+        self.gather = jax.jit(lambda cache: paged_programs.cascade_window(cache, cache.shared))
 
     def compile_count(self) -> int:
-        return self.extend._cache_size() + self.tail._cache_size()
+        return self.extend._cache_size() + self.tail._cache_size() + self.gather._cache_size()
 
     def new_version(self, version: int) -> None:
         """New weights: cached prompt pages hold the old version's entries."""
@@ -143,10 +144,12 @@ class SlotPages:
         return self.bind_plan(cache, plan)
 
     def bind_plan(self, cache: PagedKVCache, plan: PrefixPlan) -> PagedKVCache:
-        """``bind`` with ``plan`` as the cache's ``shared`` prefixes (one transfer)."""
+        """``bind`` with ``plan`` as the cache's ``shared`` prefixes (one transfer), their
+        windows gathered (``paged_programs.cascade_window``)."""
         table, *shared = jax.device_put(
             (self.alloc.table.copy(), *plan.arrays()), self._table_sh)
-        return cache.replace(page_table=table, shared=SharedPrefix(*shared))
+        cache = cache.replace(page_table=table, shared=SharedPrefix(*shared))
+        return cache.replace(shared=cache.shared.replace(window=self.gather(cache)))
 
     def tokens_needed(self, request: Request) -> int:
         """Positions a request writes: its prompt, then each generated token but the last

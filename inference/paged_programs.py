@@ -134,11 +134,12 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
     step; a chunk over a gathered window reads them once, as the dense cache's window copy
     does. Only a band past the shared prompt pages is written back, so no shared page changes.
 
-    A cache carrying ``shared`` (``SharedPrefix``) decodes over a ``CascadeWindow`` instead:
-    each shared prefix gathered once for the slots listing it, each slot's older positions
-    after it gathered in blocks of whole pages, and its newest ones into the band the chunk
-    writes, attention split over the three (``cascade_attention``); ``window`` is then
-    ``SPLIT_WINDOW``, the shapes of ``shared`` fix the program.
+    A cache carrying ``shared`` (``SharedPrefix``) decodes over its ``CascadeWindow``
+    instead (``cascade_window``, gathered ahead by a program of its own): each shared prefix
+    gathered once for the slots listing it, each slot's older positions after it in blocks of
+    whole pages, and its newest ones in the band the chunk writes, attention split over the
+    three (``cascade_attention``); ``window`` is then ``SPLIT_WINDOW``, the shapes of
+    ``shared`` fix the program.
 
     A ``combined`` pool (``sampler.paged_decode = in_place``) is decoded in place instead: the
     dense sampler's steps over the ``PagedKVCache`` itself, each step writing its entries into
@@ -155,8 +156,9 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
             win, st_out, out = dense(params, dense_window(cache, window), st, slots_R,
                                      window=window)
             return put_band(cache, win, st.pos_B, chunk), st_out, out
-        win = cascade_window(cache, shared)
-        win, st_out, out = dense(params, win, st, slots_R, window=win.max_len)
+        assert shared.window is not None, "gather the windows first (SlotPages.bind_plan)"
+        win, st_out, out = dense(params, shared.window, st, slots_R,
+                                 window=shared.window.max_len)
         cache = put_band(cache, win.suffix, st.pos_B, chunk, shared.band_BxW, win.offset_B)
         return cache.replace(shared=None), st_out, out
 
@@ -164,7 +166,10 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
 
 
 def cascade_window(cache: PagedKVCache, shared: SharedPrefix) -> CascadeWindow:
-    """The prefix rows, the blocks and each slot's band of ``shared`` gathered from the pages."""
+    """The prefix rows, the blocks and each slot's band of ``shared`` gathered from the pages.
+
+    Its own program (``SlotPages.bind_plan``): inside the decode program XLA:CPU ran these
+    gathers 2-3x slower than alone (BUILD_NOTES.md, paged GRPO decode)."""
     # Rows, blocks and bands gather from the whole pool (``SlotPages.bind_decode``).
     assert cache.shards == 1, cache.shards
     valid_NxC = jnp.repeat(shared.blocks_NxQ >= 0, cache.page_size, axis=1)

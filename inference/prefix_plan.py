@@ -81,8 +81,10 @@ def block_buckets(slots: int, max_len: int, page_size: int) -> tuple[int, ...]:
 
 
 def row_buckets(slots: int) -> tuple[int, ...]:
-    """Prefix row counts a plan is padded to: B / 8, B / 4, B / 2 and B."""
-    return tuple(sorted({max(1, slots // d) for d in (8, 4, 2, 1)}))
+    """Prefix row counts a plan is padded to: 2^k and 1.5 x 2^k from B / 8 up to B. A padding
+    row is read on every step like a real one, and a first-come-first-served GRPO run holds
+    6 to 11 prompts at once in 32 slots: halving steps padded 9 prompts to 16 rows."""
+    return buckets_up_to(slots, max(1, slots // 8))
 
 
 def plan_prefixes(table_BxM: np.ndarray, prompt_lens: Mapping[int, int],

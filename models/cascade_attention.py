@@ -39,7 +39,8 @@ class SharedPrefix:
     """A decode chunk's split, in pages: ``rows_RxP`` the pages of R prefixes of P pages each
     (-1: a padding row), ``members_RxG`` the slots attending each row's prefix (the slot count
     B: padding), ``blocks_NxQ`` / ``owners_N`` each block's pages (-1: none) and slot,
-    ``band_BxW`` each slot's band pages, from position ``band_start_B``."""
+    ``band_BxW`` each slot's band pages, from position ``band_start_B``; ``window`` the
+    ``CascadeWindow`` they describe, once gathered."""
 
     rows_RxP: jax.Array  # noqa: N815
     members_RxG: jax.Array  # noqa: N815
@@ -47,6 +48,9 @@ class SharedPrefix:
     owners_N: jax.Array  # noqa: N815
     band_BxW: jax.Array  # noqa: N815
     band_start_B: jax.Array  # noqa: N815
+    # The three windows, gathered from the pages by a program of their own ahead of the decode
+    # (``inference.page_table.SlotPages.bind_plan``).
+    window: CascadeWindow | None = None
 
 
 @struct.dataclass

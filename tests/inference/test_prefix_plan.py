@@ -28,11 +28,11 @@ def test_a_group_shares_its_rows_and_lone_slots_get_rows_of_their_own():
 
     plan = plan_prefixes(_table(prefixes), lens, _at(lens, 13), S, window=32, chunk=CHUNK)
 
-    # The group of 6 and two lone slots: 4 rows of 4 (B / 2 rows of 2 would need 5, 8 rows
-    # of 1 read the shared pages 6 times).
+    # The group of 6 and two lone slots: 3 rows of 6, the fewest rows that hold them (4 rows
+    # of 4 would read the shared pages twice, 8 rows of 1 six times).
     assert plan is not None
-    assert plan.members_RxG.tolist() == [[0, 1, 2, 3], [4, 5, B, B], [6, B, B, B],
-                                         [7, B, B, B]]
+    assert plan.members_RxG.tolist() == [[0, 1, 2, 3, 4, 5], [6, B, B, B, B, B],
+                                         [7, B, B, B, B, B]]
     table = _table(prefixes)
     for row, pages in zip(plan.members_RxG, plan.rows_RxP, strict=True):
         for s in row[row < B]:  # each member lists the row's pages first
