@@ -17,8 +17,9 @@ schedules): a call of R rows over a cache window of w entries takes
 Figures (medians over the rounds, ``<name>_spread`` [min, max]):
 * cb_speedup: static / continuous seconds of these timed-call runs.
 * cb_speedup_ideal (estimate): static seconds over those of an ideal continuous scheduler: one
-  that computes only the useful tokens, in calls of all 32 slots (``call`` shared by 32 x
-  chunk row-steps), each token over the window of its own position, plus the continuous run's
+  that decodes only the useful tokens (a completion of n tokens takes n - 1 steps: its first
+  comes from the prefill), in calls of all 32 slots (``call`` shared by 32 x chunk
+  row-steps), each token over the window of its own position, plus the continuous run's
   prefill seconds. A first-come-first-served scheduler of unknown lengths computes at least
   those row-steps, in calls no fuller, over windows no narrower, so this bounds what
   ``cb_speedup`` can reach on this machine, as far as the model fits.
@@ -119,14 +120,14 @@ def fit_call_cost(calls: Sequence[tuple]) -> tuple[np.ndarray, float]:
     return coef, float(np.median(np.abs(X @ coef - secs) / secs))
 
 
-def fifo_ideal_seconds(lengths: Sequence[int], coef: np.ndarray,
+def fifo_ideal_seconds(steps: Sequence[int], coef: np.ndarray,
                        window_for: Callable[[int], int], prefill_s: float) -> float:
     """Seconds of the ideal first-come-first-served scheduler (module docstring) for requests
-    of ``lengths`` in arrival order: a step at a time, a slot refilled the step after its
-    sequence ends, each step costing ``call / CHUNK`` plus each live row's row-step over its
-    own window."""
+    of ``steps`` decode steps each, in arrival order: a step at a time, a slot refilled the step
+    after its sequence ends, each step costing ``call / CHUNK`` plus each live row's row-step
+    over its own window."""
     call, row_step, entry = coef
-    queue = list(lengths)[::-1]
+    queue = list(steps)[::-1]
     live: list[list[int]] = []  # [position, tokens left] a slot
     seconds = prefill_s
     while queue or live:
@@ -176,7 +177,10 @@ def main() -> None:
     secs = interleave({"continuous, first come first served": cont,
                        "static, arrival order": static}, args.rounds)
     cont_s, static_s = secs.values()
-    positions = [PROMPT + k for n in tail.lengths for k in range(n)]
+    # A completion of n tokens takes n - 1 decode steps (its first token comes from the
+    # prefill), feeding positions PROMPT .. PROMPT + n - 2.
+    steps = [n - 1 for n in tail.lengths]
+    positions = [PROMPT + k for n in steps for k in range(n)]
     floors = Floors()
     ideal, fifo, fits, errors, drains = [], [], [], [], []
     for i, ((_, cont_calls), (_, static_calls)) in enumerate(zip(cont.runs[1:],
@@ -185,7 +189,7 @@ def main() -> None:
         prefill = sum(c[5] for c in cont_calls if c[0] == "prefill")
         own_window = partial(_own_window, sampler.window_buckets)
         ideal.append(ideal_seconds(positions, coef, own_window, prefill))
-        fifo.append(fifo_ideal_seconds(tail.lengths, coef, own_window, prefill))
+        fifo.append(fifo_ideal_seconds(steps, coef, own_window, prefill))
         fits.append(coef)
         errors.append(err)
         drains.append(sum(c[5] for c in cont_calls if c[0] == "decode" and c[3] < SLOTS // 2))

@@ -45,7 +45,7 @@ def test_fit_with_too_few_decode_calls_raises():
 def test_fifo_ideal_refills_a_freed_slot_and_pays_every_step_of_the_tail(monkeypatch):
     monkeypatch.setattr(cb_bound, "SLOTS", 2)
     coef = np.array([CALL, ROW_STEP, 0.0])
-    # Two slots, requests of 1, 3 and 2 tokens in arrival order: step 1 runs requests 0 and 1,
+    # Two slots, requests of 1, 3 and 2 decode steps in arrival order: step 1 runs requests 0 and 1,
     # steps 2-3 requests 1 and 2 (2 refilled the step after 0 ended); 3 steps, 6 row-steps.
     got = cb_bound.fifo_ideal_seconds([1, 3, 2], coef, lambda p: 64, prefill_s=0.0)
 
@@ -54,11 +54,11 @@ def test_fifo_ideal_refills_a_freed_slot_and_pays_every_step_of_the_tail(monkeyp
 
 def test_fifo_ideal_is_never_below_the_unconstrained_ideal():
     coef = np.array([CALL, ROW_STEP, ENTRY])
-    lengths = [3, 40, 7, 300, 12, 5, 90, 64] * 8
-    positions = [cb_bound.PROMPT + k for n in lengths for k in range(n)]
+    steps = [3, 40, 7, 300, 12, 5, 90, 64] * 8
+    positions = [cb_bound.PROMPT + k for n in steps for k in range(n)]
     window_for = lambda p: 64 * (p // 64 + 1)  # noqa: E731
 
-    fifo = cb_bound.fifo_ideal_seconds(lengths, coef, window_for, prefill_s=0.0)
+    fifo = cb_bound.fifo_ideal_seconds(steps, coef, window_for, prefill_s=0.0)
     ideal = cb_bound.ideal_seconds(positions, coef, window_for, prefill_s=0.0)
 
     assert fifo >= ideal
