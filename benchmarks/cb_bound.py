@@ -31,7 +31,7 @@ Figures (medians over the rounds, ``<name>_spread`` [min, max]):
   live, is the one any such scheduler has; the run itself must not beat it by 5% (the floor).
 * of_ideal, of_fifo_ideal: each ideal's seconds / measured continuous seconds.
 * call_ms, row_step_us, entry_ns: the fitted model; fit_error: the median relative error of
-  its fit to the calls. drain_s: continuous decode seconds in chunks with fewer than half of
+  its fit to the calls. length_match: as in benchmarks/sampler.py (below 0.9: invalid). drain_s: continuous decode seconds in chunks with fewer than half of
   the slots live; prefill_calls and decode_calls of each schedule.
 Floor check: a continuous run faster than its first-come-first-served ideal by more than 5% is
 a broken measurement (``"valid": false``, exit 1).
@@ -49,7 +49,15 @@ import jax
 import numpy as np
 
 from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
-from meshrl.benchmarks.sampler import CFG, PROMPT, SLOTS, _chunks, _long_tail
+from meshrl.benchmarks.sampler import (
+    CFG,
+    MIN_LENGTH_MATCH,
+    PROMPT,
+    SLOTS,
+    MeshrlSide,
+    _chunks,
+    _long_tail,
+)
 from meshrl.configs.schema import MeshConfig, SamplerConfig
 from meshrl.inference.sampler import Request, Sampler
 from meshrl.mesh import create_mesh
@@ -92,19 +100,18 @@ class TimedCalls:
 
 
 class Side:
-    """One schedule of the workload: ``generate`` per batch; keeps each run's calls and useful
-    tokens."""
+    """One schedule of the workload: benchmarks/sampler.py's ``MeshrlSide`` (its seconds, useful
+    tokens and length match), keeping each run's timed calls."""
 
-    def __init__(self, sampler: Sampler, timer: TimedCalls, batches: list[list[Request]]):
-        self.sampler, self.timer, self.batches = sampler, timer, batches
-        self.runs: list[tuple[int, list]] = []
+    def __init__(self, sampler: Sampler, timer: TimedCalls, batches: list[list[Request]],
+                 expected: list[int]):
+        self.run, self.timer = MeshrlSide(sampler, batches, expected, False), timer
+        self.calls: list[list] = []
 
     def __call__(self) -> float:
         self.timer.calls.clear()
-        t = time.perf_counter()
-        outs = [c for b in self.batches for c in self.sampler.generate(b, longest_first=False)]
-        dt = time.perf_counter() - t
-        self.runs.append((sum(len(c.tokens) for c in outs), list(self.timer.calls)))
+        dt = self.run()
+        self.calls.append(list(self.timer.calls))
         return dt
 
 
@@ -172,8 +179,8 @@ def main() -> None:
     sampler = Sampler(CFG, cfg, mesh, split_model(create_model(CFG, seed=0))[1])
     tail = _long_tail(sampler, n_requests, max_new, median, rng)
     timer = TimedCalls(sampler)
-    cont = Side(sampler, timer, [tail.by_stop])
-    static = Side(sampler, timer, _chunks(tail.by_stop, SLOTS))
+    cont = Side(sampler, timer, [tail.by_stop], tail.lengths)
+    static = Side(sampler, timer, _chunks(tail.by_stop, SLOTS), tail.lengths)
     secs = interleave({"continuous, first come first served": cont,
                        "static, arrival order": static}, args.rounds)
     cont_s, static_s = secs.values()
@@ -182,12 +189,16 @@ def main() -> None:
     steps = [n - 1 for n in tail.lengths]
     positions = [PROMPT + k for n in steps for k in range(n)]
     floors = Floors()
+    match = min(m for side in (cont, static) for m in side.run.match)
+    if match < MIN_LENGTH_MATCH:
+        floors.problems.append(f"long tail: only {match:.0%} of completions stopped at their "
+                               f"intended length (needs {MIN_LENGTH_MATCH:.0%})")
+    own_window = partial(_own_window, sampler.window_buckets)
     ideal, fifo, fits, errors, drains = [], [], [], [], []
-    for i, ((_, cont_calls), (_, static_calls)) in enumerate(zip(cont.runs[1:],
-                                                                 static.runs[1:], strict=True)):
+    for i, (cont_calls, static_calls) in enumerate(zip(cont.calls[1:], static.calls[1:],
+                                                       strict=True)):
         coef, err = fit_call_cost(cont_calls + static_calls)
         prefill = sum(c[5] for c in cont_calls if c[0] == "prefill")
-        own_window = partial(_own_window, sampler.window_buckets)
         ideal.append(ideal_seconds(positions, coef, own_window, prefill))
         fifo.append(fifo_ideal_seconds(steps, coef, own_window, prefill))
         fits.append(coef)
@@ -196,8 +207,7 @@ def main() -> None:
         if cont_s[i] < 0.95 * fifo[-1]:
             floors.problems.append(f"round {i}: continuous {cont_s[i]:.3f} s is faster than "
                                    f"its first-come-first-served ideal {fifo[-1]:.3f} s")
-    _, cont_calls = cont.runs[-1]
-    _, static_calls = static.runs[-1]
+    cont_calls, static_calls = cont.calls[-1], static.calls[-1]
     emit({"benchmark": "cb_bound",
           **spread("cb_speedup", paired_ratios(static_s, cont_s), 3),
           **spread("cb_speedup_ideal", paired_ratios(static_s, ideal), 3),
@@ -210,6 +220,7 @@ def main() -> None:
           **spread("fit_error", errors, 3),
           **spread("drain_s", drains, 3),
           "useful_tokens": sum(tail.lengths), "requests": n_requests,
+          "length_match": round(match, 4),
           "decode_calls": {"continuous": sum(c[0] == "decode" for c in cont_calls),
                            "static": sum(c[0] == "decode" for c in static_calls)},
           "prefill_calls": {"continuous": sum(c[0] == "prefill" for c in cont_calls),
