@@ -56,7 +56,7 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     table, no_page = pages.alloc.table, pages.num_pages
     free = list(free)
     while free and queue:
-        r = queue[0]
+        r = queue.head()
         s, lead = _place(pages, free, r, leaders)
         if s is None:
             break

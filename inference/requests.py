@@ -1,9 +1,13 @@
-"""What crosses the sampler's boundary (requests in, completions out), the record of one
-scheduling round in flight, and the length buckets its compiled variants are keyed by."""
+"""What crosses the sampler's boundary (requests in, completions out), the queue requests wait
+in, the record of one scheduling round in flight, and the length buckets its compiled variants
+are keyed by."""
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,6 +34,9 @@ class Request:
     # stop ids are masked out of the distribution sampled, and ``logprobs`` are under that mask.
     min_new_tokens: int = 0
     min_p: float | None = None  # keep tokens with p >= min_p * the top token's p; 0: off
+    # Admitted before every queued request of a lower priority; first come, first served among
+    # equals. Nothing is preempted: a running sequence keeps its slot.
+    priority: int = 0
 
 
 @dataclasses.dataclass
@@ -51,6 +58,27 @@ class Completion:
     def token_versions(self) -> list[int]:
         """Versions over prompt + completion; prompt tokens carry -1."""
         return [-1] * len(self.request.prompt_ids) + self.versions
+
+
+class RequestQueue:
+    """Requests waiting for a slot: ``head()`` / ``popleft()`` give the highest ``priority``,
+    the earliest queued among equals."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+        self._order = itertools.count()
+
+    def append(self, request: Request) -> None:
+        heapq.heappush(self._heap, (-request.priority, next(self._order), request))
+
+    def head(self) -> Request:
+        return self._heap[0][2]
+
+    def popleft(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def __len__(self) -> int:
+        return len(self._heap)
 
 
 @dataclasses.dataclass
@@ -92,6 +120,8 @@ def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequenc
     if not 1 <= n <= prompt_buckets[-1]:
         raise ValueError(f"prompt length {n}: must be in [1, {prompt_buckets[-1]}] "
                          f"(sampler.prompt_buckets = {tuple(prompt_buckets)})")
+    if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
+        raise ValueError(f"priority = {request.priority!r}: must be an integer")
     if len(request.stop_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
     if request.max_new_tokens is not None and request.max_new_tokens < 1:

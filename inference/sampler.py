@@ -9,7 +9,6 @@ read-back in ``readback``.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import math
@@ -30,6 +29,7 @@ from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import (
     Completion,
     Request,
+    RequestQueue,
     Round,
     buckets_up_to,
     slot_settings,
@@ -94,7 +94,7 @@ class Sampler:
         self.window_trace_shapes: list[tuple[int, ...]] = []  # cache shapes decode was traced at
         self._build_jits()
         # Host-side scheduling mirror: which request sits in which slot, and what it produced.
-        self._queue: collections.deque[Request] = collections.deque()
+        self._queue = RequestQueue()
         self.slots = SlotTable(S)
         self._inflight: Round | None = None  # dispatched, not read back yet
         self._ids = itertools.count()
@@ -204,9 +204,10 @@ class Sampler:
     def generate(self, requests: Sequence[Request], *, longest_first: bool = True
                  ) -> list[Completion]:
         """Run requests to completion with continuous batching; results in request order. All
-        are validated before any is queued. ``longest_first``: admitted longest token budget
-        first (ties in request order; a long request admitted late would decode alone after
-        the rest); otherwise, as always for ``submit``, first come, first served."""
+        are validated before any is queued. Admission follows ``Request.priority``, then
+        ``longest_first``: longest token budget first (ties in request order; a long request
+        admitted late would decode alone after the rest); otherwise, as always for
+        ``submit``, first come, first served."""
         for r in requests:
             self.validate(r)
         order = list(range(len(requests)))

@@ -135,7 +135,11 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
             prompt_ids=list(ctx.ids), max_new_tokens=max_new, temperature=settings.temperature,
             top_k=settings.top_k, top_p=settings.top_p, stop_ids=settings.stop_ids,
             seed=episode_seed(settings, group_id, sample_index, turn),
-            id=(group_id, sample_index, turn)))
+            id=(group_id, sample_index, turn),
+            # A later turn goes ahead of queued earlier ones (fresh episodes): its episode's
+            # tokens age toward the staleness bound while it waits, and its group trains only
+            # once every episode in it ends.
+            priority=turn))
         assert len(out.tokens) == len(out.logprobs) == len(out.versions)
         ctx.add(out.tokens, out.logprobs, out.versions)
         finish, last_text = out.finish_reason, decode(out.tokens)

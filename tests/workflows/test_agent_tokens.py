@@ -70,6 +70,8 @@ def test_trainer_batch_holds_exactly_the_sampler_ids_across_a_weight_handoff(tok
     # Each target the model sampled has mask 1, its logprob and its turn's version;
     # every observation token has mask 0 and version -1.
     turn1, turn2 = sampler.completions
+    # A later turn is admitted ahead of queued first turns (fresh episodes).
+    assert [c.request.priority for c in sampler.completions] == [0, 1]
     p, n1 = len(item["prompt_ids"]), len(turn1.tokens)
     obs = len(turn2.request.prompt_ids) - p - n1
     end = p - 1 + len(traj.completion_ids)  # the last column's target is padding
