@@ -4,9 +4,12 @@ running is preempted, and what each request generates does not depend on when it
 
 from __future__ import annotations
 
+import asyncio
+
 import numpy as np
 import pytest
 
+from meshrl.inference.async_sampler import AsyncSampler
 from meshrl.inference.requests import Request, RequestQueue
 from meshrl.tests.inference.tiny import make_sampler
 
@@ -74,3 +77,26 @@ def test_a_priority_that_is_not_an_integer_is_rejected_before_queueing(tiny_para
         sampler.submit(Request([5, 6], priority=priority))
 
     assert not sampler.has_work()
+
+
+def test_the_async_facade_admits_by_priority(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, slots=1)
+    order = _admission_order(sampler)
+    engine = AsyncSampler(sampler)
+    reqs = _requests([0, 0, 3, 1])
+
+    async def main():
+        engine.pause()  # every request is queued before the first admission
+        tasks = [asyncio.ensure_future(engine.agenerate(r)) for r in reqs]
+        while len(engine._inbox) < len(reqs):
+            await asyncio.sleep(0)
+        engine.resume()
+        return await asyncio.gather(*tasks)
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+
+    assert [tagged[2] for tagged in order] == [2, 3, 0, 1]  # the facade's ("async", n, id)
+    assert [o.request.id for o in outs] == [0, 1, 2, 3]
