@@ -4,7 +4,7 @@ host-side page allocator, and the page table each compiled call is handed.
 A request gets its pages when it is admitted: enough for its prompt and its whole token budget
 up front (``reserve``), so a decode chunk never needs a page the host has not granted and no
 sequence is ever preempted. Its pages return to the pool when its slot empties. A request the
-pool cannot hold yet waits at the head of the queue (first come, first served). Decoding never
+pool cannot hold yet waits at the head of the queue (by priority, then arrival). Decoding never
 copies keys or values: each token is written once, into its slot's page.
 
 The page table travels inside the ``PagedKVCache`` handed to the prefill and decode programs

@@ -9,8 +9,8 @@ its first token's logits (``paged_programs.make_extend``). The prompt runs throu
 once per group (per shard of a sharded pool, whose slots list only their own shard's pages),
 and its pages are held once. With a prefix cache (``prefix_cache``), a leader lists the cached
 pages of its prompt's longest cached prefix and runs only the rest of its prompt. Pages are
-reserved first come, first served: the first request no shard of the pool can hold stops
-admission until pages return.
+reserved in admission order (priority, then arrival): the first request no shard of the pool
+can hold stops admission until pages return.
 
 After a weight update every live sequence is re-prefilled under the new weights. A group's
 shared pages are re-prefilled once, by the first live member's full re-prefill; the other
