@@ -48,9 +48,9 @@ class SamplerConfig(Section):
         "dense", "KV-cache layout. dense: slots x max_len per layer, decode over length-bucketed "
                  "windows (the faster on a CPU). paged: one pool of fixed-size pages and a page "
                  "table per slot; pages are taken when a request is admitted (prompt + its whole "
-                 "token budget) and returned when it finishes, a request waits (in admission order: "
-                 "Request.priority, then arrival) while the pool is short, and a decode program serves any mix "
-                 "of lengths (sampler.paged_decode).")
+                 "token budget) and returned when it finishes, a request waits (in admission "
+                 "order: Request.priority, then arrival) while the pool is short, and a decode "
+                 "program serves any mix of lengths (sampler.paged_decode).")
     paged_decode: Literal["auto", "window", "in_place"] = field(
         "auto", "How a paged cache's decode reads its pages (kv_cache = paged). window: each "
                 "decode chunk gathers its slots' pages into a dense window over a bucketed "
