@@ -83,20 +83,29 @@ class SamplerConfig(Section):
         True, "With two or more row buckets: when live sequences need very different cache "
               "windows, cut them, ranked by length, into calls over their own windows (each on "
               "a row bucket below slots), so short sequences attend over short windows. A cut "
-              "is taken only when the cache reads saved outweigh one more pass over the "
-              "weights plus a fixed per-call cost (Sampler.split_call_overhead).")
+              "is taken only when the cache reads saved outweigh what one more call costs "
+              "(decode_call_costs).")
+    decode_call_costs: tuple[float, ...] = field(
+        (), "(call, row): what a decode call costs per step beside reading its cache window, in "
+            "KV-cache elements read: call once per call (dispatch, a pass over the weights, "
+            "sampling), row for each row it runs, padding rows included. "
+            "decode_split_windows weighs them against the cache reads a cut saves. (): "
+            "measured when a decode plan first needs them (the decode program timed at three "
+            "(rows, window) shapes on a scratch cache, once per process); a sampler spanning "
+            "processes does not measure, and without them its chunks do not split.")
     decode_split_weights_pass: float = field(
-        0.0, "What one more pass over the weights costs per decode step, as a share of reading "
-             "as many KV-cache elements; decode_split_windows weighs it against the cache reads "
-             "a split saves. 0: 1 on an accelerator (both stream from HBM); on a CPU, where a "
-             "small model's weights stay in cache, measured when a decode plan first needs it "
-             "(a short timing of the decode program at two windows on a scratch cache against "
-             "a pass over the weights, once per process, clipped to [1/64, 1]).", at_least(0.0))
+        0.0, "Deprecated (removed in the next release): use decode_call_costs. A share s > 0 "
+             "prices one more call at s passes over the weights, per row nothing: "
+             "decode_call_costs = (s x the weights' element count, 0).", at_least(0.0))
 
     def validate(self) -> None:
         if self.decode_split_weights_pass == float("inf"):  # NaN fails at_least already
             raise ConfigError(f"sampler.decode_split_weights_pass = "
                               f"{self.decode_split_weights_pass}: must be finite (0: measured)")
+        costs = self.decode_call_costs
+        if costs and (len(costs) != 2 or not all(0 <= c < float("inf") for c in costs)):
+            raise ConfigError(f"sampler.decode_call_costs = {costs}: must be () (measured) or "
+                              f"(call, row), two finite numbers >= 0")
         if (any(not 1 <= b <= self.slots for b in self.decode_row_buckets)
                 or list(self.decode_row_buckets) != sorted(set(self.decode_row_buckets))):
             raise ConfigError(f"sampler.decode_row_buckets = {self.decode_row_buckets}: must be "

@@ -37,13 +37,7 @@ from meshrl.inference.requests import (
     tokens_left,
     validate_request,
 )
-from meshrl.inference.schedule import (
-    SPLIT_CALL_OVERHEAD,
-    lagged_readback,
-    plan_calls,
-    sampler_share,
-    weights_pass_cost,
-)
+from meshrl.inference.schedule import CallCosts, lagged_readback, plan_calls, sampler_costs
 from meshrl.inference.shapes import plan_shapes
 from meshrl.inference.slots import SlotTable
 from meshrl.inference.warmup import warm_up
@@ -84,9 +78,9 @@ class Sampler:
                       if cfg.kv_cache == "paged" else None)
         self._cache_sh = (self.pages.sharding if self.pages else
                           KVCache.shardings(self.model_cfg, S, T, mesh, self.rules))
-        self.split_call_overhead = SPLIT_CALL_OVERHEAD  # a call's fixed cost (schedule)
         self._weights_size = sum(math.prod(v.shape) for v in self.weights.expected.values())
-        self._weights_pass_price: int | None = None  # priced when a plan first needs it
+        self._costs: CallCosts | None = None  # a decode call's costs (schedule), once known
+        self._costs_known = False  # priced when a plan first needs them
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
         self.cache = self.pages.init_cache() if self.pages else self.dense_cache()
@@ -127,12 +121,17 @@ class Sampler:
         return cache_release.dense_cache(self)
 
     @property
-    def _weights_pass(self) -> int | None:
-        """One more weights pass in cache-entry elements (``schedule``); priced when a plan
-        first needs it (a measurement compiles and times decode windows a run may not reach)."""
-        if self._weights_pass_price is None and self.params is not None:
-            self._weights_pass_price = weights_pass_cost(self._weights_size, sampler_share(self))
-        return self._weights_pass_price
+    def call_costs(self) -> CallCosts | None:
+        """What a decode call costs beside its window (``schedule.CallCosts``; None: chunks do
+        not split), priced when a plan first needs it (a measurement compiles and times decode
+        shapes a run may not reach)."""
+        if not self._costs_known and self.params is not None:
+            self._costs, self._costs_known = sampler_costs(self), True
+        return self._costs
+
+    @call_costs.setter
+    def call_costs(self, costs: CallCosts | None) -> None:
+        self._costs, self._costs_known = costs, True
 
     def compile_count(self) -> int:
         """Compiled variants held by the jitted prefill/decode (grows only on a recompile)."""
@@ -332,11 +331,10 @@ class Sampler:
         pos = {s: self._pos(s) for s in live}
         ranked = sorted(live, key=lambda s: (-pos[s], s))
         windows = {self.window_for(pos[s]) for s in ranked}
-        # One window for all: no cut can pay, and the share need not be priced.
+        # One window for all: no cut can pay, and the call costs need not be priced.
         split = self._split and len(windows) > 1
-        cost = self._weights_pass + self.split_call_overhead if split else 0
-        calls = plan_calls([pos[s] for s in ranked], self.row_buckets, self.window_for, cost,
-                           self._entry_size, split)
+        calls = plan_calls([pos[s] for s in ranked], self.row_buckets, self.window_for,
+                           self.call_costs if split else None, self._entry_size)
         return [(list(range(S)) if rows == S else ranked[lo:hi], rows, window)
                 for lo, hi, rows, window in calls]
 

@@ -6,43 +6,53 @@ the longest window reads the short sequences' empty entries on every step. The s
 live slots by position (longest first) and may cut that ranking into consecutive ranges, each
 its own call over its own window on the slots it names (gathered by index: no slot moves).
 Each range is padded to a row bucket; only a range holding every live slot may take all the
-slots. A cut pays when the cache entries it saves outweigh one more call: one more pass over
-the weights (``weights_pass_cost``) plus a fixed per-call cost (``SPLIT_CALL_OVERHEAD``).
+slots. A cut pays when the cache entries it saves outweigh what one more call costs.
 
-What a weights pass costs next to cache reads depends on the machine: on an accelerator both
-stream from HBM; on a CPU the weights of a small model stay in the last-level cache over a
-chunk's steps while the cache windows stream from DRAM. ``sampler.decode_split_weights_pass``
-sets the share; 0 measures it when a plan first needs it (``measure_weights_pass``).
-Only a sampler on this process's devices measures: a timing differs between processes, and
-every process of one program must plan the same calls.
+What a call costs beside its window (``CallCosts``: a fixed part per call, and a part per row
+it runs, padding rows included) depends on the machine, so it is measured: the sampler's own
+decode program is timed at three (rows, window) shapes on a scratch cache when a plan first
+needs it, once per process (``measure_call_costs``); ``sampler.decode_call_costs`` sets it
+instead. Only a sampler on this process's devices measures: a timing differs between
+processes, and every process of one program must plan the same calls (elsewhere a chunk
+splits only on configured costs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import SlotState
 from meshrl.utils.buckets import bucket_for
+from meshrl.utils.log import get_logger
 
-# A decode call's fixed cost per step (dispatch, sampling, slot bookkeeping), in cache-entry
-# elements read: what one more call costs beyond its weights pass and its own window.
-SPLIT_CALL_OVERHEAD = 1 << 20
-# Bounds of a measured weights-pass share: timings of a loaded machine are noisy, and a share
-# outside them would make the planner split on noise (too low) or never (too high).
-SHARE_RANGE = (1 / 64, 1.0)
+log = get_logger("sampler")
+
 MEASURE_WINDOW_SPAN = 8  # the longer timed window is at most this many times the shorter
 
 Call = tuple[int, int, int, int]  # (start, end, rows, window): ranks [start, end) of the
 # ranking on ``rows`` rows over cache entries [0, window)
-_measured: dict[Hashable, float] = {}  # measured shares of this process, by sampler shape
+Shape = tuple[int, int]  # (rows, window) of a timed decode call
+
+
+@dataclasses.dataclass(frozen=True)
+class CallCosts:
+    """What a decode call costs per step beside reading its window, in KV-cache elements read:
+    ``call`` once per call (dispatch, a pass over the weights, sampling), ``row`` for each row
+    it runs (a row's share of the matmuls; padding rows cost it too)."""
+
+    call: float
+    row: float
+
+
+_measured: dict[Hashable, CallCosts | None] = {}  # measured costs of this process, by shape
 
 
 def lagged_readback(cfg: SamplerConfig, platform: str) -> bool:
@@ -54,49 +64,55 @@ def lagged_readback(cfg: SamplerConfig, platform: str) -> bool:
     return cfg.readback == "lagged"
 
 
-def weights_pass_cost(weights_size: int, share: float) -> int:
-    """One more read of ``weights_size`` weights per decode step, in cache-entry elements."""
-    return int(weights_size * share)
-
-
-def weights_pass_share(cfg: SamplerConfig, platform: str, may_split: bool, key: Hashable,
-                       measure: Callable[[], float]) -> float:
-    """The share ``weights_pass_cost`` uses: ``sampler.decode_split_weights_pass`` when set;
-    else 1 on an accelerator or where no chunk may split on a measured share (none can, or the
-    sampler spans processes), else ``measure()``, run once per process for each ``key`` (the
-    sampler's shape)."""
+def configured_costs(cfg: SamplerConfig, weights_size: int) -> CallCosts | None:
+    """``sampler.decode_call_costs``; the deprecated ``decode_split_weights_pass`` share as a
+    call costing that share of a pass over ``weights_size`` weights; else None (measure)."""
+    if cfg.decode_call_costs:
+        return CallCosts(*map(float, cfg.decode_call_costs))
     if cfg.decode_split_weights_pass > 0:
-        return cfg.decode_split_weights_pass
-    if platform != "cpu" or not may_split:
-        return 1.0
+        log.warning("config: sampler.decode_split_weights_pass is deprecated and will be "
+                    "removed in the next release: use sampler.decode_call_costs = (%d, 0)",
+                    int(cfg.decode_split_weights_pass * weights_size))
+        return CallCosts(cfg.decode_split_weights_pass * weights_size, 0.0)
+    return None
+
+
+def call_costs(cfg: SamplerConfig, weights_size: int, may_measure: bool, key: Hashable,
+               measure: Callable[[], CallCosts | None]) -> CallCosts | None:
+    """The costs a plan weighs: configured; else ``measure()`` where ``may_measure``, run once
+    per process for each ``key`` (the sampler's shape); else None: no chunk splits."""
+    configured = configured_costs(cfg, weights_size)
+    if configured is not None or not may_measure:
+        return configured
     if key not in _measured:
         _measured[key] = measure()
+        log.info("decode call costs (cache elements a step): %s", _measured[key])
     return _measured[key]
 
 
-def sampler_share(sampler: Any) -> float:
-    """``weights_pass_share`` for a ``Sampler`` holding its weights, at any point of a run. A
+def sampler_costs(sampler: Any) -> CallCosts | None:
+    """``call_costs`` for a ``Sampler`` holding its weights, at any point of a run. A
     measurement times the sampler's own decode program on a scratch cache of inactive slots
     (the live cache and slots stay as they are; the scratch is freed after), and the compiled
-    variants stay for the windows' later use."""
+    variants stay for later use."""
     cfg, S = sampler.cfg, sampler.cfg.slots
     scratch: list[Any] = []
 
-    def decode_at(window: int) -> Any:
+    def decode_at(rows: int, window: int) -> Any:
         if not scratch:
             scratch[:] = [sampler.dense_cache(), jax.device_put(SlotState.init(S), sampler._repl)]
         scratch[0], scratch[1], out = sampler._decode(
-            sampler.params, scratch[0], scratch[1], np.arange(S, dtype=np.int32), window=window)
+            sampler.params, scratch[0], scratch[1], np.arange(rows, dtype=np.int32),
+            window=window)
         return out
 
     platform = sampler.mesh.devices.flat[0].platform
     local = all(d.process_index == jax.process_index() for d in sampler.mesh.devices.flat)
     key = (sampler.model_cfg, S, cfg.max_len, cfg.decode_chunk, platform,
-           tuple(sampler.mesh.shape.items()))
-    may_split = sampler._split and local
-    return weights_pass_share(cfg, platform, may_split, key, lambda: measure_weights_pass(
-        decode_at, measure_windows(sampler.window_buckets),
-        S * sampler._entry_size * cfg.decode_chunk, sampler.params))
+           tuple(sampler.mesh.shape.items()), sampler.row_buckets)
+    shapes = measure_shapes(sampler.row_buckets, sampler.window_buckets)
+    return call_costs(cfg, sampler._weights_size, sampler._split and local, key,
+                      lambda: measure_call_costs(decode_at, shapes, sampler._entry_size))
 
 
 def measure_windows(window_buckets: Sequence[int]) -> tuple[int, int]:
@@ -105,55 +121,79 @@ def measure_windows(window_buckets: Sequence[int]) -> tuple[int, int]:
     return lo, max(w for w in window_buckets if w <= MEASURE_WINDOW_SPAN * lo)
 
 
-def _best_seconds(run: Callable[[], Any], reps: int) -> float:
-    jax.block_until_ready(run())  # compiles
-    best = math.inf
+def measure_shapes(row_buckets: Sequence[int], window_buckets: Sequence[int]
+                   ) -> tuple[Shape, Shape, Shape]:
+    """The (rows, window) shapes timed: every row over the shortest and the longer window
+    (``measure_windows``), and the smallest row bucket over the longer one (a shape splits
+    use, where the shortest window may lie below every prompt)."""
+    lo, hi = measure_windows(window_buckets)
+    return (row_buckets[-1], lo), (row_buckets[-1], hi), (row_buckets[0], hi)
+
+
+def _best_seconds(runs: dict[Shape, Callable[[], Any]], reps: int) -> dict[Shape, float]:
+    """The fastest of ``reps`` timed runs of each of ``runs`` (after one compiling run each),
+    taken in turns so that a machine slowing down mid-measurement slows every shape alike."""
+    for run in runs.values():
+        jax.block_until_ready(run())  # compiles
+    best = dict.fromkeys(runs, math.inf)
     for _ in range(reps):
-        start = time.perf_counter()
-        jax.block_until_ready(run())
-        best = min(best, time.perf_counter() - start)
+        for shape, run in runs.items():
+            start = time.perf_counter()
+            jax.block_until_ready(run())
+            best[shape] = min(best[shape], time.perf_counter() - start)
     return best
 
 
-def measure_weights_pass(decode_at: Callable[[int], Any], windows: tuple[int, int],
-                         elements_per_entry: int, params: Any, reps: int = 3) -> float:
-    """Seconds per weight of one pass over ``params`` over seconds per cache element in the
-    decode program: ``decode_at(window)`` runs it over cache entries [0, window), reading
-    ``elements_per_entry`` elements per entry (rows x entry size x steps), so the difference of
-    the two ``windows`` prices a cache element. Clipped to ``SHARE_RANGE``; 1 when the windows
-    are one (nothing to difference) or the timings show no cost of a longer window (noise)."""
-    short, long = windows
-    if long <= short:
-        return 1.0
-    per_entry = (_best_seconds(lambda: decode_at(long), reps)
-                 - _best_seconds(lambda: decode_at(short), reps)) / (long - short)
-    if not per_entry > 0:
-        return 1.0
-    weights = jax.tree.leaves(params)
-    weights_pass = jax.jit(lambda ws: sum(jnp.sum(w, dtype=jnp.float32) for w in ws))
-    per_weight = _best_seconds(lambda: weights_pass(weights), 4 * reps) / sum(
-        w.size for w in weights)
-    return min(max(per_weight / (per_entry / elements_per_entry), SHARE_RANGE[0]),
-               SHARE_RANGE[1])
+def measure_call_costs(decode_at: Callable[[int, int], Any], shapes: tuple[Shape, Shape, Shape],
+                       entry_size: int, reps: int = 7) -> CallCosts | None:
+    """Time ``decode_at(rows, window)`` (a decode call of ``rows`` rows over cache entries
+    [0, window)) at ``shapes`` (``measure_shapes``) and fit ``fit_call_costs``; None where the
+    shapes leave nothing to difference."""
+    (rows, lo), (_, hi), (small, _) = shapes
+    if hi <= lo or small >= rows:
+        return None
+    runs = {shape: (lambda s=shape: decode_at(*s)) for shape in shapes}
+    return fit_call_costs(_best_seconds(runs, reps), entry_size)
+
+
+def fit_call_costs(seconds: dict[Shape, float], entry_size: int) -> CallCosts | None:
+    """``CallCosts`` from the seconds of decode calls at three shapes (``measure_shapes``),
+    modelling a call of R rows over a window of W entries as ``call + R x (row + W x entry)``
+    seconds: the two windows price an entry, the two row counts a row, the rest is the call.
+    None (no chunk splits) when a longer window shows no cost: a cut could save nothing. A
+    negative part (timing noise) counts as 0."""
+    (rows, lo), (_, hi), (small, _) = seconds
+    t_lo, t_hi, t_small = seconds.values()
+    entry = (t_hi - t_lo) / (rows * (hi - lo))
+    if not entry > 0:
+        return None
+    # Each timing less its window's entries: call + R x row, at R = rows and R = small.
+    u_rows, u_small = t_hi - rows * hi * entry, t_small - small * hi * entry
+    row = max((u_rows - u_small) / (rows - small), 0.0)
+    call = max(u_rows - rows * row, 0.0)
+    per_element = entry / entry_size
+    return CallCosts(call / per_element, row / per_element)
 
 
 def plan_calls(positions: Sequence[int], row_buckets: Sequence[int],
-               window_for: Callable[[int], int], fixed_cost: int, entry_size: int,
-               split: bool = True) -> list[Call]:
+               window_for: Callable[[int], int], costs: CallCosts | None, entry_size: int
+               ) -> list[Call]:
     """The cheapest cut of a chunk's live sequences at ``positions`` (sorted longest first)
     into consecutive ranges of that ranking: (start, end, rows, window) per call, longest
     first. A range runs on the smallest row bucket holding it (the largest bucket, every slot,
     only for a range of the whole ranking) over the window of its first (longest) sequence, and
-    costs ``fixed_cost`` plus rows x window x ``entry_size`` elements read per step; ties keep
-    the fewer calls. Cuts fall at multiples of the smallest bucket; ``split=False``: one call.
+    costs ``costs.call`` plus rows x (``costs.row`` + window x ``entry_size``) elements read
+    per step; ties keep the fewer calls. Cuts fall at multiples of the smallest bucket;
+    ``costs`` None: one call.
     """
     assert list(positions) == sorted(positions, reverse=True), positions
     n, top = len(positions), row_buckets[-1]
     assert 0 < n <= top, (n, row_buckets)
-    step = row_buckets[0] if split and len(row_buckets) > 1 else n
+    step = row_buckets[0] if costs is not None and len(row_buckets) > 1 else n
+    call, per_row = (costs.call, costs.row) if costs is not None else (0.0, 0.0)
     points = sorted({*range(0, n, step), n})
     # best[i]: (cost, calls) of the ranking's first points[i] sequences, cut at points only.
-    best: list[tuple[tuple[int, int], list[Call] | None]] = [((0, 0), [])]  # None: no plan
+    best: list[tuple[tuple[float, int], list[Call] | None]] = [((0.0, 0), [])]  # None: no plan
     for i in range(1, len(points)):
         options = []
         for j in range(i):
@@ -163,8 +203,9 @@ def plan_calls(positions: Sequence[int], row_buckets: Sequence[int],
                 continue
             window = window_for(positions[lo])
             cost, calls = best[j]
-            options.append(((cost[0] + fixed_cost + rows * window * entry_size, cost[1] + 1),
+            options.append(((cost[0] + call + rows * (per_row + window * entry_size),
+                             cost[1] + 1),
                             [*calls, (lo, hi, rows, window)]))
-        best.append(min(options, key=lambda o: o[0]) if options else ((0, 0), None))
+        best.append(min(options, key=lambda o: o[0]) if options else ((0.0, 0), None))
     assert best[-1][1], (positions, row_buckets)
     return best[-1][1]

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from meshrl.inference.sampler import Request
+from meshrl.inference.schedule import CallCosts
 from meshrl.tests.inference.tiny import make_sampler, reference_greedy
 
 
@@ -141,7 +142,7 @@ def test_long_sequences_decoding_in_their_own_call_match_one_window_decoding(tin
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2,), max_len=128,
                            max_new_tokens=110, prompt_buckets=(16,))
     assert sampler.row_buckets == (2, 8)
-    sampler.split_call_overhead = 0  # the tiny model's windows are too short to beat it
+    sampler.call_costs = CallCosts(0, 0)  # the tiny model's windows are too short to pay a call
     sampler.warmup()
     compiled = sampler.compile_count()
     plans = []
@@ -174,7 +175,7 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
                 for p, b in zip(_prompts(len(budgets), seed=6, hi=8), budgets, strict=True)]
     sampler = make_sampler(params, slots=8, decode_row_buckets=(2, 4), max_len=64,
                            max_new_tokens=55, prompt_buckets=(8,))
-    sampler.split_call_overhead = -sampler._weights_pass  # a call costs only what it reads
+    sampler.call_costs = CallCosts(0, 0)  # a call costs only what it reads
     plans = []
     plan_chunk = sampler._plan_chunk
     sampler._plan_chunk = lambda live: plans.append(plan_chunk(live)) or plans[-1]
