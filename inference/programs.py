@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from meshrl.configs.schema import ModelConfig, SamplerConfig
-from meshrl.inference.sampling import sample_kept
+from meshrl.inference.sampling import FILTERED, sample_kept
 from meshrl.models import KVCache
 from meshrl.models.decoder import apply_head, forward, model_config
 
@@ -38,16 +38,19 @@ class SlotState:
     top_p_B: jax.Array  # noqa: N815
     seed_B: jax.Array  # noqa: N815
     min_p_B: jax.Array  # noqa: N815
+    # What every slot's settings stay within (``sampling.sampling_level``); static, so each
+    # level is its own program and the programs of a lower one compile no sort or draw.
+    sampling: int = struct.field(pytree_node=False, default=FILTERED)
 
     @classmethod
-    def init(cls, slots: int) -> SlotState:
+    def init(cls, slots: int, sampling: int = FILTERED) -> SlotState:
         # Distinct buffers per field: the decode/prefill jits donate the whole state.
         def i() -> jax.Array:
             return jnp.zeros((slots,), jnp.int32)
         return cls(i(), i(), jnp.zeros((slots,), bool), i(), i(), i(), i(),
                    jnp.full((slots, MAX_STOP_IDS), -1, jnp.int32),
                    jnp.zeros((slots,), jnp.float32), i(), jnp.ones((slots,), jnp.float32), i(),
-                   jnp.zeros((slots,), jnp.float32))
+                   jnp.zeros((slots,), jnp.float32), sampling)
 
 
 def banned_stops(st: SlotState) -> jax.Array:
@@ -180,7 +183,7 @@ def first_token(st: SlotState, last_NxV: jax.Array, lens_N: jax.Array, slots_N: 
         reason_B=jnp.zeros_like(lens_N), n_gen_B=jnp.zeros_like(lens_N), **settings)
     tok_N, lp_N, raw_N, kept_N = sample_kept(last_NxV, sub.temperature_B, sub.top_k_B,
                                              sub.top_p_B, sub.seed_B, lens_N,
-                                             banned_stops(sub), sub.min_p_B)
+                                             banned_stops(sub), sub.min_p_B, st.sampling)
     sub = finish(sub.replace(token_B=tok_N), jnp.ones_like(lens_N, bool), tok_N, lens_N,
                  max_len)
     st = jax.tree.map(lambda full, part: full.at[slots_N].set(part, mode="drop"), st, sub)
@@ -232,7 +235,8 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
             new_pos_B = st.pos_B + 1
             tok_B, lp_B, raw_B, kept_B = sample_kept(logits_Bx1xV[:, 0], st.temperature_B,
                                                      st.top_k_B, st.top_p_B, st.seed_B,
-                                                     new_pos_B, banned_stops(st), st.min_p_B)
+                                                     new_pos_B, banned_stops(st), st.min_p_B,
+                                                     st.sampling)
             emit_B = st.active_B
             st = finish(st, emit_B, tok_B, new_pos_B, max_len)
             tok_BxC = tok_BxC.at[:, i].set(jnp.where(emit_B, tok_B, -1))

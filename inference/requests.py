@@ -13,9 +13,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import MAX_STOP_IDS
+from meshrl.inference.sampling import FILTERED, sampling_level
 
 
 @dataclasses.dataclass
@@ -132,25 +134,43 @@ def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequenc
                          f"max_new_tokens = {max_new}]")
 
 
+def _pick(r: Request | None, name: str, default: Any) -> Any:
+    """``r``'s setting ``name``, ``default`` where it sets none (None: a padding row)."""
+    v = getattr(r, name) if r is not None else None
+    return default if v is None else v
+
+
+def request_sampling(r: Request | None, c: SamplerConfig) -> int:
+    """The sampling level (``sampling.sampling_level``) of ``r``'s settings, ``c``'s where it
+    sets none (None: a padding row, all defaults)."""
+    return sampling_level(*(_pick(r, n, getattr(c, n))
+                            for n in ("temperature", "top_k", "top_p", "min_p")))
+
+
+def start_sampling(c: SamplerConfig, mesh: Mesh) -> int:
+    """The sampling level a sampler with ``c`` on ``mesh`` starts at: its defaults' own. Every
+    process of a sampler spanning processes must run the same programs whatever its own
+    requests ask for, so such a sampler starts at the highest level (and never changes)."""
+    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    return request_sampling(None, c) if local else FILTERED
+
+
 def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
                   ) -> dict[str, np.ndarray]:
     """Per-row sampling settings of ``n`` prefill rows (padding rows get the defaults)."""
-    def pick(r: Request | None, name: str, default: Any) -> Any:
-        v = getattr(r, name) if r is not None else None
-        return default if v is None else v
     stop_NxS = np.full((n, MAX_STOP_IDS), -1, np.int32)
     for i, r in enumerate(reqs):
         if r is not None and r.stop_ids:
             stop_NxS[i, :len(r.stop_ids)] = r.stop_ids
     rows = list(reqs) + [None] * (n - len(reqs))
     return dict(
-        max_new_B=np.array([pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
+        max_new_B=np.array([_pick(r, "max_new_tokens", c.max_new_tokens) for r in rows],
                            np.int32),
         min_new_B=np.array([r.min_new_tokens if r else 0 for r in rows], np.int32),
         stop_BxS=stop_NxS,
-        temperature_B=np.array([pick(r, "temperature", c.temperature) for r in rows],
+        temperature_B=np.array([_pick(r, "temperature", c.temperature) for r in rows],
                                np.float32),
-        top_k_B=np.array([pick(r, "top_k", c.top_k) for r in rows], np.int32),
-        top_p_B=np.array([pick(r, "top_p", c.top_p) for r in rows], np.float32),
-        min_p_B=np.array([pick(r, "min_p", c.min_p) for r in rows], np.float32),
+        top_k_B=np.array([_pick(r, "top_k", c.top_k) for r in rows], np.int32),
+        top_p_B=np.array([_pick(r, "top_p", c.top_p) for r in rows], np.float32),
+        min_p_B=np.array([_pick(r, "min_p", c.min_p) for r in rows], np.float32),
         seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))

@@ -32,11 +32,14 @@ from meshrl.inference.requests import (
     RequestQueue,
     Round,
     buckets_up_to,
+    request_sampling,
     slot_settings,
+    start_sampling,
     token_budget,
     tokens_left,
     validate_request,
 )
+from meshrl.inference.sampling import FILTERED, SAMPLING_LEVELS
 from meshrl.inference.schedule import CallCosts, lagged_readback, plan_calls, sampler_costs
 from meshrl.inference.shapes import plan_shapes
 from meshrl.inference.slots import SlotTable
@@ -84,7 +87,7 @@ class Sampler:
         self._entry_size = 2 * self.model_cfg.num_layers * self.model_cfg.num_kv_heads * \
             self.model_cfg.resolved_head_dim  # keys + values of one position of one slot
         self.cache = self.pages.init_cache() if self.pages else self.dense_cache()
-        self.state = jax.device_put(SlotState.init(S), self._repl)
+        self.state = jax.device_put(SlotState.init(S, start_sampling(cfg, mesh)), self._repl)
         self.window_trace_shapes: list[tuple[int, ...]] = []  # cache shapes decode was traced at
         self._build_jits()
         # Host-side scheduling mirror: which request sits in which slot, and what it produced.
@@ -190,8 +193,17 @@ class Sampler:
         if request.id is None:
             request = dataclasses.replace(request, id=next(self._ids))
         with self._lock:
+            self._raise_sampling(request_sampling(request, self.cfg))
             self._queue.append(request)
         return request.id
+
+    def _raise_sampling(self, level: int) -> None:
+        """Let the programs sample at ``level``: the ones compiled so far stay for nothing, the
+        next of each shape compiles at the higher level (levels never drop)."""
+        if level > self.state.sampling:
+            log.info("sampler: a request needs %s sampling, the programs so far %s: they "
+                     "compile again", SAMPLING_LEVELS[level], SAMPLING_LEVELS[self.state.sampling])
+            self.state = self.state.replace(sampling=level)
 
     def validate(self, request: Request) -> None:
         """Raise ValueError for a request this sampler cannot serve."""
@@ -366,12 +378,15 @@ class Sampler:
     def recompute_buckets(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.prompt_buckets) | set(buckets_up_to(self.cfg.max_len, 32))))
 
-    def warmup(self, recompute: bool = False) -> None:
+    def warmup(self, recompute: bool = False, sampling: int = FILTERED) -> None:
         """Compile every prefill (prompt bucket) and decode (window x row bucket) variant, on
         padding rows and inactive slots (``warmup.warm_up``); ``recompute`` also compiles the
-        re-prefill variants used after a mid-generation weight update."""
+        re-prefill variants used after a mid-generation weight update. The programs sample at
+        ``sampling`` or the level reached so far if higher (``sampling.sampling_level``; the
+        default: any request's, so nothing compiles after this call)."""
         with self._lock:
             if self.has_work():
                 raise RuntimeError("warmup() needs an idle sampler")
+            self._raise_sampling(sampling)
             warm_up(self, recompute)
         log.info("sampler warm: %d compiled variants", self.compile_count())

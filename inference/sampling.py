@@ -8,6 +8,11 @@ Every filter keeps a prefix of the tokens sorted by logit, so the kept set is al
 ``n`` largest scaled logits" (ties at the threshold included): ``sample_kept`` records that
 ``n`` per token, and the RL trainer renormalises its own logits over its top ``n``
 (``algorithms.truncation``) to score the same truncated distribution.
+
+A program's sampling ``level`` (static) bounds what its rows may ask for: ``GREEDY`` compiles
+the argmax alone, ``TEMPERATURE`` adds the Gumbel draw, ``FILTERED`` the vocabulary sort behind
+the filters. A row within the level gets the same token and logprobs at any higher level; a
+lower level only compiles less: no random draw, no sort.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ import jax.numpy as jnp
 
 # Finite "minus infinity": log_softmax of a row with masked entries stays NaN-free.
 _NEG = -1e30
+GREEDY, TEMPERATURE, FILTERED = 0, 1, 2  # sampling levels, each a superset of the one before
+SAMPLING_LEVELS = ("greedy", "temperature", "top-k/top-p/min-p")
+
+
+def sampling_level(temperature: float, top_k: int, top_p: float, min_p: float) -> int:
+    """The lowest level that samples a row with these settings exactly."""
+    if temperature <= 0.0:
+        return GREEDY  # greedy ignores the filters
+    return FILTERED if top_k > 0 or top_p < 1.0 or min_p > 0.0 else TEMPERATURE
 
 
 def filter_logits(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
@@ -110,8 +124,8 @@ def sample(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
 
 def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Array,
                 top_p_B: jax.Array, seed_B: jax.Array, position_B: jax.Array,
-                banned_BxS: jax.Array | None = None, min_p_B: jax.Array | None = None
-                ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+                banned_BxS: jax.Array | None = None, min_p_B: jax.Array | None = None,
+                level: int = FILTERED) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Sample one token per row, never one of its ``banned_BxS`` ids (-1: none; a request's
     stop ids before its ``min_new_tokens``).
 
@@ -120,6 +134,7 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
     masked out; 0 for greedy --, raw model logprob log_softmax(logits)[token], unmasked, and
     kept_B int32: how many tokens that distribution kept, V when no filter ran, 1 for greedy).
     The banned ids are not part of ``kept_B``: they are only banned before ``min_new_tokens``.
+    ``level`` (static): every row's settings are within it (``sampling_level``).
     """
     raw_logp_BxV = jax.nn.log_softmax(logits_BxV.astype(jnp.float32), axis=-1)
     logits_BxV = logits_BxV.astype(jnp.float32)
@@ -133,14 +148,19 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
         return tokens_B, jnp.zeros(tokens_B.shape, jnp.float32), jnp.ones((B,), jnp.int32)
 
     def stochastic() -> tuple[jax.Array, jax.Array, jax.Array]:
-        # The vocab sort behind top-k/top-p/min-p only runs when some row asks for it.
-        needs_sort = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0) | jnp.any(min_p_B > 0.0)
-        filtered_BxV, kept_B = jax.lax.cond(
-            needs_sort,
-            lambda: filter_and_count(logits_BxV, temperature_B, top_k_B, top_p_B,
-                                     min_p_B=min_p_B),
-            lambda: filter_and_count(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
-                                     jnp.ones_like(top_p_B), sort=False))
+        def unfiltered() -> tuple[jax.Array, jax.Array]:
+            return filter_and_count(logits_BxV, temperature_B, jnp.zeros_like(top_k_B),
+                                    jnp.ones_like(top_p_B), sort=False)
+
+        if level < FILTERED:
+            filtered_BxV, kept_B = unfiltered()
+        else:  # the vocab sort behind top-k/top-p/min-p only runs when some row asks for it
+            needs_sort = jnp.any(top_k_B > 0) | jnp.any(top_p_B < 1.0) | jnp.any(min_p_B > 0.0)
+            filtered_BxV, kept_B = jax.lax.cond(
+                needs_sort,
+                lambda: filter_and_count(logits_BxV, temperature_B, top_k_B, top_p_B,
+                                         min_p_B=min_p_B),
+                unfiltered)
         # jax.random.categorical's draw (the same Gumbel noise, so the same tokens per seed),
         # with the argmax taken by ``first_argmax``.
         noise_BxV = jax.vmap(lambda key: jax.random.gumbel(key, (V,)))(
@@ -151,7 +171,7 @@ def sample_kept(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: jax.Ar
         return tokens_B, lp_B, kept_B
 
     # All-greedy batches (evaluation, benchmarks) skip the RNG and the filters entirely.
-    tokens_B, sample_lp_B, kept_B = jax.lax.cond(jnp.all(temperature_B <= 0.0), greedy,
-                                                 stochastic)
+    tokens_B, sample_lp_B, kept_B = greedy() if level == GREEDY else jax.lax.cond(
+        jnp.all(temperature_B <= 0.0), greedy, stochastic)
     raw_lp_B = jnp.take_along_axis(raw_logp_BxV, tokens_B[:, None], axis=-1)[:, 0]
     return tokens_B, sample_lp_B, raw_lp_B, kept_B

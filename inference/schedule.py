@@ -100,7 +100,9 @@ def sampler_costs(sampler: Any) -> CallCosts | None:
 
     def decode_at(rows: int, window: int) -> Any:
         if not scratch:
-            scratch[:] = [sampler.dense_cache(), jax.device_put(SlotState.init(S), sampler._repl)]
+            # The live state's sampling level: the timing compiles the run's own programs.
+            state = SlotState.init(S, sampler.state.sampling)
+            scratch[:] = [sampler.dense_cache(), jax.device_put(state, sampler._repl)]
         scratch[0], scratch[1], out = sampler._decode(
             sampler.params, scratch[0], scratch[1], np.arange(rows, dtype=np.int32),
             window=window)
