@@ -20,7 +20,7 @@ from meshrl.inference.sampling import (
     sample_kept,
     sampling_level,
 )
-from tests.inference.tiny import make_sampler
+from tests.inference.tiny import TINY, make_sampler
 
 B, V = 6, 40
 
@@ -80,19 +80,21 @@ def test_a_sampler_spanning_processes_starts_at_the_highest_level():
     assert start_sampling(SamplerConfig(temperature=0.0), mesh) == FILTERED
 
 
+@pytest.mark.parametrize("kv_cache", ["dense", "paged"])
 def test_sampler_raises_its_level_for_a_request_and_samples_like_the_full_programs(
-        tiny_params):
+        tiny_params, kv_cache):
     _, params = tiny_params
-    prompts = [[5, 9, 11, 3], [7, 7, 2, 9, 30, 31, 4]]
+    prompts = [[5, 9, 11, 3], [7, 7, 2, 9, 30, 31, 4], [5, 9, 11, 3]]  # a shared prompt too
     greedy = [Request(p, max_new_tokens=6) for p in prompts]
     hot = [Request(p, max_new_tokens=6, temperature=0.8, seed=i) for i, p in enumerate(prompts)]
-    sampler = make_sampler(params)  # temperature 0: greedy programs
+    sampler = make_sampler(params, kv_cache=kv_cache)  # temperature 0: greedy programs
     assert sampler.state.sampling == GREEDY
     first = sampler.generate(greedy)
     sampled = sampler.generate(hot)
     assert sampler.state.sampling == TEMPERATURE
-    full = make_sampler(params)
-    full.warmup()  # every level: the top one
+    full = make_sampler(params, kv_cache=kv_cache)
+    # A top-k of the whole vocabulary filters nothing but lifts the programs to the top level.
+    full.generate([Request(prompts[0], max_new_tokens=1, temperature=1.0, top_k=TINY.vocab_size)])
     assert full.state.sampling == FILTERED
     for got, want in zip(first + sampled, full.generate(greedy) + full.generate(hot),
                          strict=True):
@@ -100,6 +102,15 @@ def test_sampler_raises_its_level_for_a_request_and_samples_like_the_full_progra
         np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(got.raw_logprobs, want.raw_logprobs, rtol=1e-6, atol=1e-6)
         assert got.kept == want.kept
+
+
+def test_warmup_compiles_the_top_level_unless_told(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, max_len=32, prompt_buckets=(8,))
+    sampler.warmup(sampling=TEMPERATURE)
+    assert sampler.state.sampling == TEMPERATURE
+    sampler.warmup()
+    assert sampler.state.sampling == FILTERED
 
 
 def test_sampler_level_never_drops_and_lower_requests_compile_nothing(tiny_params):
