@@ -190,8 +190,9 @@ class Sampler:
         return self._enqueue(request)
 
     def _enqueue(self, request: Request) -> Any:
-        if request.id is None:
-            request = dataclasses.replace(request, id=next(self._ids))
+        # A copy: the level is priced on the settings queued, whatever the caller's object does.
+        request = dataclasses.replace(
+            request, id=next(self._ids) if request.id is None else request.id)
         with self._lock:
             self._raise_sampling(request_sampling(request, self.cfg))
             self._queue.append(request)

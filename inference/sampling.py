@@ -67,9 +67,10 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     keep_k_BxV = rank_V[None, :] < k_B[:, None]
     sorted_k_BxV = jnp.where(keep_k_BxV, sorted_BxV, _NEG)
     probs_BxV = jax.nn.softmax(sorted_k_BxV, axis=-1)
-    # A token is kept while the mass of the strictly better tokens is below top_p.
+    # A token is kept while the mass of the strictly better tokens is below top_p. top_p 1 keeps
+    # every token outright: a float32 cumsum over a large vocabulary can reach 1 before its tail.
     mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
-    keep_BxV = keep_k_BxV & (mass_before_BxV < top_p_B[:, None])
+    keep_BxV = keep_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
     if min_p_B is not None:
         # p / p_max >= min_p; the ratio is the same before and after the other filters
         # renormalise, so the order of the filters does not matter.

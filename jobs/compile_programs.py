@@ -28,7 +28,7 @@ from meshrl.inference import paged_programs
 from meshrl.inference import programs as sampler_programs
 from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
-from meshrl.inference.requests import slot_settings, start_sampling
+from meshrl.inference.requests import slot_settings
 from meshrl.inference.shapes import prefill_pass_tokens
 from meshrl.mesh import rules_for
 from meshrl.models import (
@@ -207,8 +207,9 @@ def sampler_parts(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> tuple:
                                                     cache_sh.key_layout))
     cache = abstract_tree(cache, cache_sh)
     repl = NamedSharding(mesh, PartitionSpec())
-    level = start_sampling(s, mesh)  # the run's programs sample at the config's level
-    state = abstract_tree(jax.eval_shape(lambda: SlotState.init(s.slots, level)), repl)
+    # The highest sampling level (the vocabulary sort's temporaries included): a run reaches it
+    # on any request with top-k/top-p/min-p, so its memory bounds every level's.
+    state = abstract_tree(jax.eval_shape(lambda: SlotState.init(s.slots)), repl)
     return cfg, graphdef, params, cache, cache_sh, state, repl
 
 

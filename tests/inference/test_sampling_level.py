@@ -59,6 +59,22 @@ def test_a_lower_level_samples_its_rows_like_the_full_step(level, temperature_B)
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6)
 
 
+def test_an_unfiltered_row_beside_a_filtered_one_samples_as_alone():
+    # A large vocabulary and a peaked row: a float32 cumsum of its probabilities reaches 1
+    # before the tail, which must not cut a row with top_p 1 when the batch sorts.
+    logits_2xV = jax.random.normal(jax.random.key(0), (2, 32000)).at[:, 0].set(15.0)
+    seed_2, pos_2 = jnp.asarray([7, 8], jnp.int32), jnp.asarray([5, 5], jnp.int32)
+    both = jax.jit(lambda *a: sample_kept(*a, level=FILTERED))(
+        logits_2xV, jnp.ones(2), jnp.zeros(2, jnp.int32), jnp.asarray([1.0, 0.9]), seed_2,
+        pos_2)
+    alone = jax.jit(lambda *a: sample_kept(*a, level=TEMPERATURE))(
+        logits_2xV[:1], jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.ones(1), seed_2[:1],
+        pos_2[:1])
+    assert int(both[3][0]) == 32000
+    for b, a in zip(both, alone, strict=True):
+        np.testing.assert_allclose(np.asarray(b[:1]), np.asarray(a), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize(("level", "sorts", "draws"), [
     (GREEDY, 0, False), (TEMPERATURE, 0, True), (FILTERED, 1, True)])
 def test_a_level_compiles_only_its_own_sort_and_random_draw(level, sorts, draws):
@@ -111,6 +127,9 @@ def test_warmup_compiles_the_top_level_unless_told(tiny_params):
     assert sampler.state.sampling == TEMPERATURE
     sampler.warmup()
     assert sampler.state.sampling == FILTERED
+    compiled = sampler.compile_count()
+    sampler.generate([Request([3, 4, 5], max_new_tokens=5, temperature=1.0, top_p=0.9)])
+    assert sampler.compile_count() == compiled  # nothing compiles after warmup()
 
 
 def test_sampler_level_never_drops_and_lower_requests_compile_nothing(tiny_params):
