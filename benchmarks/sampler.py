@@ -45,8 +45,10 @@ Figures (targets in brackets):
   over a window of the cache, not all of it). [near 1]
 * *_tok_s: tokens (fixed) or useful tokens (long tail) per second of each side, medians.
 * first_call_s: seconds from building the max_len-1024 sampler to the fixed workload's
-  completions (compiling on first use, no warm-up call), one cold measurement;
-  compiled_programs: the programs that sampler compiled over the whole benchmark;
+  completions (compiling on first use, no warm-up call; greedy, so greedy programs: sampling
+  levels, docs/sampler.md), one cold measurement;
+  compiled_programs: the programs that sampler compiled over the whole benchmark (the greedy
+  ones of the fixed workload and those the long tail's sampled requests compile again);
   compiles_while_timed: those compiled during timed rounds (0: warm-up covered every variant).
 * grpo_paged_speedup: the GRPO workload (``sampler_vs_commit.grpo_requests``: 32 prompts of
   512 tokens sampled G = 8 times each, submitted together, temperature 1.0, a seed per sample,
