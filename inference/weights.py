@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from etils import epath
+from jax.sharding import NamedSharding
 
 from meshrl.models.lora import (
     AdapterUpdate,
@@ -100,6 +101,17 @@ def make_copy_cast(dtypes: dict[str, Any]) -> Callable[[str, jax.Array], jax.Arr
     return lambda name, leaf: one(leaf, dtypes[name])
 
 
+def move(x: jax.Array, sharding: Any) -> jax.Array:
+    """``jax.device_put(x, sharding)``; onto the same devices in another order, once ``x`` is
+    computed: that move (``jax._src.dispatch``'s reorder_shards) of an array still being
+    computed aborted the whole process now and then on XLA:CPU (jax 0.10.2)."""
+    src = x.sharding
+    reorders = (isinstance(src, NamedSharding) and isinstance(sharding, NamedSharding)
+                and src.device_set == sharding.device_set
+                and tuple(src.mesh.devices.flat) != tuple(sharding.mesh.devices.flat))
+    return jax.device_put(jax.block_until_ready(x) if reorders else x, sharding)
+
+
 def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any],
                  copy_cast: Callable[[str, jax.Array], jax.Array]) -> dict[str, jax.Array]:
     """Validate, then leaf by leaf copy and cast where the params are and move the copy onto
@@ -111,7 +123,7 @@ def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any
     # copies in the sampler's layout (twice its weights) beside the train state; this way the
     # transient is the cast copies in the trainer's layout, each freed once moved. The copy is
     # fresh, so the move may keep its buffers where the layouts agree.
-    out = {k: jax.device_put(copy_cast(k, v), shardings[k]) for k, v in flat.items()}
+    out = {k: move(copy_cast(k, v), shardings[k]) for k, v in flat.items()}
     jax.block_until_ready(out)
     return out
 
@@ -161,7 +173,8 @@ class SamplerWeights:
         sh = {k: frozen_sharding(v, self.shardings[k]) for k, v in update.base.items()}
         copy = jax.jit(lambda f: jax.tree.map(lambda v: jnp.array(v, copy=True), f),
                        out_shardings=sh)
-        self._base = copy(jax.device_put(update.base, sh))  # the trainer donates its own
+        # The trainer donates its own; the base is ready before it moves (``move``'s reason).
+        self._base = copy(jax.device_put(jax.block_until_ready(update.base), sh))
         self._base_tree = update.base_tree
         dtypes = {k: v.dtype for k, v in named.items()}
         self._merge = jax.jit(
@@ -185,7 +198,7 @@ class SamplerWeights:
             raise WeightMismatchError(f"adapter handoff for another frozen base: the base "
                                       f"differs at {diff[:3]}; hand over the full params")
         sh = adapter_shardings(list(update.targets), self.shardings)
-        adapters = {p: {k: jax.device_put(v, sh[p][k]) for k, v in ab.items()}
+        adapters = {p: {k: move(v, sh[p][k]) for k, v in ab.items()}
                     for p, ab in update.adapters.items()}
         out = merge(base, adapters, update.targets, update.scale)
         jax.block_until_ready(out)
