@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import MAX_STOP_IDS
 from meshrl.inference.sampling import FILTERED, sampling_level
+from meshrl.utils import multihost
 
 
 @dataclasses.dataclass
@@ -151,8 +152,7 @@ def start_sampling(c: SamplerConfig, mesh: Mesh) -> int:
     """The sampling level a sampler with ``c`` on ``mesh`` starts at: its defaults' own. Every
     process of a sampler spanning processes must run the same programs whatever its own
     requests ask for, so such a sampler starts at the highest level (and never changes)."""
-    local = all(d.process_index == jax.process_index() for d in mesh.devices.flat)
-    return request_sampling(None, c) if local else FILTERED
+    return request_sampling(None, c) if multihost.on_this_process(mesh) else FILTERED
 
 
 def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig

@@ -30,6 +30,7 @@ import numpy as np
 
 from meshrl.configs.schema import SamplerConfig
 from meshrl.inference.programs import SlotState
+from meshrl.utils import multihost
 from meshrl.utils.buckets import bucket_for
 from meshrl.utils.log import get_logger
 
@@ -109,7 +110,7 @@ def sampler_costs(sampler: Any) -> CallCosts | None:
         return out
 
     platform = sampler.mesh.devices.flat[0].platform
-    local = all(d.process_index == jax.process_index() for d in sampler.mesh.devices.flat)
+    local = multihost.on_this_process(sampler.mesh)
     key = (sampler.model_cfg, S, cfg.max_len, cfg.decode_chunk, platform,
            tuple(sampler.mesh.shape.items()), sampler.row_buckets)
     shapes = measure_shapes(sampler.row_buckets, sampler.window_buckets)

@@ -1,6 +1,7 @@
 """Small host-side collectives over JAX's multi-controller runtime (no-ops on one process).
 
-Every process must call each function at the same point of the program, like any collective.
+Every process must call each collective at the same point of the program; ``on_this_process``
+is a local query.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def allgather_json(obj: Any) -> list[Any]:
     padded[:data.size] = data
     rows = np.asarray(multihost_utils.process_allgather(padded))
     return [json.loads(rows[i, :int(sizes[i, 0])].tobytes()) for i in range(rows.shape[0])]
+
+
+def on_this_process(mesh: Any) -> bool:
+    """Whether every device of ``mesh`` belongs to this process (its programs involve no
+    other process)."""
+    return all(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
 
 def all_true(flag: bool) -> bool:
