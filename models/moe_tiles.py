@@ -4,15 +4,15 @@
 of the sorted ``rows_MxD`` go through expert ``g``'s SwiGLU; rows past ``sum(sizes_G)`` come out
 0. A loop over experts reads each expert's weights once (gate and up side by side, so one matmul
 computes both), and an inner loop with a data-dependent trip count covers its rows in full
-tiles; the remainder runs as one tile per set bit of its size down to the smallest tile, and
-its last rows (fewer than the smallest tile) in one smallest tile moved back to end inside the
-buffer, masked to the rows no earlier tile wrote. The work is the real rows plus less than one
-smallest tile per expert, whatever the routing (dropless, no static worst case), and no buffer
-is padded. XLA's CPU ``ragged_dot`` runs every row through every group instead, and a static
-layout of blocks pays for a worst case of padding and a weight gather per block (docs/moe.md).
-The backward pass is written by hand (``jax.custom_vjp``), as loops with data-dependent trip
-counts cannot be differentiated; it walks the same tiles and reuses the forward's
-pre-activations.
+tiles; the remainder (fewer rows than a full tile) runs as one tile, the power of two at or
+above it (at least the smallest tile), moved back to end inside the buffer where it would run
+past it, and masked to the remainder's rows. The work is the real rows plus less than the
+remainder again per expert, whatever the routing (dropless, no static worst case), and no
+buffer is padded. XLA's CPU ``ragged_dot`` runs every row through every group instead, and a
+static layout of blocks pays for a worst case of padding and a weight gather per block
+(docs/moe.md). The backward pass is written by hand (``jax.custom_vjp``), as loops with
+data-dependent trip counts cannot be differentiated; it walks the same tiles and reuses the
+forward's pre-activations.
 """
 
 from __future__ import annotations
@@ -33,8 +33,7 @@ SMALLEST, LARGEST = 8, 512
 def tile_rows(rows: int, groups: int) -> tuple[int, int]:
     """(full, smallest) tile rows, powers of two: the full tile the largest power of two within
     the mean rows per group (in [SMALLEST, LARGEST], at most ``rows``), the smallest tile
-    ``SMALLEST`` (or the full tile when that is smaller), which bounds the padding to under one
-    smallest tile per group."""
+    ``SMALLEST`` (or the full tile when that is smaller): no remainder runs in fewer rows."""
     target = min(max(SMALLEST, rows // max(groups, 1)), LARGEST, max(rows, 1))
     full = 1 << (target.bit_length() - 1)
     return full, min(SMALLEST, full)
@@ -52,26 +51,31 @@ Body = Callable[[jax.Array, int, "jax.Array | None", tuple], tuple]
 def _each_tile(start: jax.Array, size: jax.Array, rows: int, full: int, smallest: int,
                body: Body, carry: tuple) -> tuple:
     """``body(row0, tile_rows, valid_Tx1 or None, carry)`` over rows ``[start, start + size)``
-    of a buffer of ``rows`` rows. ``valid`` is None where every row of the tile is new; the last
-    tile (under ``smallest`` rows left) starts early enough to stay in the buffer and marks the
-    rows that are left."""
+    of a buffer of ``rows`` rows. ``valid`` is None where every row of the tile is new; the
+    remainder's tile starts early enough to stay in the buffer and marks the rows that are
+    left."""
     n_full = size // full
     carry = lax.fori_loop(0, n_full, lambda i, c: body(start + i * full, full, None, c), carry)
     off = start + n_full * full
-    b = full // 2
-    while b >= smallest:  # size's bits below ``full``: one exact tile each
-        take = (size & b) != 0
-        carry = _when(take, lambda c, o=off, b=b: body(o, b, None, c), carry)
-        off = off + jnp.where(take, b, 0)
-        b //= 2
-    left = size & (smallest - 1)
+    left = size - n_full * full
 
-    def last(c: tuple) -> tuple:
-        row0 = jnp.minimum(off, rows - smallest)
-        i_T = row0 + jnp.arange(smallest)
-        return body(row0, smallest, ((i_T >= off) & (i_T < off + left))[:, None], c)
+    def rest(b: int) -> Callable[[tuple], tuple]:
+        def run(c: tuple) -> tuple:
+            row0 = jnp.minimum(off, rows - b)
+            i_T = row0 + jnp.arange(b)
+            return body(row0, b, ((i_T >= off) & (i_T < off + left))[:, None], c)
 
-    return _when(left > 0, last, carry)
+        return run
+
+    # One tile for the whole remainder, not one exact tile per set bit of it: every tile pays a
+    # fixed cost (the expert's weights read again, the f32 weight-gradient accumulators read
+    # and written) that a few rows of padding cost less than. One two-way cond per tile size:
+    # XLA copies the carried buffers into a many-way conditional (lax.switch).
+    b, below = smallest, 0
+    while b <= full:
+        carry = _when((left > below) & (left <= b), rest(b), carry)
+        b, below = 2 * b, b
+    return carry
 
 
 def _when(pred: jax.Array, fn: Callable[[tuple], tuple], carry: tuple) -> tuple:

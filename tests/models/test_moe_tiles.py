@@ -1,7 +1,7 @@
 """The tiled grouped SwiGLU (CPU's ``blocked`` kernel): values and hand-written gradients equal
-a per-row reference for group sizes that use full tiles, the smaller exact tiles, a last tile
-moved back over earlier rows, empty groups, trailing padding rows and buffers smaller than the
-smallest tile."""
+a per-row reference for group sizes that use full tiles, remainder tiles of each size (exact and
+masked), a remainder tile moved back over earlier rows, empty groups, trailing padding rows and
+buffers smaller than the smallest tile."""
 
 from __future__ import annotations
 
@@ -37,10 +37,11 @@ def _inputs(rows: int, groups: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("sizes", [
-    (40, 0, 3, 21),        # full + exact smaller tiles + a last tile moved back, an empty group
+    (40, 0, 3, 21),        # full tiles, exact and masked 8-row remainders, an empty group
     (0, 0, 64, 0),         # everything in one group, exact full tiles
-    (5, 9, 2, 1),          # last tiles only, 47 trailing padding rows
+    (5, 9, 2, 1),          # remainders only (masked 8- and 16-row tiles), 47 padding rows
     (60, 0, 0, 4),         # the last group's tile reaches back over the first group's rows
+    (13, 30, 11, 10),      # masked full-size remainders, the last one moved back 6 rows
 ])
 def test_tiled_swiglu_equals_a_per_row_loop_in_values_and_gradients(sizes):
     M, G = 64, len(sizes)
