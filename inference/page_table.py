@@ -86,13 +86,13 @@ class SlotPages:
 
     def build_jits(self, graphdef: nnx.GraphDef, max_len: int, st_sh: NamedSharding,
                    pass_tokens: int) -> None:
-        """The shared-prefix programs (``paged_programs``), with the sampler's shardings, their
-        a re-prefill tail's forward in passes of at most ``pass_tokens`` tokens."""
+        """The shared-prefix programs (``paged_programs``) with the sampler's shardings; a
+        re-prefill tail's forward runs in passes of at most ``pass_tokens`` tokens."""
         out_sh = (self.sharding, st_sh)
         self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len),
                               donate_argnums=(1, 2), out_shardings=(*out_sh, st_sh))
-        self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_tokens), donate_argnums=(1, 2),
-                            out_shardings=out_sh)
+        self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_tokens), donate_argnums=(1,),
+                            out_shardings=self.sharding)
         self.gather = jax.jit(lambda cache: paged_programs.cascade_window(cache, cache.shared))
 
     def compile_count(self) -> int:

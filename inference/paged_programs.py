@@ -94,16 +94,15 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
 
 
 def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
-    """tail(params, cache, st, tokens_NxL, pos_NxL, slots_N, n_rows): write the keys and values
+    """tail(params, cache, tokens_NxL, pos_NxL, slots_N, n_rows) -> cache: write the keys and values
     of ``tokens_NxL`` at ``pos_NxL`` (-1: padding, dropped) into the pages of ``slots_N``,
     attending over those pages (causal by position): the part of a sequence after the prompt
     pages it shares, re-prefilled once those pages hold the new weights' entries. Passes of at
     most ``max_tokens`` tokens (``programs.pass_rows``) over the first ``n_rows`` (traced) rows
-    only."""
+    only. It reads no slot state, so a sampler's sampling level does not key its programs."""
 
-    def tail(params: nnx.State, cache: PagedKVCache, st: SlotState, tokens_NxL: jax.Array,
-             pos_NxL: jax.Array, slots_N: jax.Array, n_rows: jax.Array,
-             ) -> tuple[PagedKVCache, SlotState]:
+    def tail(params: nnx.State, cache: PagedKVCache, tokens_NxL: jax.Array, pos_NxL: jax.Array,
+             slots_N: jax.Array, n_rows: jax.Array) -> PagedKVCache:
         table = cache.page_table
 
         def one_pass(cache: PagedKVCache, rows: tuple) -> tuple[PagedKVCache, tuple]:
@@ -114,7 +113,7 @@ def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
 
         cache, _ = in_passes(one_pass, cache, (tokens_NxL, pos_NxL, slots_N), n_rows,
                              pass_rows(*tokens_NxL.shape, max_tokens))
-        return cache, st
+        return cache
 
     return tail
 

@@ -172,9 +172,8 @@ def _tail(sampler: Any, part: Sequence[tuple[int, list[int], int]], length: int)
         tokens_NxL[i, :len(seq) - start] = seq[start:]
         pos_NxL[i, :len(seq) - start] = np.arange(start, len(seq))
         slots_N[i] = s
-    sampler.cache, sampler.state = sampler.pages.tail(
-        sampler.params, sampler._bound(), sampler.state, tokens_NxL, pos_NxL, slots_N,
-        np.int32(len(part)))
+    sampler.cache = sampler.pages.tail(sampler.params, sampler._bound(), tokens_NxL, pos_NxL,
+                                       slots_N, np.int32(len(part)))
 
 
 def warm_up(sampler: Any, recompute: bool) -> None:

@@ -255,13 +255,13 @@ def reprefill_tail_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -
         raise UserError(f"compile.programs includes 'reprefill_tail': only the paged cache "
                         f"re-prefills tails over shared pages; sampler.kv_cache = "
                         f"{s.kv_cache!r}")
-    cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
+    cfg, graphdef, params, cache, cache_sh, _, repl = sampler_parts(config, model_cfg, mesh)
     S, L = s.slots, s.max_len
     tail = paged_programs.make_tail(graphdef, prefill_pass_tokens(s, s.prompt_buckets))
-    jitted = jax.jit(tail, donate_argnums=(1, 2), out_shardings=(cache_sh, repl))
+    jitted = jax.jit(tail, donate_argnums=(1,), out_shardings=cache_sh)
     host = (np.zeros((S, L), np.int32), np.zeros((S, L), np.int32),
             np.arange(S, dtype=np.int32), np.int32(S))
-    lowered = jitted.lower(params, cache, state, *(abstract_tree(x, repl) for x in host))
+    lowered = jitted.lower(params, cache, *(abstract_tree(x, repl) for x in host))
     flops = flops_per_token(cfg, L) / 3 * S * L
     return Program("reprefill_tail", lowered, 1, flops, flops, per_chip_bytes(params),
                    per_chip_bytes(cache))

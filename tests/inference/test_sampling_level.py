@@ -143,3 +143,14 @@ def test_sampler_level_never_drops_and_lower_requests_compile_nothing(tiny_param
                       for r in requests])
     assert sampler.state.sampling == TEMPERATURE
     assert sampler.compile_count() == compiled
+
+
+def test_a_level_raise_keeps_the_paged_re_prefill_tail_programs(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, kv_cache="paged", max_len=32, prompt_buckets=(8,))
+    sampler.warmup(recompute=True, sampling=GREEDY)
+    tails = sampler.pages.tail._cache_size()
+    assert tails > 0
+    sampler.warmup(recompute=True)  # the top level: every decode and prefill compiles again
+    assert sampler.state.sampling == FILTERED
+    assert sampler.pages.tail._cache_size() == tails  # the tail reads no slot state
