@@ -90,40 +90,77 @@ def check_compatible(incoming: dict[str, Any], expected: dict[str, Any]) -> None
                                       f"cannot become {want.dtype} ({_kind(want.dtype)})")
 
 
-def make_copy_cast(dtypes: dict[str, Any]) -> Callable[[str, jax.Array], jax.Array]:
-    """``(name, leaf) ->`` a jitted copy of the leaf cast to the sampler's dtype for ``name``,
-    laid out as the leaf is (each leaf may sit on its own devices).
+# Leaves are copied and cast in groups of up to this many bytes of copies, or of the largest
+# leaf's copy where that is larger: one program call per group instead of one per leaf (each
+# call costs a host dispatch), while the transient copies stay within what a leaf-by-leaf copy
+# of the largest leaf holds anyway (or this much).
+GROUP_BYTES = 64 << 20
+
+
+def make_copy_cast(dtypes: dict[str, Any]) -> Callable[[list[str], list[jax.Array]],
+                                                       list[jax.Array]]:
+    """``(names, leaves) ->`` jitted copies of the leaves cast to the sampler's dtypes for
+    ``names``, laid out as the leaves are (one program a group; the leaves of a call share
+    their devices).
 
     ``jnp.array(copy=True)`` keeps a real copy even where the dtype already matches, so the
     sampler never aliases a buffer the trainer will donate to its next step.
     """
-    one = jax.jit(lambda v, dtype: jnp.array(v, copy=True).astype(dtype), static_argnums=1)
-    return lambda name, leaf: one(leaf, dtypes[name])
+    group = jax.jit(lambda vs, dts: [jnp.array(v, copy=True).astype(d) for v, d in zip(vs, dts)],
+                    static_argnums=1)
+    return lambda names, leaves: group(list(leaves), tuple(dtypes[k] for k in names))
 
 
-def move(x: jax.Array, sharding: Any) -> jax.Array:
-    """``jax.device_put(x, sharding)``; onto the same devices in another order, once ``x`` is
-    computed: that move (``jax._src.dispatch``'s reorder_shards) of an array still being
-    computed aborted the whole process now and then on XLA:CPU (jax 0.10.2)."""
-    src = x.sharding
-    reorders = (isinstance(src, NamedSharding) and isinstance(sharding, NamedSharding)
+def copy_groups(flat: dict[str, jax.Array], expected: dict[str, Any]) -> list[list[str]]:
+    """``flat``'s names in order, cut into groups of at most ``GROUP_BYTES`` of cast copies (or
+    the largest leaf's) whose leaves sit on the same devices."""
+    nbytes = {k: math.prod(v.shape) * jnp.dtype(expected[k].dtype).itemsize
+              for k, v in flat.items()}
+    budget = max([GROUP_BYTES, *nbytes.values()])
+    groups: list[list[str]] = []
+    size, devices = 0, None
+    for k, v in flat.items():
+        here = v.sharding.device_set if isinstance(v, jax.Array) else None
+        if not groups or size + nbytes[k] > budget or here != devices:
+            groups.append([])
+            size, devices = 0, here
+        groups[-1].append(k)
+        size += nbytes[k]
+    return groups
+
+
+def move_all(xs: Any, shardings: Any) -> Any:
+    """``jax.device_put(xs, shardings)`` (pytrees of one structure: one call, one host
+    dispatch); an array going onto the same devices in another order once it is computed: that
+    move (``jax._src.dispatch``'s reorder_shards) of an array still being computed aborted the
+    whole process now and then on XLA:CPU (jax 0.10.2)."""
+    def reorders(x: jax.Array, sharding: Any) -> bool:
+        src = x.sharding
+        return (isinstance(src, NamedSharding) and isinstance(sharding, NamedSharding)
                 and src.device_set == sharding.device_set
                 and tuple(src.mesh.devices.flat) != tuple(sharding.mesh.devices.flat))
-    return jax.device_put(jax.block_until_ready(x) if reorders else x, sharding)
+
+    ready = jax.tree.map(lambda x, sh: jax.block_until_ready(x) if reorders(x, sh) else x,
+                         xs, shardings)
+    return jax.device_put(ready, shardings)
 
 
 def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any],
-                 copy_cast: Callable[[str, jax.Array], jax.Array]) -> dict[str, jax.Array]:
-    """Validate, then leaf by leaf copy and cast where the params are and move the copy onto
-    the sampler's sharding (any source mesh)."""
+                 copy_cast: Callable[[list[str], list[jax.Array]], list[jax.Array]],
+                 ) -> dict[str, jax.Array]:
+    """Validate, then group by group (``copy_groups``) copy and cast where the params are and
+    move the copies onto the sampler's shardings (any source mesh)."""
     flat = flat_params(params)
     check_compatible(flat, expected)
-    # Cast before moving, leaf by leaf: the trainer's float32 params are sharded over every
-    # chip and the sampler's replicate over ``data``, so moving first would hold float32
+    # Cast before moving, a group at a time: the trainer's float32 params are sharded over
+    # every chip and the sampler's replicate over ``data``, so moving first would hold float32
     # copies in the sampler's layout (twice its weights) beside the train state; this way the
-    # transient is the cast copies in the trainer's layout, each freed once moved. The copy is
-    # fresh, so the move may keep its buffers where the layouts agree.
-    out = {k: move(copy_cast(k, v), shardings[k]) for k, v in flat.items()}
+    # transient is one group's cast copies in the trainer's layout, freed once moved. The
+    # copies are fresh, so the move may keep their buffers where the layouts agree.
+    out: dict[str, jax.Array] = {}
+    for names in copy_groups(flat, expected):
+        copies = copy_cast(names, [flat[k] for k in names])
+        out.update(zip(names, move_all(copies, [shardings[k] for k in names]), strict=True))
     jax.block_until_ready(out)
     return out
 
@@ -198,8 +235,8 @@ class SamplerWeights:
             raise WeightMismatchError(f"adapter handoff for another frozen base: the base "
                                       f"differs at {diff[:3]}; hand over the full params")
         sh = adapter_shardings(list(update.targets), self.shardings)
-        adapters = {p: {k: move(v, sh[p][k]) for k, v in ab.items()}
-                    for p, ab in update.adapters.items()}
+        adapters = move_all(update.adapters, {p: {k: sh[p][k] for k in ab}
+                                              for p, ab in update.adapters.items()})
         out = merge(base, adapters, update.targets, update.scale)
         jax.block_until_ready(out)
         sent = sum(v.size * v.dtype.itemsize for ab in update.adapters.values()

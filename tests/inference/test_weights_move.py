@@ -1,14 +1,18 @@
-"""``weights.move``: a move onto the same devices in another order waits for its array first
-(moving one still being computed that way could abort the process); other moves do not wait."""
+"""``weights.move_all``: a move onto the same devices in another order waits for its array first
+(moving one still being computed that way could abort the process); other moves do not wait.
+The handoff copies and casts leaves in groups (one program call each) cut at a byte budget and
+where the leaves' devices change, with the same values as a leaf-by-leaf copy."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshrl.inference import weights
+from meshrl.utils.params import flat_params
 
 
 def test_move_waits_for_the_array_only_where_the_device_order_changes(monkeypatch):
@@ -24,7 +28,54 @@ def test_move_waits_for_the_array_only_where_the_device_order_changes(monkeypatc
     for mesh, spec, waited in [(reversed_order, P("x", "y"), 1), (here, P(None, "x"), 0),
                                (other_devices, P("x"), 0)]:
         before = len(waits)
-        moved = weights.move(x_4x4, NamedSharding(mesh, spec))
+        (moved,) = weights.move_all([x_4x4], [NamedSharding(mesh, spec)])
         assert len(waits) - before == waited, (mesh.devices, spec)
         assert moved.sharding == NamedSharding(mesh, spec)
         np.testing.assert_array_equal(np.asarray(moved), np.arange(16.0).reshape(4, 4))
+
+
+def _leaf(shape, devices, dtype=np.float32):
+    mesh = Mesh(np.array(devices), ("x",))
+    return jax.device_put(np.ones(shape, dtype), NamedSharding(mesh, P()))
+
+
+def test_copy_groups_cut_at_the_byte_budget_and_where_the_devices_change(monkeypatch):
+    monkeypatch.setattr(weights, "GROUP_BYTES", 512)
+    one, two = jax.devices()[:1], jax.devices()[1:3]
+    flat = {"a": _leaf((64,), one), "b": _leaf((64,), one), "c": _leaf((32,), one),
+            "d": _leaf((64,), two)}
+    expected = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16 if k == "c" else v.dtype)
+                for k, v in flat.items()}
+
+    # a + b fill the 512 bytes; d sits on other devices.
+    assert weights.copy_groups(flat, expected) == [["a", "b"], ["c"], ["d"]]
+
+    # A leaf over the budget raises it to its own copy's bytes (2,400): c's copy is bfloat16.
+    flat |= {"e": _leaf((600,), two), "f": _leaf((8,), two)}
+    expected |= {k: jax.ShapeDtypeStruct(flat[k].shape, np.float32) for k in "ef"}
+    assert weights.copy_groups(flat, expected) == [["a", "b", "c"], ["d"], ["e"], ["f"]]
+
+
+def test_handoff_in_one_call_or_in_groups_copies_the_same_values(monkeypatch, tiny_params):
+    _, params = tiny_params
+    flat = flat_params(params)
+    abstract = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16), params)
+    shardings = jax.tree.map(lambda v: v.sharding, params)
+    sampler_weights = weights.SamplerWeights(abstract, shardings)
+    calls: list[int] = []
+    copy_cast = sampler_weights.copy_cast
+    sampler_weights.copy_cast = lambda names, leaves: calls.append(len(names)) or copy_cast(
+        names, leaves)
+
+    whole = sampler_weights.handoff(params)
+    monkeypatch.setattr(weights, "GROUP_BYTES", 1)  # groups up to the largest leaf's copy
+    grouped = sampler_weights.handoff(params)
+
+    assert calls[0] == len(flat)  # one program call for the whole tiny model
+    assert len(calls) > 2 and sum(calls[1:]) == len(flat)
+    for name, leaf in flat.items():
+        assert whole[name].dtype == jnp.bfloat16
+        assert whole[name].unsafe_buffer_pointer() != leaf.unsafe_buffer_pointer()
+        np.testing.assert_array_equal(np.asarray(whole[name]), np.asarray(grouped[name]))
+        np.testing.assert_array_equal(np.asarray(whole[name]),
+                                      np.asarray(leaf.astype(jnp.bfloat16)))
