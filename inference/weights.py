@@ -130,19 +130,27 @@ def copy_groups(flat: dict[str, jax.Array], expected: dict[str, Any]) -> list[li
 
 
 def move_all(xs: Any, shardings: Any) -> Any:
-    """``jax.device_put(xs, shardings)`` (pytrees of one structure: one call, one host
-    dispatch); an array going onto the same devices in another order once it is computed: that
-    move (``jax._src.dispatch``'s reorder_shards) of an array still being computed aborted the
-    whole process now and then on XLA:CPU (jax 0.10.2)."""
-    def reorders(x: jax.Array, sharding: Any) -> bool:
-        src = x.sharding
-        return (isinstance(src, NamedSharding) and isinstance(sharding, NamedSharding)
-                and src.device_set == sharding.device_set
-                and tuple(src.mesh.devices.flat) != tuple(sharding.mesh.devices.flat))
+    """``jax.device_put(xs, shardings)`` (pytrees of one structure) in one call for the arrays
+    not on their sharding yet (each costs the call host time); an array going onto the same
+    devices in another order once it is computed: that move (``jax._src.dispatch``'s
+    reorder_shards) of an array still being computed aborted the whole process now and then on
+    XLA:CPU (jax 0.10.2)."""
+    leaves, tree = jax.tree.flatten(xs)
+    targets = tree.flatten_up_to(shardings)
+    todo = [i for i, (x, sh) in enumerate(zip(leaves, targets, strict=True))
+            if not (isinstance(x, jax.Array) and x.sharding == sh)]
+    ready = [jax.block_until_ready(leaves[i]) if _reorders(leaves[i], targets[i]) else leaves[i]
+             for i in todo]
+    for i, moved in zip(todo, jax.device_put(ready, [targets[i] for i in todo]), strict=True):
+        leaves[i] = moved
+    return jax.tree.unflatten(tree, leaves)
 
-    ready = jax.tree.map(lambda x, sh: jax.block_until_ready(x) if reorders(x, sh) else x,
-                         xs, shardings)
-    return jax.device_put(ready, shardings)
+
+def _reorders(x: Any, sharding: Any) -> bool:
+    src = getattr(x, "sharding", None)
+    return (isinstance(src, NamedSharding) and isinstance(sharding, NamedSharding)
+            and src.device_set == sharding.device_set
+            and tuple(src.mesh.devices.flat) != tuple(sharding.mesh.devices.flat))
 
 
 def reshard_cast(params: Any, expected: dict[str, Any], shardings: dict[str, Any],

@@ -32,6 +32,8 @@ def test_move_waits_for_the_array_only_where_the_device_order_changes(monkeypatc
         assert len(waits) - before == waited, (mesh.devices, spec)
         assert moved.sharding == NamedSharding(mesh, spec)
         np.testing.assert_array_equal(np.asarray(moved), np.arange(16.0).reshape(4, 4))
+    (same,) = weights.move_all([x_4x4], [x_4x4.sharding])
+    assert same is x_4x4  # already in place: no transfer, no wait
 
 
 def _leaf(shape, devices, dtype=np.float32):
