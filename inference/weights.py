@@ -113,20 +113,32 @@ def make_copy_cast(dtypes: dict[str, Any]) -> Callable[[list[str], list[jax.Arra
 
 def copy_groups(flat: dict[str, jax.Array], expected: dict[str, Any]) -> list[list[str]]:
     """``flat``'s names in order, cut into groups of at most ``GROUP_BYTES`` of cast copies (or
-    the largest leaf's) whose leaves sit on the same devices."""
+    the largest leaf's) whose leaves sit on the same devices in the same order (one jitted call
+    takes its arguments on one device assignment)."""
     nbytes = {k: math.prod(v.shape) * jnp.dtype(expected[k].dtype).itemsize
               for k, v in flat.items()}
     budget = max([GROUP_BYTES, *nbytes.values()])
     groups: list[list[str]] = []
     size, devices = 0, None
     for k, v in flat.items():
-        here = v.sharding.device_set if isinstance(v, jax.Array) else None
+        here = _device_order(v)
         if not groups or size + nbytes[k] > budget or here != devices:
             groups.append([])
             size, devices = 0, here
         groups[-1].append(k)
         size += nbytes[k]
     return groups
+
+
+def _device_order(x: Any) -> Any:
+    """The devices a leaf's program call runs on, in order; None for a host array; a fresh
+    object (a group of its own) for a multi-device sharding with no mesh to give the order."""
+    if not isinstance(x, jax.Array):
+        return None
+    if isinstance(x.sharding, NamedSharding):
+        return tuple(x.sharding.mesh.devices.flat)
+    devices = x.sharding.device_set
+    return tuple(devices) if len(devices) == 1 else object()
 
 
 def move_all(xs: Any, shardings: Any) -> Any:

@@ -1,7 +1,7 @@
 """``weights.move_all``: a move onto the same devices in another order waits for its array first
 (moving one still being computed that way could abort the process); other moves do not wait.
 The handoff copies and casts leaves in groups (one program call each) cut at a byte budget and
-where the leaves' devices change, with the same values as a leaf-by-leaf copy."""
+where the leaves' devices or their order change, with the same values as a leaf-by-leaf copy."""
 
 from __future__ import annotations
 
@@ -56,6 +56,24 @@ def test_copy_groups_cut_at_the_byte_budget_and_where_the_devices_change(monkeyp
     flat |= {"e": _leaf((600,), two), "f": _leaf((8,), two)}
     expected |= {k: jax.ShapeDtypeStruct(flat[k].shape, np.float32) for k in "ef"}
     assert weights.copy_groups(flat, expected) == [["a", "b", "c"], ["d"], ["e"], ["f"]]
+
+
+def test_leaves_on_the_same_devices_in_another_order_copy_in_their_own_group():
+    devices = jax.devices()[:4]
+    flat = {"a": _leaf((8,), devices), "b": _leaf((8,), devices[::-1]),
+            "c": _leaf((8,), devices[::-1])}
+    flat = {k: v * (i + 1) for i, (k, v) in enumerate(flat.items())}
+    expected = {k: jax.ShapeDtypeStruct(v.shape, jnp.bfloat16) for k, v in flat.items()}
+    target = NamedSharding(Mesh(np.array(jax.devices()[4:8]), ("x",)), P())
+
+    # One jitted call takes its arguments on one device order: a and b cannot share a call.
+    assert weights.copy_groups(flat, expected) == [["a"], ["b", "c"]]
+    out = weights.reshard_cast(flat, expected, dict.fromkeys(flat, target),
+                               weights.make_copy_cast({k: jnp.bfloat16 for k in flat}))
+
+    for i, k in enumerate(flat):
+        assert out[k].sharding == target and out[k].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(out[k], np.float32), np.full(8, i + 1.0))
 
 
 def test_handoff_in_one_call_or_in_groups_copies_the_same_values(monkeypatch, tiny_params):
