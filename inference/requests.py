@@ -72,7 +72,8 @@ class RequestQueue:
         self._order = itertools.count()
 
     def append(self, request: Request) -> None:
-        heapq.heappush(self._heap, (-request.priority, next(self._order), request))
+        # int(): a numpy integer priority (uint8, int8) would wrap around when negated.
+        heapq.heappush(self._heap, (-int(request.priority), next(self._order), request))
 
     def head(self) -> Request:
         return self._heap[0][2]

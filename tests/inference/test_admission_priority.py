@@ -30,6 +30,15 @@ def test_queue_pops_highest_priority_then_earliest():
     assert not q
 
 
+def test_numpy_integer_priorities_order_as_their_values():
+    # Negating a numpy uint8 or int8 wraps around; the queue must order by the value.
+    q = RequestQueue()
+    for r in _requests([0, np.uint8(1), np.int8(-128), np.int64(2)]):
+        q.append(r)
+
+    assert [q.popleft().id for _ in range(4)] == [3, 1, 0, 2]
+
+
 def _admission_order(sampler) -> list:
     order, prefill = [], sampler._run_prefill
     sampler._run_prefill = lambda seqs, slots, reqs, *a: order.extend(
