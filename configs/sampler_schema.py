@@ -72,7 +72,7 @@ class SamplerConfig(Section):
     prefix_cache_pages: int = field(
         0, "kv_cache = paged: pages of finished prompts kept for later requests starting with "
            "the same tokens (least recently used dropped first, and when the pool is short; "
-           "cleared by new weights). 0: off.", at_least(0))
+           "cleared by new weights and by a cache release). 0: off.", at_least(0))
     decode_row_buckets: tuple[int, ...] = field(
         (), "Row counts a decode call may run on: a call gathers the slots it names (the live "
             "ones when few are left, or a range of them ranked by length, see "

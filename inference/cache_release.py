@@ -64,8 +64,8 @@ def release(sampler: Any, weights: bool = False) -> None:
             _delete(sampler.cache)
             sampler.cache = None
             sampler.slots.mark_stale()
-            if sampler.pages:  # the prefix cache's pages lived in the pool
-                sampler.pages.new_version(sampler.version)
+            if sampler.pages:  # no page written before this holds its entries any more
+                sampler.pages.new_epoch()
         if weights and sampler.params is not None:
             jax.block_until_ready(sampler.params)  # a dispatched program may still read them
             _delete(sampler.params, keep=sampler.weights.kept_base())

@@ -79,8 +79,10 @@ class SlotPages:
         self.cascade_chunks = 0  # decode chunks split over shared prefixes (``bind_decode``)
         self.prefix_cache = (PrefixCache(self.alloc, cfg.page_size, cfg.prefix_cache_pages)
                              if cfg.prefix_cache_pages else None)
-        self.version = -1  # of the weights the pages being written are computed under
-        # slot -> (its prompt, the version its prompt pages hold): what the cache may keep.
+        # What the pool's entries are computed under: new weights or a fresh (zero) pool start a
+        # new epoch, and pages written in an older one are never shared or cached again.
+        self.epoch = 0
+        # slot -> (its prompt, the epoch its prompt pages were written in): what may be kept.
         self.owner: dict[int, tuple[Sequence[int], int]] = {}
         self.start: dict[int, int] = {}  # slot -> prompt positions the prefix cache supplied
 
@@ -98,9 +100,10 @@ class SlotPages:
     def compile_count(self) -> int:
         return self.extend._cache_size() + self.tail._cache_size() + self.gather._cache_size()
 
-    def new_version(self, version: int) -> None:
-        """New weights: cached prompt pages hold the old version's entries."""
-        self.version = version
+    def new_epoch(self) -> None:
+        """New weights, or a pool allocated again: every page written so far holds entries
+        that are stale (computed under the old weights) or gone (the released pool)."""
+        self.epoch += 1
         if self.prefix_cache:
             self.prefix_cache.clear()
 
@@ -177,7 +180,7 @@ class SlotPages:
         if self.prefix_cache:
             self.prefix_cache.evict(need, self.alloc.shard_of_slot(slot))
         if self.alloc.reserve(slot, self.tokens_needed(request)):
-            self.owner[slot] = (request.prompt_ids, self.version)
+            self.owner[slot] = (request.prompt_ids, self.epoch)
             if self.prefix_cache:
                 self.prefix_cache.hits += len(cached)
             return True
@@ -189,8 +192,8 @@ class SlotPages:
         """Return the pages of ``slots`` (sequences over, or certain to end in the round in
         flight: that round was dispatched first, so its writes land before any new owner's)."""
         for s in slots:
-            prompt, version = self.owner.pop(s, ((), None))
-            if self.prefix_cache and version == self.version:
+            prompt, epoch = self.owner.pop(s, ((), None))
+            if self.prefix_cache and epoch == self.epoch:
                 self.prefix_cache.insert(prompt, self.alloc.table[s])
             self.alloc.release(s)
 

@@ -43,13 +43,13 @@ def admit(sampler: Any, free: Sequence[int], ending: Sequence[int]) -> Admitted:
     the part past its cached prefix, if any), start the other members from the leader's pages."""
     pages, queue = sampler.pages, sampler._queue
     pages.release(ending)
-    # A live sequence whose prompt pages hold this version's entries leads its prompt's later
+    # A live sequence whose prompt pages hold this epoch's entries leads its prompt's later
     # samples too: a group admitted over several rounds (slots free up one by one) runs its
     # prompt once, not once per round.
     # With a sharded pool a slot lists only its own shard's pages: a group leads per shard.
     shard = pages.alloc.shard_of_slot
     leaders = {(tuple(p), shard(s)): s for s, (p, v) in pages.owner.items()
-               if v == pages.version}
+               if v == pages.epoch}
     solo: list[tuple[int, Request]] = []
     cached: list[Row] = []
     members: list[Row] = []
@@ -137,8 +137,8 @@ def recompute(sampler: Any, live: Sequence[tuple[int, Completion]]) -> None:
     full: list[tuple[int, Completion]] = []
     tails: dict[int, list[tuple[int, list[int], int]]] = collections.defaultdict(list)
     for s, c in live:
-        if s in pages.owner:  # re-prefilled now: its prompt pages hold the new version's entries
-            pages.owner[s] = (c.request.prompt_ids, pages.version)
+        if s in pages.owner:  # re-prefilled now: its prompt pages hold this epoch's entries
+            pages.owner[s] = (c.request.prompt_ids, pages.epoch)
         k = pages.shared_pages(c.request)
         key = tuple(int(p) for p in table[s, :k])
         seq = list(c.request.prompt_ids) + c.tokens[:-1]

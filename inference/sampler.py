@@ -154,7 +154,7 @@ class Sampler:
             self.version = int(version)
             self.slots.mark_stale()
             if self.pages:
-                self.pages.new_version(self.version)
+                self.pages.new_epoch()
 
     def update_weights(self, params: Any, version: int) -> None:
         """In-process handoff: validate, reshard to the sampler, cast, copy; lands between

@@ -162,6 +162,24 @@ def test_prefix_cache_is_cleared_by_new_weights_and_keeps_its_size(tiny_params):
     assert sampler.pages.prompt_prefills == 4
 
 
+def test_a_cache_release_with_a_sequence_ending_in_flight_caches_none_of_its_zeroed_pages(
+        tiny_params):
+    _, params = tiny_params
+    kw = {**KW, "readback": "lagged"}
+    sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=8, **kw)
+    sampler.submit(Request(PROMPT, max_new_tokens=3, seed=0))
+    sampler.step()  # the chunk the request ends in is in flight
+
+    sampler.release_cache()  # the pool's pages go; the new one is zeros
+    sampler.restore_cache()
+    while sampler.has_work():
+        sampler.step()
+
+    assert not sampler.pages.prefix_cache.entries
+    _assert_same(sampler.generate(_solo(PROMPT, 1)),
+                 make_sampler(params, **kw).generate(_solo(PROMPT, 1)))
+
+
 @pytest.mark.slow  # the prefix cache: test_prefix_cache_serves_... in the default run
 def test_cached_pages_are_evicted_when_the_pool_is_short(tiny_params):
     _, params = tiny_params
