@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import itertools
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -134,6 +135,21 @@ def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequenc
     if not 0 <= request.min_new_tokens <= max_new:
         raise ValueError(f"min_new_tokens = {request.min_new_tokens}: must be in [0, "
                          f"max_new_tokens = {max_new}]")
+    _check_sampling(request)
+
+
+def _check_sampling(request: Request) -> None:
+    """The request's own sampling settings obey ``SamplerConfig``'s rules for its defaults: a
+    program would read a negative min-p or a NaN top-p as a filter keeping one token, while
+    the sampling level counts it as none (the request would be sampled greedily)."""
+    t, k, p, m = request.temperature, request.top_k, request.top_p, request.min_p
+    if t is not None and not 0 <= t < math.inf:
+        raise ValueError(f"temperature = {t}: must be >= 0 and finite")
+    if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0):
+        raise ValueError(f"top_k = {k!r}: must be an integer >= 0")
+    for name, v in (("top_p", p), ("min_p", m)):
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"{name} = {v}: must be in [0, 1]")
 
 
 def _pick(r: Request | None, name: str, default: Any) -> Any:

@@ -256,6 +256,27 @@ def test_min_new_tokens_outside_zero_to_max_new_is_rejected(tiny_params, min_new
         sampler.submit(Request([3, 4], max_new_tokens=10, min_new_tokens=min_new))
 
 
+@pytest.mark.parametrize("setting, message", [
+    ({"min_p": -0.5}, r"min_p = -0.5: must be in \[0, 1\]"),
+    ({"top_p": float("nan")}, r"top_p = nan: must be in \[0, 1\]"),
+    ({"top_p": 1.5}, r"top_p = 1.5: must be in \[0, 1\]"),
+    ({"temperature": -1.0}, r"temperature = -1.0: must be >= 0 and finite"),
+    ({"temperature": float("inf")}, r"temperature = inf: must be >= 0 and finite"),
+    ({"top_k": 2.5}, r"top_k = 2.5: must be an integer >= 0"),
+    ({"top_k": -1}, r"top_k = -1: must be an integer >= 0"),
+])
+def test_a_sampling_setting_out_of_range_is_rejected_before_queueing(tiny_params, setting,
+                                                                     message):
+    # A negative min-p or a NaN top-p would filter all but the top token in a program that
+    # sorts while counting as no filter for the sampling level: sampled greedily, silently.
+    _, params = tiny_params
+    sampler = make_sampler(params)
+
+    with pytest.raises(ValueError, match=message):
+        sampler.submit(Request([3, 4], max_new_tokens=4, **setting))
+    assert not sampler.has_work()
+
+
 @pytest.mark.slow  # scheduling detail, seconds of compiles
 def test_sequence_reaching_cache_end_finishes_with_length(tiny_params):
     _, params = tiny_params
