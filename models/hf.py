@@ -33,6 +33,22 @@ _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qw
           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 _QK_NORM = ("qwen3", "qwen3_moe")
 _ROPE_TYPES = {None: "none", "default": "none", "linear": "linear", "llama3": "llama3"}
+# What transformers' config class of each model type uses for a key config.json leaves out
+# (tests/models/test_hf_config.py checks them against the installed transformers): a
+# hand-written config.json must give the model transformers runs, not meshrl's own defaults.
+_ROPE = {"rope_theta": 10000.0, "rms_norm_eps": 1e-6}
+_QWEN = {**_ROPE, "max_position_embeddings": 32768}
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {**_ROPE, "max_position_embeddings": 2048},
+    "qwen2": {**_QWEN, "num_key_value_heads": 32},
+    "qwen3": {**_QWEN, "num_key_value_heads": 32, "head_dim": 128},
+    # The expert count is not defaulted (two keys name it): a config.json without it is refused.
+    "qwen3_moe": {**_QWEN, "num_key_value_heads": 4, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1},
+    "mixtral": {"rope_theta": 1e6, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+                "num_key_value_heads": 8, "num_experts_per_tok": 2},
+}
 
 
 class CheckpointError(UserError, ValueError):
@@ -52,6 +68,7 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if model_type not in _ARCHS:
         raise ConfigError(f"HF config model_type = {model_type!r}: unsupported; supported: "
                           f"{sorted(_ARCHS)}")
+    hf = {**_HF_DEFAULTS[model_type], **hf}  # a key given as null keeps its own meaning
     archs = hf.get("architectures") or [_ARCHS[model_type]]
     if archs != [_ARCHS[model_type]]:
         raise ConfigError(f"HF config architectures = {archs}: unsupported; for model_type "

@@ -57,6 +57,33 @@ def test_model_config_round_trips_through_hf_config(cfg):
     assert model_config_from_hf(hf_config_from_model(cfg)) == cfg
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral"])
+def test_keys_a_config_json_leaves_out_take_transformers_defaults_for_its_model_type(model_type):
+    transformers = pytest.importorskip("transformers")
+    # Only what every config.json must say; everything else from the model type's defaults.
+    given = {"model_type": model_type, "vocab_size": 64, "hidden_size": 256,
+             "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 32}
+    if model_type in ("qwen3_moe", "mixtral"):
+        given["num_local_experts"] = 16  # refused when missing (two keys may name it)
+    hf = transformers.AutoConfig.for_model(**given)
+
+    cfg = model_config_from_hf(given)
+
+    rope = getattr(hf, "rope_parameters", None) or {}
+    want = {"rope_theta": rope.get("rope_theta", getattr(hf, "rope_theta", None)),
+            "rms_norm_eps": hf.rms_norm_eps, "num_kv_heads": hf.num_key_value_heads,
+            "resolved_head_dim": getattr(hf, "head_dim", None) or 256 // 32,
+            "max_position_embeddings": hf.max_position_embeddings,
+            "tie_embeddings": hf.tie_word_embeddings}
+    if model_type in ("qwen3_moe", "mixtral"):
+        want |= {"num_experts": 16, "num_experts_per_tok": hf.num_experts_per_tok}
+    if model_type == "qwen3_moe":
+        want |= {"norm_topk_prob": hf.norm_topk_prob,
+                 "moe_intermediate_size": hf.moe_intermediate_size,
+                 "decoder_sparse_step": hf.decoder_sparse_step}
+    assert {k: getattr(cfg, k) for k in want} == want
+
+
 def test_transformers_4_style_rope_scaling_is_read():
     hf = {**hf_config_from_model(ModelConfig(arch="llama")), "rope_parameters": None,
           "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4.0}}
