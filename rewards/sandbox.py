@@ -197,7 +197,12 @@ class ToolSandbox:
             text = await printed
             if text is None:
                 return None, []
-            lines = [json.loads(x) for x in (await child.answers.read()).splitlines() if x]
+            # The answer line is the tool's to write too (its result descriptor): capped as
+            # its output is, with room for JSON escapes (at most 6 bytes a character).
+            answers = await _read_capped(child.answers, 6 * self.limits.output_bytes + 4096)
+            if answers is None:
+                return None, []
+            lines = [json.loads(x) for x in answers.splitlines() if x]
             await child.proc.wait()
             return text, lines
         try:
@@ -215,7 +220,7 @@ class ToolSandbox:
             return ToolOutput(False, f"error: the tool process {_death(child.proc)}"
                                      f"{': ' + printed_text[-500:] if printed_text else ''}",
                               "crashed")
-        body = printed_text + answer["output"]
+        body = (printed_text + answer["output"])[:self.limits.output_bytes]
         return ToolOutput(bool(answer["ok"]), body if answer["ok"] else f"error: {body}",
                           "" if answer["ok"] else "tool_error")
 

@@ -12,14 +12,22 @@ and removing the temporary directory):
 2. ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` where the kernel allows it: a network namespace
    with no interfaces, so nothing is reachable even from native code. Where it is refused the
    audit hook below still blocks every socket.
-3. A ``sys.addaudithook`` hook (it cannot be removed once added) that refuses sockets, process
+3. Landlock where the kernel has it (Linux 5.13+): no file is written, created, truncated,
+   renamed or removed outside the working directory, whatever the code does (special files
+   and ``dir_fd`` paths included; the parent directory's empty directories may be removed, so
+   that a child whose parent died removes its own).
+4. A ``sys.addaudithook`` hook (it cannot be removed once added) that refuses sockets, process
    creation (fork, exec, spawn, ``subprocess``, ``os.system``), signals to other processes,
    ``ctypes`` and the modules that bypass the hook (``_posixsubprocess``, ``_ctypes``), and any
    file-system access outside the working directory (the per-call temporary directory) except
-   reads of the Python installation (imports).
+   reads of the Python installation (imports); no directory outside it is opened (its
+   descriptor would let ``dir_fd`` paths past the check), and a write through a descriptor is
+   checked against the file it names.
 
 The audit hook stops Python code; it is not a boundary against native code a tool could load,
-which is why loading native code (``ctypes``) is refused and the rlimits come first.
+which is why loading native code (``ctypes``) is refused and the rlimits come first. Some
+calls raise no audit event (``os.mkfifo``, ``os.mknod``): without Landlock they are not
+confined.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import io
 import json
 import os
 import resource
+import struct
 import sys
 import traceback
 
@@ -42,8 +51,18 @@ _BLOCKED_MODULES = frozenset({"_posixsubprocess", "_ctypes", "ctypes", "_socket"
 _PATH_EVENTS = frozenset({"open", "os.listdir", "os.scandir", "os.remove", "os.rename",
                           "os.mkdir", "os.rmdir", "os.chmod", "os.chown", "os.link",
                           "os.symlink", "os.truncate", "os.utime", "os.chdir", "os.chroot",
-                          "shutil.rmtree", "shutil.copyfile", "shutil.move", "glob.glob"})
-_READ_ONLY_EVENTS = frozenset({"open", "os.listdir", "os.scandir", "glob.glob"})
+                          "shutil.rmtree", "shutil.copyfile", "shutil.move", "glob.glob",
+                          "os.setxattr", "os.removexattr", "os.getxattr", "os.listxattr",
+                          "os.chflags"})
+_READ_ONLY_EVENTS = frozenset({"open", "os.listdir", "os.scandir", "glob.glob", "os.getxattr",
+                               "os.listxattr"})
+# Landlock (include/uapi/linux/landlock.h): syscall numbers (the same on every architecture),
+# and the file-system rights it handles: writing, truncating, making and removing entries.
+_LL_CREATE, _LL_ADD_RULE, _LL_RESTRICT = 444, 445, 446
+_LL_REMOVE_DIR = 1 << 4
+_LL_WRITE = (1 << 1) | _LL_REMOVE_DIR | sum(1 << b for b in range(5, 13))
+_LL_REFER, _LL_TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+_PR_SET_NO_NEW_PRIVS = 38
 
 
 def set_limits(limits: dict) -> None:
@@ -64,9 +83,47 @@ def isolate_network() -> bool:
     return libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0
 
 
-def _inside(path: object, roots: tuple[str, ...]) -> bool:
-    if isinstance(path, int):  # an already open descriptor: its open was checked
-        return True
+def confine_writes(workdir: str) -> bool:
+    """Landlock: from now on this process writes, creates, truncates, renames and removes only
+    beneath ``workdir`` (and removes empty directories beside it). True when the kernel
+    enforces it."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(ctypes.c_long(_LL_CREATE), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        return False
+    handled = _LL_WRITE | (_LL_REFER if abi >= 2 else 0) | (_LL_TRUNCATE if abi >= 3 else 0)
+    attr = ctypes.c_uint64(handled)  # handled_access_fs: the first field of every ABI's struct
+    ruleset = libc.syscall(ctypes.c_long(_LL_CREATE), ctypes.byref(attr), ctypes.c_size_t(8),
+                           ctypes.c_uint32(0))
+    if ruleset < 0:
+        return False
+    try:
+        for path, allowed in ((workdir, handled), (os.path.dirname(workdir), _LL_REMOVE_DIR)):
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", allowed, fd), 12)
+                if libc.syscall(ctypes.c_long(_LL_ADD_RULE), ctypes.c_long(ruleset),
+                                ctypes.c_long(1), rule, ctypes.c_uint32(0)) != 0:
+                    return False
+            finally:
+                os.close(fd)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            return False
+        return libc.syscall(ctypes.c_long(_LL_RESTRICT), ctypes.c_long(ruleset),
+                            ctypes.c_uint32(0)) == 0
+    finally:
+        os.close(ruleset)
+
+
+def _inside(path: object, roots: tuple[str, ...], writing: bool) -> bool:
+    if isinstance(path, int):
+        if not writing:  # reading through an open descriptor: its open was checked
+            return True
+        try:  # a write through a descriptor (chmod, truncate, ...): the file it names
+            path = os.readlink(f"/proc/self/fd/{path}")
+        except OSError:
+            return False
     try:
         real = os.path.realpath(os.fsdecode(path))  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -86,13 +143,23 @@ def make_hook(workdir: str):
         if event == "import" and args and args[0].split(".")[0] in _BLOCKED_MODULES:
             raise PermissionError(f"sandbox: import of {args[0]} is not allowed")
         if event in _PATH_EVENTS and args:
-            writing = event != "open" or _writes(args)
-            roots = work if writing or event not in _READ_ONLY_EVENTS else work + python
+            writing = event not in _READ_ONLY_EVENTS or (event == "open" and _writes(args))
+            roots = work if writing else work + python
             for path in args[:2] if event in ("os.rename", "os.link", "os.symlink") else args[:1]:
-                if not _inside(path, roots):
+                if not _inside(path, roots, writing):
                     raise PermissionError(f"sandbox: {event} outside the tool's directory: "
                                           f"{path!r}")
+            if event == "open" and not _inside(args[0], work, True) and _is_dir(args[0]):
+                raise PermissionError(f"sandbox: open of a directory outside the tool's "
+                                      f"directory: {args[0]!r}")
     return hook
+
+
+def _is_dir(path: object) -> bool:
+    try:
+        return not isinstance(path, int) and os.path.isdir(os.fsdecode(path))  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
 
 
 def _writes(args: tuple) -> bool:
@@ -136,10 +203,11 @@ def serve(result: io.TextIOBase) -> None:
     limits = json.loads(sys.stdin.readline())
     set_limits(limits)
     netns = isolate_network() if limits.get("netns", True) else False
+    landlock = confine_writes(os.getcwd())
     for name in ("ctypes", "_ctypes", "resource"):  # a tool's import must pass the hook
         sys.modules.pop(name, None)
     sys.addaudithook(make_hook(os.getcwd()))
-    result.write(json.dumps({"ready": True, "netns": netns}) + "\n")
+    result.write(json.dumps({"ready": True, "netns": netns, "landlock": landlock}) + "\n")
     result.flush()
     for line in sys.stdin:
         request = json.loads(line)

@@ -57,6 +57,17 @@ def test_python_tool_prints_its_answer_and_may_use_its_own_directory(tool_tmp):
     ("import os\nos.remove('/tmp')", "tool_error", "outside the tool's directory"),
     ("while True:\n    print('x' * 100000)", "output_limit", "more than 2000 bytes"),
     ("import ctypes", "tool_error", "not allowed"),
+    # A directory's descriptor would let dir_fd paths past the hook's path check.
+    ("import os, sys\nfd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n"
+     "os.open('x.pth', os.O_WRONLY | os.O_CREAT, dir_fd=fd)", "tool_error",
+     "open of a directory outside"),
+    ("import os\nfd = os.open(os.__file__, os.O_RDONLY)\nos.chmod(fd, 0o777)", "tool_error",
+     "os.chmod outside the tool's directory"),
+    ("import os\nos.setxattr('..', 'user.x', b'1')", "tool_error",
+     "os.setxattr outside the tool's directory"),
+    ("raise ValueError('A' * 200_000)", "output_limit", "more than 2000 bytes"),
+    ("import sys, os\nos.write(int(sys.argv[1]), b'{\"ok\": true, \"output\": \"' "
+     "+ b'B' * 200_000 + b'\"}\\n')", "output_limit", "more than 2000 bytes"),
 ])
 def test_hostile_python_ends_as_an_error_output_and_leaves_nothing(tool_tmp, code, error,
                                                                    needle):
@@ -93,6 +104,35 @@ def test_sleeping_tool_is_stopped_at_its_wall_clock_and_its_process_group_is_gon
     assert sandbox.counters["timeouts"] == 1
     with pytest.raises(ProcessLookupError):
         os.killpg(started[0].proc.pid, 0)
+    assert_clean(tool_tmp)
+
+
+def test_a_long_answer_under_the_escape_room_is_cut_to_the_output_cap(tool_tmp):
+    out, _, _ = run_python("raise ValueError('A' * 5000)")
+    assert not out.ok and out.error == "tool_error"
+    assert out.text == "error: " + ("ValueError: " + "A" * 5000)[:LIMITS.output_bytes]
+
+
+def _landlock() -> bool:
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        return libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)) > 0
+    except (OSError, AttributeError):
+        return False
+
+
+@pytest.mark.skipif(not _landlock(), reason="the kernel has no Landlock: special files made "
+                                            "without an audit event are not confined")
+@pytest.mark.parametrize("make", ["os.mkfifo(p)", "os.mknod(p)"])
+def test_special_files_outside_the_directory_are_refused_by_the_kernel(tool_tmp, make):
+    target = tool_tmp.parent / "fifo_outside"
+    out, _, _ = run_python(f"import os\np = {str(target)!r}\n{make}")
+
+    assert not out.ok and "Permission denied" in out.text, out
+    assert not target.exists()
     assert_clean(tool_tmp)
 
 
