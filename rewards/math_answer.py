@@ -248,8 +248,12 @@ def _symbolic_equal(a: str, b: str) -> bool:
         if diff == 0:
             return True
         if not diff.free_symbols:
+            if diff.is_Rational:  # exact, and not 0: 1/3^20 is not 1/3^21, 0 is not 10^-10
+                return False
+            # Irrational or decimal: equal to a relative 1e-9 (3.1415926536 is pi).
             value = complex(sympy.N(diff, 30))
-            return abs(value) < 1e-9
+            scale = max(abs(complex(sympy.N(x, 30))), abs(complex(sympy.N(y, 30))))
+            return abs(value) <= 1e-9 * scale
         return sympy.count_ops(diff) < 60 and sympy.simplify(diff) == 0
     except (TypeError, ValueError, ZeroDivisionError, OverflowError):
         return False

@@ -10,6 +10,7 @@ from meshrl.rewards.math_answer import is_equiv, to_sympy
 
 # (completion, ground truth, expected reward)
 EQUIVALENT = [
+    ("\\boxed{3.1415926536}", "\\pi"),  # a decimal within a relative 1e-9 of an irrational
     ("\\boxed{46}", "46"),
     ("The answer is \\boxed{ 46 }.", "46"),
     ("\\boxed{-7}", "-7"),
@@ -99,6 +100,11 @@ NOT_EQUIVALENT = [
     ("\\boxed{2}", "2, 3"),
     ("\\boxed{\\sqrt{2}}", "1.41"),
     ("\\boxed{1000}", "100"),
+    # Exact values differ however small the difference (not within an absolute tolerance).
+    ("\\boxed{0}", "10^{-10}"),
+    ("\\boxed{0}", "\\frac{1}{2^{40}}"),
+    ("\\boxed{\\frac{1}{3^{20}}}", "\\frac{1}{3^{21}}"),
+    ("\\boxed{\\frac{10^{20} + 1}{3}}", "\\frac{10^{20}}{3}"),  # within a relative 1e-9
     ("\\boxed{1,00}", "100"),
     ("\\boxed{A}", "B"),
     ("\\boxed{5 m}", "5"),  # one letter could be a variable, so it is not dropped as a unit
