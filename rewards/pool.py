@@ -1,9 +1,9 @@
 """Run rewards in worker processes with a per-call timeout, and compose them by weight.
 
-Each (reward, completion) pair is one call in a worker. A call that raises, returns a non-finite
-value, outlives ``timeout_s`` or kills its worker scores 0.0 and increments ``errors`` or
-``timeouts``; a hung worker is killed and replaced, so the RL loop never stalls on one bad
-completion. Workers come from a forkserver (spawn where unavailable), never a fork of the JAX
+Each (reward, completion) pair is one call in a worker. A call that raises, returns anything
+but one finite number, outlives ``timeout_s`` or kills its worker scores 0.0 and increments
+``errors`` or ``timeouts``; a hung worker is killed and replaced with its process group (what the
+reward started dies too), so the RL loop never stalls on one bad completion. Workers come from a forkserver (spawn where unavailable), never a fork of the JAX
 process, whose threads and device handles must not be duplicated.
 
 Concurrent callers share the workers: every call's (reward, completion) pairs join one queue that
@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
+import os
+import signal
 import threading
 import time
 import weakref
@@ -95,6 +97,12 @@ class _Worker:
         self.sent_at = 0.0
 
     def kill(self) -> None:
+        """Kill the worker and its process group (what its rewards started, too; the group is
+        the worker's pid once it has called setsid, and none before)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         if self.process.is_alive():
             self.process.kill()
         self.process.join(timeout=5)

@@ -11,11 +11,15 @@ counted 0 on every pair. Limits, set once in the worker and never in the JAX pro
   limit stops a worker whose pool is gone (its parent killed) from spinning on for good. The
   kernel terminates it with SIGXCPU, even inside a C call.
 * ``RLIMIT_CORE`` 0: a worker killed by a limit writes no core file.
+
+Each worker leads its own process group, which the pool kills with it.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+import os
 import resource
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
@@ -56,6 +60,9 @@ def worker_main(conn: Connection, names: Sequence[str], memory_mb: int,
     """Report ``("ready", None)`` (or ``("failed", why)``), then answer each task
     ``(name, prompt, completion, fields)`` with ``("ok", value)`` or ``("error", why)``."""
     # The built-in rewards are registered: importing this module ran meshrl/rewards/__init__.py.
+    # A process group of its own: the pool kills the group, so what a reward started (a
+    # subprocess, a forked child) does not outlive a timeout or the pool.
+    os.setsid()
     apply_limits(memory_mb)
     try:
         rewards: dict[str, RewardFn] = {name: get(name) for name in names}
@@ -74,6 +81,17 @@ def worker_main(conn: Connection, names: Sequence[str], memory_mb: int,
         _cpu_budget(timeout_s)
         try:
             value = rewards[name]([prompt], [completion], **{k: [v] for k, v in fields.items()})
-            conn.send(("ok", float(value[0])))
+            conn.send(("ok", _one_number(name, value)))
         except BaseException as e:  # noqa: BLE001  (any failure of a reward is a counted 0)
             conn.send(("error", f"{type(e).__name__}: {e}"[:500]))
+
+
+def _one_number(name: str, value: object) -> float:
+    """The one score of a one-completion call: a real number, not a string or a bool that
+    ``float`` would take, and not one of several (the rest silently dropped)."""
+    items = list(value) if isinstance(value, (list, tuple)) or hasattr(value, "__array__") else []
+    if (len(items) != 1 or isinstance(items[0], (bool, str, bytes))
+            or not isinstance(items[0], numbers.Real)):
+        raise TypeError(f"reward {name} returned {value!r:.80}: must be one number per "
+                        f"completion")
+    return float(items[0])

@@ -20,6 +20,19 @@ def returns_nan(prompts: list[str], completions: list[str], **_: Any) -> list[fl
     return [float("nan")] * len(completions)
 
 
+def returns_a_string(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return ["1.0"] * len(completions)  # type: ignore[list-item]
+
+
+def returns_a_bool(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+    return [True] * len(completions)
+
+
+def returns_two_per_completion(prompts: list[str], completions: list[str], **_: Any
+                               ) -> list[float]:
+    return [5.0, 6.0] * len(completions)
+
+
 def kills_worker(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
     os._exit(3)
 
@@ -28,6 +41,17 @@ def sleeps_then_scores(prompts: list[str], completions: list[str], **_: Any) -> 
     """Scores each completion's length after 0.3 s."""
     time.sleep(0.3)
     return [float(len(c)) for c in completions]
+
+
+def starts_a_sleeper_and_hangs(prompts: list[str], completions: list[str], pid_file: list[str],
+                               **_: Any) -> list[float]:
+    """Starts ``sleep 600``, writes its pid to ``pid_file``, then hangs (a timeout)."""
+    import subprocess
+
+    child = subprocess.Popen(["sleep", "600"])
+    with open(pid_file[0], "w") as f:
+        f.write(str(child.pid))
+    sleep_forever(prompts, completions)
 
 
 def hangs_on_marker(prompts: list[str], completions: list[str], **_: Any) -> list[float]:

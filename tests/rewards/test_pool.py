@@ -32,7 +32,31 @@ def test_hung_worker_is_replaced_and_later_calls_still_score(make_pool):
     assert pool.score(["p"], ["four"]) == [4.0]
 
 
-@pytest.mark.parametrize("name", ["always_raises", "returns_nan", "kills_worker"])
+def _running(pid: int) -> bool:
+    try:  # a zombie (state Z) whose parent died and was not reaped yet counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_process_a_reward_started_dies_with_its_worker_at_the_timeout(make_pool, tmp_path):
+    pid_file = tmp_path / "pid"
+    pool = make_pool([H + "starts_a_sleeper_and_hangs"], timeout_s=0.5, num_workers=1)
+
+    assert pool.score(["p"], ["a"], pid_file=[str(pid_file)]) == [0.0]
+
+    pid = int(pid_file.read_text())
+    deadline = time.monotonic() + 5.0
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
+@pytest.mark.parametrize("name", ["always_raises", "returns_nan", "kills_worker",
+                                  # float() would take these: not one number per completion
+                                  "returns_a_string", "returns_a_bool",
+                                  "returns_two_per_completion"])
 def test_failing_reward_scores_zero_and_counts_an_error(make_pool, name: str):
     pool = make_pool([H + name], timeout_s=0.5, num_workers=1)
     assert pool.score(["p", "q"], ["a", "b"]) == [0.0, 0.0]
