@@ -86,6 +86,15 @@ def test_format_reward_follows_a_configured_template(completion: str, expected: 
     assert get("format")(["q"], [completion], format_template=["... #### ..."]) == [expected]
 
 
+def test_a_long_run_of_blanks_in_a_slot_scores_within_the_pool_timeout(make_pool):
+    # A backtracking slot took seconds on this (quadratic in the run's length): a timeout, 0.
+    pool = make_pool(["format"], timeout_s=2.0, num_workers=1)
+    completion = "<think>a" + " " * 64_000 + "b</think><answer>5</answer>"
+
+    assert pool.score(["p"], [completion]) == [1.0]
+    assert pool.counters["timeouts"] == 0
+
+
 def test_builtin_rewards_are_registered_and_unknown_names_fail():
     assert {"math", "gsm8k", "countdown", "format"} <= set(names())
     with pytest.raises(KeyError, match="unknown reward"):
