@@ -45,6 +45,10 @@ log = get_logger("rewards")
 STARTUP_TIMEOUT_S = 120.0  # importing sympy and meshrl in a fresh worker; not a reward's time
 
 
+# Replacement workers that may die in a row before one is ready (start-up deaths: none).
+MAX_START_FAILURES = 3
+
+
 class RewardPoolError(UserError, RuntimeError):
     """The pool cannot score at all (a worker died or hung at start-up, or it was closed)."""
 
@@ -160,6 +164,7 @@ class RewardPool:
         self.constants = dict(constants or {})
         self._warned_columns: set[str] = set()
         self._first_ready: float | None = None  # when a worker first reported ready
+        self._start_failures = 0  # replacement workers dead before ready, since the last ready
         self.counters = {"calls": 0, "errors": 0, "timeouts": 0, "worker_restarts": 0,
                          "deadline_zeros": 0}
         methods = mp.get_all_start_methods()
@@ -333,7 +338,7 @@ class RewardPool:
         except (EOFError, OSError):
             kind, payload = "error", "worker exited"
         if kind == "ready":
-            w.ready = True
+            w.ready, self._start_failures = True, 0
             if self._first_ready is None:
                 self._first_ready = time.monotonic()
             return
@@ -343,12 +348,17 @@ class RewardPool:
                                   f"process")
         if w.task is None:  # a dead idle worker
             if not w.ready:
-                # Dying before "ready" is an import/config bug; restarting would loop.
                 w.process.join(timeout=5)
-                raise RewardPoolError(f"reward pool {self.names}: a worker exited during "
-                                      f"start-up (exit code {w.process.exitcode}): check that "
-                                      f"the rewards import in a fresh process and that "
-                                      f"reward.worker_memory_mb leaves room for them")
+                self._start_failures += 1
+                # Before any worker was ready, dying is an import/config bug (restarting would
+                # loop); a replacement killed from outside starts again, a few times in a row.
+                if self._first_ready is None or self._start_failures > MAX_START_FAILURES:
+                    raise RewardPoolError(f"reward pool {self.names}: a worker exited during "
+                                          f"start-up (exit code {w.process.exitcode}): check "
+                                          f"that the rewards import in a fresh process and "
+                                          f"that reward.worker_memory_mb leaves room for them")
+                log.warning("a reward worker exited before it was ready (exit code %s); "
+                            "starting another", w.process.exitcode)
             self._replace(w)
             return
         call, r, i, _ = w.task

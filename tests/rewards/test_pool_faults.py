@@ -3,6 +3,7 @@ constants against data columns. Every case runs real worker processes."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -74,6 +75,40 @@ def test_worker_not_ready_within_the_start_up_timeout_fails_the_pool(make_pool):
     with pytest.raises(RewardPoolError, match="not ready 1s after it started"):
         pool.score(["p"], ["a"])
     assert time.monotonic() - start < 30.0
+
+
+def test_a_replacement_worker_that_dies_before_it_is_ready_is_started_again(make_pool):
+    from meshrl.tests.rewards import dies_at_start_on_marker as once
+
+    pool = make_pool(["meshrl.tests.rewards.dies_at_start_on_marker:reward"], num_workers=1,
+                     timeout_s=5.0)
+    assert pool.score(["p"], ["ab"]) == [2.0]
+    open(once.MARKER, "w").close()  # the next worker started dies at import
+    try:
+        assert pool.score(["p"], ["KILL"]) == [0.0]  # its worker dies and is replaced
+
+        assert pool.score(["p"], ["abc"]) == [3.0]  # that one died too; its successor scores
+    finally:
+        if os.path.exists(once.MARKER):
+            os.remove(once.MARKER)
+    assert pool.counters["worker_restarts"] == 2
+
+
+def test_replacement_workers_dying_before_ready_again_and_again_fail_the_pool(make_pool):
+    from meshrl.rewards.pool import MAX_START_FAILURES
+    from meshrl.tests.rewards import dies_at_start_on_marker as every
+
+    pool = make_pool(["meshrl.tests.rewards.dies_at_start_on_marker:reward"], num_workers=1,
+                     timeout_s=5.0)
+    assert pool.score(["p"], ["ab"]) == [2.0]
+    open(every.ALWAYS, "w").close()
+    try:
+        assert pool.score(["p"], ["KILL"]) == [0.0]
+        with pytest.raises(RewardPoolError, match="a worker exited during start-up"):
+            pool.score(["p"], ["abc"])
+    finally:
+        os.remove(every.ALWAYS)
+    assert pool.counters["worker_restarts"] == 1 + MAX_START_FAILURES
 
 
 def test_pool_constant_wins_over_a_data_column_of_the_same_name(make_pool):
