@@ -34,6 +34,7 @@ from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.optimizer import make_optimizer
 from meshrl.trainer.profile import ProfileWindow
 from meshrl.trainer.progress import Progress
+from meshrl.trainer.resume_check import check_resume
 from meshrl.trainer.spec import StepSpec
 from meshrl.trainer.state import TrainState, abstract_state, init_state, state_shardings
 from meshrl.trainer.step import BucketedStep, ForwardFn, decoder_forward, jit_leaf_step
@@ -179,6 +180,12 @@ class TrainEngine:
         finally:
             self.watchdog.stop()
         self.start_step = 0 if self.restored is None else int(self.restored.counters["step"])
+        if self.restored is not None:
+            try:
+                check_resume(self.restored.config, config.to_dict(), self.start_step)
+            except BaseException:
+                self.checkpointer.close()
+                raise
         step_fn = (spec.make_step(trainee.forward, spec.loss_fn, self.tx, self.schedule)
                    if self.lora is None else self.lora.step(
                        trainee.forward,
