@@ -7,6 +7,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -124,14 +125,26 @@ class MetricsWriter:
             return
         workdir = paths.as_path(workdir)
         last_kept = -1 if resume_step is None else resume_step
-        _drop_rows_after(workdir / "metrics.jsonl", last_kept)
+        self._path = workdir / "metrics.jsonl"
+        _drop_rows_after(self._path, last_kept)
+        # The kinds of row (key sets) kept at the restored step: a resumed run that writes one
+        # again there (the final evaluation of a finished run run again) replaces it.
+        self._at_resume = (last_kept, _key_sets_at(self._path, last_kept))
         if tensorboard:
             self._tb = summary_writer_class()(str(workdir / "tb"), purge_step=last_kept + 1)
-        self._jsonl = (workdir / "metrics.jsonl").open("a")  # noqa: SIM115 (closed in close())
+        self._jsonl = self._path.open("a")  # noqa: SIM115 (closed in close())
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         if not self._enabled:
             return
+        at, kinds = self._at_resume
+        if step == at and frozenset(scalars) in kinds:
+            kinds.discard(frozenset(scalars))
+            assert self._jsonl is not None
+            self._jsonl.close()
+            _drop_rows(self._path, lambda row: row.get("step") == at
+                       and frozenset(row) - {"step"} == frozenset(scalars))
+            self._jsonl = self._path.open("a")  # noqa: SIM115 (closed in close())
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
@@ -150,24 +163,41 @@ class MetricsWriter:
             self._wandb.close()
 
 
-def _drop_rows_after(path: epath.Path, last_kept: int) -> None:
-    """Move rows of ``path`` whose step is after ``last_kept`` to ``metrics.discarded.jsonl``;
-    the rewrite is atomic (tmp + rename), so a kill here loses no row."""
-    if not path.exists():
-        return
+def _rows(path: epath.Path) -> list[tuple[str, dict | None]]:
+    """Each non-blank line with its row (None: a line cut by a kill, not any step's record)."""
+    out = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        if line.strip():
+            try:
+                row = json.loads(line)
+                ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+                out.append((line, row if ok else None))
+            except ValueError:
+                out.append((line, None))
+    return out
+
+
+def _key_sets_at(path: epath.Path, step: int) -> set[frozenset[str]]:
+    return {frozenset(row) - {"step"} for _, row in _rows(path)
+            if row is not None and row["step"] == step}
+
+
+def _drop_rows(path: epath.Path, drop: Callable[[dict], bool]) -> int:
+    """Move the rows ``drop`` picks (and cut lines) to ``metrics.discarded.jsonl``; the
+    rewrite is atomic (tmp + rename), so a kill here loses no row."""
     kept, dropped = [], []
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            step = None  # a line cut by a kill: not part of any step's record
-        (kept if step is not None and step <= last_kept else dropped).append(line)
-    if not dropped:
-        return
-    with path.with_name("metrics.discarded.jsonl").open("a") as f:
-        f.write("".join(line + "\n" for line in dropped))
-    paths.write_text_atomic(path, "".join(line + "\n" for line in kept))
-    _log.warning("%s: %d rows after step %d came from a run that died before checkpointing "
-                 "them; moved to metrics.discarded.jsonl", path, len(dropped), last_kept)
+    for line, row in _rows(path):
+        (dropped if row is None or drop(row) else kept).append(line)
+    if dropped:
+        with path.with_name("metrics.discarded.jsonl").open("a") as f:
+            f.write("".join(line + "\n" for line in dropped))
+        paths.write_text_atomic(path, "".join(line + "\n" for line in kept))
+    return len(dropped)
+
+
+def _drop_rows_after(path: epath.Path, last_kept: int) -> None:
+    """Move rows of ``path`` whose step is after ``last_kept`` to ``metrics.discarded.jsonl``."""
+    dropped = _drop_rows(path, lambda row: row["step"] > last_kept)
+    if dropped:
+        _log.warning("%s: %d rows after step %d came from a run that died before checkpointing "
+                     "them; moved to metrics.discarded.jsonl", path, dropped, last_kept)

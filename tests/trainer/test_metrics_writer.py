@@ -81,3 +81,24 @@ def test_writer_class_of_a_tensorboardx_that_needs_torch_imports_it_with_torch(t
                          timeout=120, check=True, env=env, cwd=tmp_path)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report == {"writer": "tensorboardX.writer", "torch_loaded": True}
+
+
+def _rows(path: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_row_written_again_at_the_restored_step_replaces_the_same_kind_of_row(tmp_path):
+    # A finished run run again restores its last step and evaluates it again.
+    first = MetricsWriter(tmp_path, tensorboard=False, process_index=0)
+    for step in (1, 2):
+        first.write(step, {"loss": float(step)})
+    first.write(2, {"eval/accuracy": 0.5})
+    first.close()
+
+    again = MetricsWriter(tmp_path, tensorboard=False, process_index=0, resume_step=2)
+    again.write(2, {"eval/accuracy": 0.75})
+    again.close()
+
+    assert _rows(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 2, "eval/accuracy": 0.75}]
+    assert _rows(tmp_path / "metrics.discarded.jsonl") == [{"step": 2, "eval/accuracy": 0.5}]
