@@ -169,6 +169,7 @@ class _StreamIterator:
         self._counts = {k: np.zeros(n, np.int64) for k in _ROW_COUNTS}
         self._batches = 0
         self._peeked: dict[int, tuple[int, dict]] = {}
+        self._usable: bool | None = None  # some example is kept (``_any_usable``)
 
     def _peek(self, r: int) -> dict:
         """Owned row ``r``'s next usable example (not consumed); drops are counted once."""
@@ -185,11 +186,22 @@ class _StreamIterator:
             self._counts[ex["_drop"]][r] += 1
             self._cursor[r] += 1
             streak += 1
-            # A whole epoch of drops in a row's sub-stream means nothing will ever fit.
+            # A row reads every ``rows``-th example of a stream reshuffled each epoch, so a long
+            # run of drops may be chance: only a dataset with no usable example ends the run.
             if streak > self._num_examples + 1:
-                raise DatasetError(f"data: every example is dropped (last: {ex['origin']}, "
-                                   f"stats {self.stats}): raise data.max_prompt_len or "
-                                   f"trainer.seq_len")
+                if not self._any_usable():
+                    raise DatasetError(f"data: every example is dropped (last: "
+                                       f"{ex['origin']}, stats {self.stats}): raise "
+                                       f"data.max_prompt_len or trainer.seq_len")
+                streak = 0
+
+    def _any_usable(self) -> bool:
+        """Whether any example of the dataset is kept (scanned once, when a row has dropped
+        more examples in a row than the dataset holds)."""
+        if self._usable is None:
+            self._usable = any("_drop" not in self._example(i)
+                               for i in range(self._num_examples))
+        return self._usable
 
     def _example(self, index: int) -> dict:
         """Example ``index`` tokenized (the element of the grain dataset)."""

@@ -14,7 +14,6 @@ the pair indices); the state is the count of pairs consumed, equal on every proc
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -25,7 +24,7 @@ from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
 from meshrl.datasets.pipeline import encode_prompt, prompt_text, response_ids
-from meshrl.datasets.sources import DatasetError, _check_messages
+from meshrl.datasets.sources import DatasetError, _check_messages, jsonl_rows
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils.log import get_logger
 
@@ -66,17 +65,8 @@ def read_pairs(path: str, field: str = "dpo.path") -> list[dict]:
     if not os.path.isfile(path):
         raise DatasetError(f"{field} = {path!r}: no such file: give a local preference JSONL "
                            f"file (rows: messages, chosen, rejected)")
-    pairs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
-                                   f"{e.colno}): each line must hold one JSON object") from None
-            pairs.append(row_to_pair(row, f"{path}:{lineno}"))
+    pairs = [row_to_pair(row, f"{path}:{lineno}") for lineno, row in jsonl_rows(path)
+             if row is not None]
     if not pairs:
         raise DatasetError(f"{path}: no preference rows: the file needs at least one row")
     return pairs

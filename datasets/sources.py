@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 from meshrl.configs.schema import DataConfig
@@ -77,21 +78,36 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
     return {**extra, "prompt": prompt, "answer": str(answer), "origin": origin}
 
 
-def read_jsonl(path: str, data: DataConfig, stats: dict[str, int], require_answer: bool = True
-               ) -> list[dict]:
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+def jsonl_rows(path: str) -> Iterator[tuple[int, dict | None]]:
+    """``(line number, parsed row)`` of a JSONL file, None for a blank line. Lines end at
+    ``\n`` alone (a ``\r`` inside a JSON string is data); a line that is not UTF-8 or not JSON
+    raises ``DatasetError`` naming ``path:line``."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at "
+                                   f"column {e.start + 1}): JSONL files must be UTF-8") from None
             if not line.strip():
-                stats["blank_lines"] = stats.get("blank_lines", 0) + 1
+                yield lineno, None
                 continue
             try:
-                row = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{lineno}: malformed JSON ({e.msg} at column "
                                    f"{e.colno}) in {line.strip()!r:.60}: each line must hold "
                                    f"one JSON object") from None
-            examples.append(row_to_example(row, data, f"{path}:{lineno}", require_answer))
+
+
+def read_jsonl(path: str, data: DataConfig, stats: dict[str, int], require_answer: bool = True
+               ) -> list[dict]:
+    examples = []
+    for lineno, row in jsonl_rows(path):
+        if row is None:
+            stats["blank_lines"] = stats.get("blank_lines", 0) + 1
+            continue
+        examples.append(row_to_example(row, data, f"{path}:{lineno}", require_answer))
     return examples
 
 

@@ -56,6 +56,35 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
         make_prompt_iterator(DataConfig(source="jsonl", path=path), TOK, batch_size=1, seed=0)
 
 
+def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(json.dumps(GSM8K_ROWS[0]).encode() + b'\n{"question": "caf\xe9", '
+                     b'"answer": "1"}\n')
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl:2: not UTF-8 \(byte 0xe9"):
+        make_prompt_iterator(DataConfig(source="jsonl", path=str(path)), TOK, batch_size=1,
+                             seed=0)
+
+
+def test_a_carriage_return_inside_a_json_string_stays_in_its_row(tmp_path):
+    rows = [{"question": "a\rb=", "answer": "1"}, {"question": "c=", "answer": "2"}]
+    path = tmp_path / "cr.jsonl"
+    path.write_bytes(b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in rows))
+    batch = _all_prompts(DataConfig(source="jsonl", path=str(path)), 2)
+    assert {ex["prompt"] for ex in batch} == {"a\rb=", "c="}
+
+
+def test_some_examples_too_long_on_few_a_row_never_read_as_all_dropped(tmp_path):
+    # Each of 2 rows reads every other example of a stream reshuffled each epoch: long runs of
+    # the one over-long prompt are chance, not a dataset with nothing to train on.
+    path = _jsonl(tmp_path / "x.jsonl", [{"question": "short=", "answer": "1"},
+                                         {"question": "L" * 50 + "=", "answer": "1"}])
+    data = DataConfig(source="jsonl", path=path, max_prompt_len=20)
+    for seed in range(8):
+        it = make_prompt_iterator(data, TOK, batch_size=2, seed=seed)
+        for _ in range(100):
+            assert {ex["prompt"] for ex in next(it)} == {"short="}
+
+
 def test_row_missing_a_field_names_file_line_and_field(tmp_path):
     path = _jsonl(tmp_path / "rows.jsonl", [GSM8K_ROWS[0], {"question": "no answer"}])
     with pytest.raises(DatasetError, match=r"rows\.jsonl:2: missing field\(s\) \['answer'\]"):
