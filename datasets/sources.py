@@ -53,29 +53,45 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
             if not prompt_messages:
                 raise DatasetError(f"{origin}: 'messages' has only an assistant turn: "
                                    f"add the user turn it answers")
-        else:
-            prompt_messages, answer = messages, str(row.get(data.answer_field, ""))
+        else:  # the answer comes from its field, checked as a plain row's
+            _check_fields(row, data, origin, require_answer, (data.answer_field,))
+            prompt_messages, answer = messages, _answer(row, data, origin)
+            extra.pop(data.answer_field, None)
         last_user = next((m["content"] for m in reversed(prompt_messages)
                           if m["role"] == "user"), prompt_messages[-1]["content"])
-        return {**extra, "prompt": last_user, "answer": answer, "messages": prompt_messages,
-                "origin": origin}
-    missing = [f for f in (data.prompt_field, data.answer_field) if f not in row]
-    if not require_answer and data.answer_field in missing:
-        missing.remove(data.answer_field)
-    if missing:
-        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}): set "
-                           f"data.prompt_field / data.answer_field to match the file")
-    prompt, answer = row[data.prompt_field], row.get(data.answer_field, "")
+        out = {**extra, "prompt": last_user, "messages": prompt_messages, "origin": origin}
+        return out if answer is None else {**out, "answer": answer}
+    _check_fields(row, data, origin, require_answer, (data.prompt_field, data.answer_field))
+    prompt = row[data.prompt_field]
     if not isinstance(prompt, str) or not prompt:
         raise DatasetError(f"{origin}: field {data.prompt_field!r} = {prompt!r:.80}: must be a "
                            f"non-empty string")
+    answer = _answer(row, data, origin)
+    extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
+    if answer is None:  # a prompt to sample for: no ground truth to invent
+        return {**extra, "prompt": prompt, "origin": origin}
+    return {**extra, "prompt": prompt, "answer": answer, "origin": origin}
+
+
+def _check_fields(row: dict, data: DataConfig, origin: str, require_answer: bool,
+                  fields: tuple[str, ...]) -> None:
+    """Raise naming the ``fields`` ``row`` lacks (the answer field only where required)."""
+    missing = [f for f in fields if f not in row
+               and (require_answer or f != data.answer_field)]
+    if missing:
+        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}): set "
+                           f"data.prompt_field / data.answer_field to match the file")
+
+
+def _answer(row: dict, data: DataConfig, origin: str) -> str | None:
+    """The row's answer field as text (None: it has none), a string or a number."""
+    if data.answer_field not in row:
+        return None
+    answer = row[data.answer_field]
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool):
         raise DatasetError(f"{origin}: field {data.answer_field!r} = {answer!r:.80}: must be a "
                            f"string or number")
-    extra = {k: v for k, v in row.items() if k not in (data.prompt_field, data.answer_field)}
-    if data.answer_field not in row:  # a prompt to sample for: no ground truth to invent
-        return {**extra, "prompt": prompt, "origin": origin}
-    return {**extra, "prompt": prompt, "answer": str(answer), "origin": origin}
+    return str(answer)
 
 
 def jsonl_rows(path: str) -> Iterator[tuple[int, dict | None]]:

@@ -56,6 +56,20 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
         make_prompt_iterator(DataConfig(source="jsonl", path=path), TOK, batch_size=1, seed=0)
 
 
+@pytest.mark.parametrize("answer, error", [
+    (None, r"rows\.jsonl:2: missing field\(s\) \['answer'\]"),
+    ([1, 2], r"rows\.jsonl:2: field 'answer' = \[1, 2\]: must be a string or number"),
+])
+def test_a_chat_row_without_an_assistant_turn_checks_its_answer_as_a_plain_row(tmp_path, answer,
+                                                                               error):
+    row = {"messages": [{"role": "user", "content": "hi"}]}
+    if answer is not None:
+        row["answer"] = answer
+    path = _jsonl(tmp_path / "rows.jsonl", [GSM8K_ROWS[0], row])
+    with pytest.raises(DatasetError, match=error):
+        make_prompt_iterator(DataConfig(source="jsonl", path=path), TOK, batch_size=1, seed=0)
+
+
 def test_a_line_that_is_not_utf8_names_file_and_line(tmp_path):
     path = tmp_path / "latin1.jsonl"
     path.write_bytes(json.dumps(GSM8K_ROWS[0]).encode() + b'\n{"question": "caf\xe9", '
