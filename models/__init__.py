@@ -12,13 +12,12 @@ from meshrl.models.decoder import (
     param_count,
     split_model,
 )
-from meshrl.models.hf import (
+from meshrl.models.hf import load_hf_checkpoint, save_hf_checkpoint
+from meshrl.models.hf_config import (
     CheckpointError,
     hf_config_from_model,
-    load_hf_checkpoint,
     load_hf_config,
     model_config_from_hf,
-    save_hf_checkpoint,
 )
 from meshrl.models.kv_cache import K_CACHE_AXES, V_CACHE_AXES, KVCache
 from meshrl.models.load import LoadedModel, load

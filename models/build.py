@@ -20,7 +20,8 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.mesh.rules import Rules
 from meshrl.models.decoder import Decoder, create_model
-from meshrl.models.hf import load_hf_checkpoint, load_hf_config, read_hf_config
+from meshrl.models.hf import load_hf_checkpoint
+from meshrl.models.hf_config import load_hf_config, read_hf_config
 from meshrl.models.tokenizer import Tokenizer, resolve_tokenizer_spec, tokenizer_for
 from meshrl.utils.log import get_logger
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 import asyncio
 import math
 import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 import weakref
@@ -36,7 +34,7 @@ from typing import Any
 
 from meshrl.configs.schema import RewardConfig
 from meshrl.rewards.registry import get
-from meshrl.rewards.worker import worker_main
+from meshrl.rewards.worker import WorkerHandle, shutdown_workers
 from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 
@@ -89,30 +87,6 @@ class _Call:
 _Task = tuple[_Call, int, int, tuple[str, str, str, dict[str, Any]]]
 
 
-class _Worker:
-    def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
-        self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child, *args), daemon=True)
-        self.process.start()
-        child.close()
-        self.ready = False
-        self.started = time.monotonic()
-        self.task: _Task | None = None
-        self.sent_at = 0.0
-
-    def kill(self) -> None:
-        """Kill the worker and its process group (what its rewards started, too; the group is
-        the worker's pid once it has called setsid, and none before)."""
-        try:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
-
-
 def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():  # the awaiting task may have been cancelled meanwhile
         fut.set_result(None)
@@ -126,17 +100,6 @@ def _wake(loop: asyncio.AbstractEventLoop, fut: asyncio.Future[None]) -> None:
         # The loop closed after its awaiting task was cancelled: nobody waits for the result,
         # and raising here would mark the whole pool broken.
         pass
-
-
-def _shutdown(workers: list[_Worker]) -> None:
-    for w in workers:
-        try:
-            w.conn.send(None)
-        except (OSError, ValueError):
-            pass
-    for w in workers:
-        w.process.join(timeout=1)
-        w.kill()
 
 
 class RewardPool:
@@ -173,14 +136,14 @@ class RewardPool:
             # Import once in the fork server (no-op if it already runs), so a replacement worker
             # is ready in milliseconds instead of re-importing sympy.
             self._ctx.set_forkserver_preload(["meshrl.rewards"])
-        self._workers: list[_Worker] = []
+        self._workers: list[WorkerHandle] = []
         self._lock = threading.Lock()
         self._pending: deque[_Task] = deque()
         self._dispatcher: threading.Thread | None = None
         self._broken: BaseException | None = None
         # A caller queueing work wakes the dispatcher out of its wait on the worker pipes.
         self._wake_r, self._wake_w = mp.Pipe(duplex=False)
-        self._finalizer = weakref.finalize(self, _shutdown, self._workers)
+        self._finalizer = weakref.finalize(self, shutdown_workers, self._workers)
 
     @classmethod
     def from_config(cls, config: RewardConfig, **kwargs: Any) -> RewardPool:
@@ -304,7 +267,7 @@ class RewardPool:
                 self._dispatcher = None
                 return False
             while len(self._workers) < self.num_workers:
-                self._workers.append(_Worker(self._ctx, self._worker_args))
+                self._workers.append(WorkerHandle(self._ctx, self._worker_args))
             for w in self._workers:
                 if w.ready and w.task is None and self._pending:
                     self._send(w, self._pending.popleft())
@@ -323,7 +286,7 @@ class RewardPool:
         self._expire(time.monotonic())
         return True
 
-    def _send(self, w: _Worker, task: _Task) -> None:
+    def _send(self, w: WorkerHandle, task: _Task) -> None:
         try:
             w.conn.send(task[3])
         except (OSError, ValueError):  # worker died while idle
@@ -332,7 +295,7 @@ class RewardPool:
             return
         w.task, w.sent_at = task, time.monotonic()
 
-    def _receive(self, w: _Worker) -> None:
+    def _receive(self, w: WorkerHandle) -> None:
         try:
             kind, payload = w.conn.recv()
         except (EOFError, OSError):
@@ -412,7 +375,7 @@ class RewardPool:
                                       f"{self.startup_timeout_s:g}s after it started: check "
                                       f"that the rewards import quickly in a fresh process")
 
-    def _replace(self, worker: _Worker) -> None:
+    def _replace(self, worker: WorkerHandle) -> None:
         worker.kill()
-        self._workers[self._workers.index(worker)] = _Worker(self._ctx, self._worker_args)
+        self._workers[self._workers.index(worker)] = WorkerHandle(self._ctx, self._worker_args)
         self.counters["worker_restarts"] += 1

@@ -12,7 +12,8 @@ counted 0 on every pair. Limits, set once in the worker and never in the JAX pro
   kernel terminates it with SIGXCPU, even inside a C call.
 * ``RLIMIT_CORE`` 0: a worker killed by a limit writes no core file.
 
-Each worker leads its own process group, which the pool kills with it.
+Each worker leads its own process group, which the pool kills with it (``WorkerHandle``, the
+pool's side of a worker).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import math
 import numbers
 import os
 import resource
+import signal
+import time
 from collections.abc import Sequence
 from multiprocessing.connection import Connection
+from typing import Any
 
 from meshrl.rewards.registry import RewardFn, get
 
@@ -95,3 +99,40 @@ def _one_number(name: str, value: object) -> float:
         raise TypeError(f"reward {name} returned {value!r:.80}: must be one number per "
                         f"completion")
     return float(items[0])
+
+
+class WorkerHandle:
+    """The pool's side of one worker process: its pipe, readiness and the task it holds."""
+
+    def __init__(self, ctx: Any, args: tuple[Any, ...]) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child, *args), daemon=True)
+        self.process.start()
+        child.close()
+        self.ready = False
+        self.started = time.monotonic()
+        self.task: Any = None  # the pool's task in hand (``pool._Task``), None when idle
+        self.sent_at = 0.0
+
+    def kill(self) -> None:
+        """Kill the worker and its process group (what its rewards started, too; the group is
+        the worker's pid once it has called setsid, and none before)."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+def shutdown_workers(workers: list[WorkerHandle]) -> None:
+    for w in workers:
+        try:
+            w.conn.send(None)
+        except (OSError, ValueError):
+            pass
+    for w in workers:
+        w.process.join(timeout=1)
+        w.kill()

@@ -18,7 +18,7 @@ from meshrl.configs.paths import check_input_paths
 from meshrl.datasets import DatasetError
 from meshrl.jobs import dispatch as jobs
 from meshrl.mesh import MeshShapeError
-from meshrl.models.hf import CheckpointError, load_hf_config
+from meshrl.models.hf_config import CheckpointError, load_hf_config
 from meshrl.models.tokenizer import HFTokenizer, TokenizerError, load_tokenizer
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer.checkpoint import CheckpointMismatchError

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from meshrl.models import create_model
-from meshrl.models.hf import CheckpointError, load_hf_checkpoint, save_hf_checkpoint
+from meshrl.models.hf import load_hf_checkpoint, save_hf_checkpoint
+from meshrl.models.hf_config import CheckpointError
 from meshrl.tests.inference.tiny import TINY
 from meshrl.utils.params import flat_params
 

@@ -13,7 +13,7 @@ import pytest
 from meshrl.configs.schema import MeshConfig
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import forward, load_hf_checkpoint, save_hf_checkpoint, split_model
-from meshrl.models.hf import CheckpointError
+from meshrl.models.hf_config import CheckpointError
 from meshrl.tests.models.conftest import hf_logits, random_hf_model, random_ids
 from meshrl.tests.trees import assert_trees_equal
 
@@ -167,7 +167,7 @@ def test_misshapen_expert_or_router_tensor_names_it_and_the_expected_shape(check
 
 
 def test_qwen3_moe_config_maps_sparse_layers_and_router(checkpoints):
-    from meshrl.models.hf import load_hf_config
+    from meshrl.models.hf_config import load_hf_config
 
     cfg = load_hf_config(checkpoints["qwen3_moe_norm"][0])
     hf = json.loads((checkpoints["mixtral"][0] / "config.json").read_text())
