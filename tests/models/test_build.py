@@ -98,14 +98,14 @@ def test_generate_job_builds_the_hf_path_model_with_model_runtime_fields(llama_d
 
 
 def test_preflight_reads_the_checkpoint_config_json_once(llama_dir, monkeypatch):
-    from meshrl.models import hf
+    from meshrl.models import hf_config
 
     reads = []
-    original = hf.read_hf_config
-    monkeypatch.setattr(hf, "read_hf_config", lambda p: reads.append(p) or original(p))
+    original = hf_config.read_hf_config
+    monkeypatch.setattr(hf_config, "read_hf_config", lambda p: reads.append(p) or original(p))
     import meshrl.models.build as build
 
-    monkeypatch.setattr(build, "read_hf_config", hf.read_hf_config)
+    monkeypatch.setattr(build, "read_hf_config", hf_config.read_hf_config)
     config = tiny_rl_config(**{"model.hf_path": str(llama_dir[0]), "model.tokenizer": "char"})
 
     effective = dispatch.preflight(config)
