@@ -113,6 +113,10 @@ class RolloutRunner:
         self._tasks: set[asyncio.Task] = set()
         self._filler: asyncio.Task | None = None
         self._exhausted = False
+        # Groups in flight (the task set lags a finished group by a loop turn), and whether an
+        # end marker for the current end of the prompts is in the queue.
+        self._running = 0
+        self._ended = False
         self._error: BaseException | None = None
         # Rollout state (``rollout_state``): every started group's item until the trainer takes
         # it, the finished ones' groups, and the prompts that ended untrained since the last
@@ -144,7 +148,7 @@ class RolloutRunner:
 
     async def _next_items(self, n: int) -> list[dict]:
         """The next ``n`` items (fewer only at the end of the prompts)."""
-        if len(self._items) < n:
+        if len(self._items) < n and not self._exhausted:
             # A file-backed iterator may read from disk: keep that off the event loop, and read
             # all ``n`` in one worker-thread call, so the episodes of a whole batch reach the
             # sampler together (one thread hop per prompt let it start on the first group).
@@ -163,20 +167,16 @@ class RolloutRunner:
                     want = self.controller.capacity()
                     items = await self._next_items(want)
                     for item in items:
-                        self.controller.on_submit()
-                        self._open[self._next_group_id] = item
-                        task = asyncio.create_task(self._run_group(item, self._next_group_id))
-                        self._next_group_id += 1
-                        self._tasks.add(task)
-                        task.add_done_callback(self._tasks.discard)
+                        self._admit(item)
                     if len(items) < want:
                         self._exhausted = True
                         break
-                if self._exhausted:
-                    break
+                # Alive past the end of the prompts: a group dropped as stale later puts its
+                # item back, and only this loop admits it again.
+                if self._exhausted and not (self._running or self._items or self._ended):
+                    self._ended = True
+                    self._put(None)  # end of stream (sorts last): wakes a waiting get_batch
                 await self._wake.wait()
-            while self._tasks:
-                await asyncio.gather(*list(self._tasks), return_exceptions=True)
         except asyncio.CancelledError:
             raise
         except UserError as e:  # bad input (an over-long prompt): get_batch raises it as it is
@@ -184,12 +184,22 @@ class RolloutRunner:
         except BaseException as e:  # noqa: BLE001  (surface to the consumer, do not hang it)
             log.exception("rollout filler failed")
             self._error = e
-        self._put(None)  # end of stream (sorts last): wakes a waiting get_batch
+        self._put(None)
+
+    def _admit(self, item: dict) -> None:
+        self.controller.on_submit()
+        self._running += 1
+        self._open[self._next_group_id] = item
+        task = asyncio.create_task(self._run_group(item, self._next_group_id))
+        self._next_group_id += 1
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _run_group(self, item: dict, group_id: int) -> None:
         try:
             group = await self.group_fn(item, group_id)
         except asyncio.CancelledError:
+            self._running -= 1
             self.controller.on_reject()
             raise
         except Exception as e:  # noqa: BLE001  (one bad episode must not stop the pipeline)
@@ -205,6 +215,7 @@ class RolloutRunner:
             self._failed_in_row = 0
             if self.watch is not None and self.watch.error is not None and self._error is None:
                 self._end_stream(self.watch.error)
+        self._running -= 1
         if group is None:
             self.controller.on_reject()
             item = self._open.pop(group_id, None)
@@ -296,6 +307,12 @@ class RolloutRunner:
             entry = await self._queue.get()
             group = entry[2]
             if group is None:
+                if self._error is None and (self._running or self._items):
+                    # Work put back or still running after the marker was queued (a stale
+                    # group's prompt): the filler queues a new marker when it is done.
+                    self._ended = False
+                    self._wake.set()
+                    continue
                 self._queue.put_nowait(entry)  # keep the end marker for later calls
                 if isinstance(self._error, UserError):
                     raise self._error

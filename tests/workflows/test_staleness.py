@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
+import threading
 
 import pytest
 
@@ -230,6 +232,50 @@ def test_get_batch_raises_when_prompts_run_out():
         return first
 
     assert len(asyncio.run(main())) == 2
+
+
+def test_a_group_dropped_as_stale_after_the_prompts_ran_out_is_generated_again():
+    # Prompt 1's first try is a long tail with version-0 tokens that finishes only once the
+    # runner has read past the last prompt; at version 2 it is stale and must be run again.
+    read_past_end = threading.Event()
+    version = 0
+
+    def prompt_stream():
+        yield from prompts(3)
+        read_past_end.set()
+
+    async def main():
+        async def group_fn(item, group_id):
+            if group_id == 1:
+                for _ in range(2_000):  # bounded: a broken runner fails the test, never hangs
+                    if read_past_end.is_set():
+                        break
+                    await asyncio.sleep(0.005)
+                await asyncio.sleep(0.05)  # the runner takes the end of the prompts in first
+                return [dataclasses.replace(traj([0, 0]), group_id=group_id, metadata=item)]
+            return [dataclasses.replace(traj([version] * 2), group_id=group_id, metadata=item)]
+
+        nonlocal version
+        controller = StalenessController(batch_size=1, max_staleness=1)
+        runner = RolloutRunner(group_fn, prompt_stream(), controller)
+        runner.start()
+        batches = []
+        for v in range(3):
+            version = v
+            batches.append(await asyncio.wait_for(runner.get_batch(v), 10))
+        version = 3
+        with pytest.raises(PromptsExhaustedError, match="0 of 1"):
+            await asyncio.wait_for(runner.get_batch(3), 10)
+        await runner.stop()
+        return batches, controller, runner
+
+    batches, controller, runner = asyncio.run(main())
+
+    assert read_past_end.is_set()
+    assert [b[0][0].metadata["id"] for b in batches] == [0, 2, 1]
+    assert [b[0][0].versions for b in batches] == [[0, 0], [1, 1], [2, 2]]
+    assert controller.dropped_stale == 1
+    assert runner.counters["requeued_stale_groups"] == 1
 
 
 def test_get_batch_raises_a_user_error_of_the_prompt_iterator_unwrapped():
