@@ -33,6 +33,10 @@ class DPOConfig(Section):
                                at_least(0.0))
 
     def validate(self) -> None:
+        if self.eval_path and not self.path:
+            raise ConfigError(f"dpo.eval_path = {self.eval_path!r} needs dpo.path: without it "
+                              f"training and held-out pairs are the synthetic task's; set "
+                              f"dpo.path or clear dpo.eval_path")
         if not self.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing = {self.label_smoothing}: must be < 0.5 "
                               f"(0.5 makes the loss ignore the labels)")

@@ -115,6 +115,10 @@ class TokenizePair:
                                  f"positions > trainer.seq_len = {self.seq_len}"}
             rows.append((full[:-1], full[1:], [0.0] * (len(ids) - 1) + [1.0] *
                          (len(full) - len(ids))))
+        if rows[0] == rows[1]:  # e.g. completions that differ only in trailing whitespace
+            raise DatasetError(f"{pair['origin']}: 'chosen' ({pair['chosen']!r:.40}) and "
+                               f"'rejected' ({pair['rejected']!r:.40}) give the same tokens: a "
+                               f"pair must prefer one completion over a different one")
         return {"rows": rows}
 
 

@@ -66,8 +66,14 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         before = evaluate(params)
         reference = None
         if config.dpo.loss in NEEDS_REFERENCE:
-            reference = PreferenceReference(trainee.forward, params, engine.params_sh,
-                                            mesh, engine.batch_sh, microbatches=t.microbatches)
+            # With LoRA: the adapter-disabled forward over the base the step trains on (cast
+            # or quantised), not the float params it was made from.
+            lora = engine.lora
+            reference = PreferenceReference(
+                trainee.forward if lora is None else lora.reference_forward(trainee.forward),
+                params, engine.params_sh if lora is None else lora.frozen_sh, mesh,
+                engine.batch_sh, microbatches=t.microbatches,
+                base=None if lora is None else engine.frozen_base)
         engine.start(params, data=data)
         del params
         summary, history, after = train_and_evaluate(

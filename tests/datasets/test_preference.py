@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from meshrl.configs.dpo_schema import DPOConfig
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import PreferenceIterator, eval_pair_batches, load_pairs, tokenize_pairs
 from meshrl.datasets.preference import pair_arrays, read_pairs
@@ -55,6 +56,19 @@ def test_missing_or_empty_file_is_a_clear_error(tmp_path):
         read_pairs(str(tmp_path / "nope.jsonl"))
     with pytest.raises(DatasetError, match=r"no preference rows"):
         read_pairs(_write(tmp_path, [""]))
+
+
+def test_pair_whose_completions_tokenize_alike_is_a_clear_error(tmp_path):
+    # "4" and "4\n" differ as strings; the rendered turn's trailing newline is not trained.
+    path = _write(tmp_path, [GOOD, {**GOOD, "rejected": "4\n"}])
+    with pytest.raises(DatasetError, match=r"pairs\.jsonl:2: 'chosen' \('4'\) and 'rejected' "
+                                           r"\('4\\n'\) give the same tokens"):
+        tokenize_pairs(read_pairs(path), CHAT, 64, "drop")
+
+
+def test_dpo_eval_path_without_dpo_path_is_refused():
+    with pytest.raises(ConfigError, match=r"dpo.eval_path = 'held.jsonl' needs dpo.path"):
+        DPOConfig(eval_path="held.jsonl")
 
 
 def test_pair_is_two_adjacent_rows_with_mask_on_the_templated_completion(tmp_path):

@@ -54,10 +54,14 @@ def test_dpo_job_raises_held_out_preference_accuracy_and_writes_summary(tmp_path
     assert summary["eval_pairs"] == 64.0 and 0.0 <= summary["reward_accuracy"] <= 1.0
 
 
-@pytest.mark.slow  # the LoRA reference forward has its own unit tests
-def test_dpo_with_lora_builds_its_reference_on_the_full_params_shardings(tmp_path):
-    summary = job.run(_config(**{"lora.rank": 4, "trainer.steps": 4}), str(tmp_path))
-    assert summary["steps"] == 4 and math.isfinite(summary["final_loss"])
+def test_dpo_with_lora_scores_its_reference_on_the_quantised_base_the_policy_trains_on(
+        tmp_path):
+    # At the first step the adapters are zero, so policy and reference agree exactly: loss
+    # log 2, margin 0. A reference on the float params it was quantised from disagrees.
+    summary = job.run(_config(**{"lora.rank": 4, "lora.base_dtype": "int8",
+                                 "trainer.steps": 1, "data.eval_examples": 8}), str(tmp_path))
+    assert summary["first_loss"] == pytest.approx(math.log(2), rel=0, abs=1e-6), summary
+    assert summary["reward_margin"] == pytest.approx(0.0, rel=0, abs=1e-7), summary
 
 
 # Slow: each loss's math is checked against numpy in tests/algorithms/test_preference.py and
