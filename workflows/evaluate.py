@@ -40,17 +40,21 @@ def check_versions(outs: Sequence[Completion], version: int) -> None:
 
 async def _correct(reward_pool: Any, examples: Sequence[dict], outs: Sequence[Completion],
                    decode: Any, per_example: int) -> np.ndarray:
-    """Boolean ``[len(examples), per_example]``: verifier score > 0.5."""
+    """Boolean ``[len(examples), per_example]``: verifier score > 0.5. Examples are scored in
+    one call per set of reward fields: rows may carry optional fields the others lack, and a
+    reward sees each row's own fields, as in the rollouts."""
     items = [ex for ex in examples for _ in range(per_example)]
-    fields: dict[str, list[Any]] = {}
-    for ex in items:
-        for k, v in reward_fields(ex).items():
-            fields.setdefault(k, []).extend(v)
     completions = [decode(o.tokens) for o in outs]
-    prompts = [ex["prompt"] for ex in items]
-    comps = await asyncio.to_thread(reward_pool.score_components, prompts, completions, **fields)
-    verifier = comps[reward_pool.names[0]]
-    return (np.asarray(verifier, np.float64) > 0.5).reshape(len(examples), per_example)
+    by_keys: dict[tuple[str, ...], list[int]] = {}
+    for i, ex in enumerate(items):
+        by_keys.setdefault(tuple(sorted(reward_fields(ex))), []).append(i)
+    right = np.zeros(len(items), bool)
+    for keys, rows in by_keys.items():
+        comps = await asyncio.to_thread(
+            reward_pool.score_components, [items[i]["prompt"] for i in rows],
+            [completions[i] for i in rows], **{k: [items[i][k] for i in rows] for k in keys})
+        right[rows] = np.asarray(comps[reward_pool.names[0]], np.float64) > 0.5
+    return right.reshape(len(examples), per_example)
 
 
 async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, version: int,

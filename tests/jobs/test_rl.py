@@ -177,6 +177,20 @@ def test_evaluation_reports_greedy_accuracy_and_pass_at_k_from_the_verifier():
     assert out["eval/pass_at_1"] == 0.5 and out["eval/pass_at_4"] == 0.5
 
 
+def test_evaluation_scores_rows_with_and_without_an_optional_field_each_with_its_own():
+    class NeedsAllFieldsPool(_ExactPool):
+        def score_components(self, prompts, completions, answer, **extra):
+            assert all(len(v) == len(prompts) for v in extra.values()), extra
+            return super().score_components(prompts, completions, answer)
+
+    rows = [{**_examples()[0], "difficulty": 3}, _examples()[1], _examples()[0]]
+    out = asyncio.run(aevaluate(_FakeEngine(3), NeedsAllFieldsPool(), rows, version=3,
+                                decode=_decode, eos_id=2, max_new_tokens=4, n=2))
+
+    assert out["eval/greedy_accuracy"] == pytest.approx(2 / 3, rel=0, abs=1e-12)
+    assert out["eval/pass_at_2"] == pytest.approx(2 / 3, rel=0, abs=1e-12)
+
+
 def test_evaluation_with_tokens_of_another_version_raises():
     with pytest.raises(EvalVersionError, match="versions"):
         asyncio.run(aevaluate(_FakeEngine(3, drift_after=1), _ExactPool(), _examples(),
