@@ -12,8 +12,8 @@ from meshrl.configs.fields import ConfigError, Section, at_least, field
 @dataclasses.dataclass(frozen=True)
 class GenerateConfig(Section):
     """The generate job (``job = generate``): where its weights come from. The run sources read the
-    run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl`` (never over an earlier
-    one unless ``generate.overwrite``)."""
+    run under ``--workdir``; its samples go to ``<workdir>/samples.jsonl`` (agent episodes to
+    ``episodes.jsonl``; never over an earlier one unless ``generate.overwrite``)."""
 
     _section = "generate"
     source: Literal["hf_path", "random", "checkpoint", "version"] = field(
@@ -25,9 +25,10 @@ class GenerateConfig(Section):
                    "newest checkpoint config, or of this config when the run has none).")
     version: int = field(-1, "Weight version for generate.source = 'version'; -1: the newest "
                              "published one. Must stay -1 with the other sources.", at_least(-1))
-    overwrite: bool = field(False, "Replace an existing <workdir>/samples.jsonl; False: keep "
-                                   "it and write the first free samples-<n>.jsonl (n = 1, 2, "
-                                   "...), named in the job's last log line.")
+    overwrite: bool = field(False, "Replace an existing <workdir>/samples.jsonl (episodes.jsonl "
+                                   "with agent.env); False: keep it and write the first free "
+                                   "samples-<n>.jsonl (n = 1, 2, ...), named in the job's last "
+                                   "log line.")
 
     def validate(self) -> None:
         if self.version != -1 and self.source != "version":

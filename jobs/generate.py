@@ -55,6 +55,7 @@ from meshrl.models.load import LoadedModel
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils import multihost, paths
 from meshrl.utils.log import get_logger
+from meshrl.workflows.agent_setup import EPISODES_FILE
 
 log = get_logger("inference")
 
@@ -115,11 +116,16 @@ def run(config: Config, workdir: str) -> None:
     sampler = make_sampler(config, loaded, version)
     share = multihost.process_block(len(rows))
     # Chosen before the gather, so every process names the file process 0 writes after it.
-    path = paths.first_free(paths.as_path(workdir) / "samples.jsonl", config.generate.overwrite)
+    name = EPISODES_FILE if config.agent.env else "samples.jsonl"
+    path = paths.first_free(paths.as_path(workdir) / name, config.generate.overwrite)
 
-    if config.agent.env:  # agent episodes instead of single completions: episodes.jsonl
+    if config.agent.env:  # agent episodes instead of single completions: every process appends
+        if jax.process_index() == 0 and path.exists():
+            # Before the first sampler program, which every process runs together: no
+            # process has appended yet.
+            path.unlink()
         rl_agent.generate_episodes(config, sampler, [rows[i] for i in share], share.start,
-                                   tokenizer, workdir)
+                                   tokenizer, workdir, path)
         return
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.

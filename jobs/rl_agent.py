@@ -16,7 +16,7 @@ from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.workflows.agent import EpisodeLog
 from meshrl.workflows.agent_eval import agenerate_episodes
-from meshrl.workflows.agent_setup import EPISODES_FILE, agent_spec
+from meshrl.workflows.agent_setup import agent_spec
 from meshrl.workflows.setup import episode_settings
 
 log = log_lib.get_logger("rl")
@@ -71,15 +71,15 @@ def baseline_fields(baseline: dict[str, Any]) -> dict[str, Any]:
 
 
 def generate_episodes(config: Config, sampler: Any, rows: list[tuple[dict, str, list[int]]],
-                      first_index: int, tokenizer: Any, workdir: paths.PathLike) -> None:
+                      first_index: int, tokenizer: Any, workdir: paths.PathLike,
+                      path: paths.PathLike) -> None:
     """``agent.env`` in the generate job: one sampled agent episode per prompt row
-    ``(example, text, ids)``, each a line of ``<workdir>/episodes.jsonl`` (appended; every
-    process appends its own share). The episodes' seeds follow the prompts' indices."""
+    ``(example, text, ids)``, each a line of ``path`` (appended; every process appends its
+    own share). The episodes' seeds follow the prompts' indices."""
     from meshrl.inference.async_sampler import AsyncSampler
 
     spec = agent_spec(config, tokenizer, workdir=workdir)
     assert spec is not None, "generate_episodes needs agent.env"
-    path = paths.as_path(workdir) / EPISODES_FILE
     spec.log = EpisodeLog(path)  # the job's output: written whatever agent.episodes_log says
     examples = [{**ex, "prompt_ids": ids} for ex, _, ids in rows]
     engine = AsyncSampler(sampler)

@@ -127,7 +127,8 @@ def test_agent_calc_smoke_job_writes_both_accuracies_and_the_episode_log(tmp_pat
     assert (workdir / "episodes.jsonl").read_text().count("\n") >= 8
 
 
-def test_generate_job_with_an_env_writes_one_episode_per_prompt(tmp_path):
+def test_generate_job_with_an_env_writes_one_episode_per_prompt_and_keeps_earlier_runs(
+        tmp_path):
     from meshrl.configs import generate as generate_config
     from meshrl.configs.loader import from_config_dict
     from meshrl.jobs import generate
@@ -141,6 +142,9 @@ def test_generate_job_with_an_env_writes_one_episode_per_prompt(tmp_path):
     cfg.trainer.seq_len = 32
     cfg.rollout.max_turns = 2
     cfg.agent.env = "meshrl.tests.workflows.user_env:make"
+    def prompts_in(name):
+        return sorted(json.loads(x)["prompt"] for x in (tmp_path / name).read_text().splitlines())
+
     generate.run(from_config_dict(cfg), str(tmp_path))
     episodes = [json.loads(x) for x in (tmp_path / "episodes.jsonl").read_text().splitlines()]
     assert sorted(e["prompt"] for e in episodes) == ["1+1=", "2+3="]
@@ -148,3 +152,10 @@ def test_generate_job_with_an_env_writes_one_episode_per_prompt(tmp_path):
         assert e["turns"][0]["role"] == "assistant" and e["turns"][0]["versions"] == [0]
         assert len([t for t in e["turns"] if t["role"] == "assistant"]) in (1, 2)
     assert not (tmp_path / "samples.jsonl").exists()
+
+    generate.run(from_config_dict(cfg), str(tmp_path))  # a rerun keeps the first file
+    assert prompts_in("episodes.jsonl") == prompts_in("episodes-1.jsonl") == ["1+1=", "2+3="]
+    cfg.generate.overwrite = True
+    generate.run(from_config_dict(cfg), str(tmp_path))
+    assert prompts_in("episodes.jsonl") == ["1+1=", "2+3="]
+    assert not (tmp_path / "episodes-2.jsonl").exists()
