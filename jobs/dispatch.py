@@ -200,7 +200,8 @@ def _claim_workdir(config: Config, workdir: str) -> WorkdirLock | None:
     process's problem, so that none of them goes on alone into a collective."""
     name = _LOCKS.get(config.job)
     if name is None:
-        paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
+        if config.job != Job.EXPORT:  # export only reads it: a mistyped path stays absent
+            paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
         return None
     problem, lock = None, None
     try:

@@ -207,6 +207,7 @@ def test_export_of_a_missing_checkpoint_or_version_is_one_error_and_writes_nothi
 
     assert not out.exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".out")] == []
+    assert workdir == run_workdir or not workdir.exists()  # export only reads the workdir
 
 
 def test_export_into_a_non_empty_directory_is_an_error(sft_run, tmp_path):
