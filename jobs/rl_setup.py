@@ -93,8 +93,8 @@ def sample_offset(config: Config, mesh: Any) -> int:
 
 def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngine,
                          tokenizer: Any) -> tuple[ReferencePolicy | None, Any, int]:
-    """(the KL reference or None, the params RL starts from, the warm start's steps this run
-    trained). A fresh run warm-starts when ``warm_start_steps`` says so; a resumed run with a
+    """(the KL reference or None, the params RL starts from, the run's warm-start steps, a
+    resumed run's included). A fresh run warm-starts when ``warm_start_steps`` says so; a resumed run with a
     KL needs the step-0 policy again, so it reruns the finished warm start, which restores its
     last checkpoint and trains nothing."""
     kl, restored = config.rl.kl_coef > 0.0, engine.restored
@@ -123,7 +123,7 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
             temperature=config.sampler.temperature, group_size=config.rollout.group_size,
             microbatches=config.trainer.microbatches,
             base=None if lora is None else engine.frozen_base)
-    return reference, params, warm_start_steps(config) if restored is None else 0
+    return reference, params, warm_start_steps(config)
 
 
 def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any

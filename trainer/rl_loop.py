@@ -28,6 +28,7 @@ from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.report import rl_step_line
 from meshrl.trainer.rl_console import await_batch, filtered_note, stop_at
 from meshrl.trainer.state import params_checksum
+from meshrl.trainer.summary import first_logged
 from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
@@ -110,6 +111,9 @@ class RLLoop:
         self.reward_pool, self.prompts, self.reference = (parts.reward_pool, parts.prompts,
                                                           parts.reference)
         self.counters = parts.counters
+        # The reward pool counts on from the checkpoint: a resumed run's ``reward/*`` cover it all.
+        for k, v in self.counters.get("reward", {}).items():
+            self.reward_pool.counters[k] = self.reward_pool.counters.get(k, 0) + v
         self._sampler_programs = 0  # the sampler's compiled programs at the last step's end
         # The host's fields: the reference adds ``ref_logprobs`` on the device.
         self.host_batch_sh = self.engine.batch_sh.replace(ref_logprobs=None)
@@ -199,17 +203,17 @@ class RLLoop:
         return ev
 
     def save(self, step: int, runner: Any) -> None:
-        """Checkpoint: train state, prompt iterator, runner counters (version, staleness) and,
-        on one process, the rollout state (untrained groups and prompts; docs/rl.md "Resume")
+        """Checkpoint: train state, prompt iterator, runner counters (version, staleness), the
+        reward pool's counts and, on one process, the rollout state (untrained groups and prompts; docs/rl.md "Resume")
         with the iterator state that goes with it."""
+        counters = {**self.counters, "runner": runner.state_dict(),
+                    "reward": dict(self.reward_pool.counters)}
         if not runner.track_prompts_state:
-            self.engine.save(step, {"prompts": self.prompts.get_state()},
-                             {**self.counters, "runner": runner.state_dict()})
+            self.engine.save(step, {"prompts": self.prompts.get_state()}, counters)
             return
         rollout = runner.rollout_state()
         prompts = rollout.pop("prompts")
-        self.engine.save(step, {"prompts": prompts},
-                         {**self.counters, "runner": runner.state_dict(), "rollout": rollout})
+        self.engine.save(step, {"prompts": prompts}, {**counters, "rollout": rollout})
 
     async def arun(self, rollout_sampler: Callable[[AsyncSampler], Any] | None = None
                    ) -> dict[str, Any]:
@@ -347,7 +351,7 @@ class RLLoop:
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
             "dropped_stale_groups": runner.controller.dropped_stale,
             "rollout_counters": dict(runner.counters), **self.reward_pool.metrics(),
-            "reward_first": self.history[0]["rollout/reward_mean"] if self.history else None,
+            "reward_first": first_logged(self.engine, "rollout/reward_mean"),
             "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,
             "sampler_devices": int(self.parts.sampler_mesh.devices.size),

@@ -16,6 +16,7 @@ from meshrl.trainer.engine import StepResult, TrainEngine, put_batch
 from meshrl.trainer.metrics import peak_flops_per_device
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.stop import stop_hook
+from meshrl.trainer.summary import first_logged
 from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.sft")
@@ -90,7 +91,7 @@ def sft_summary(engine: TrainEngine, history: list[dict[str, float]], ev: dict[s
         "job": engine.config.job.value, "steps": engine.config.trainer.steps,
         "start_step": engine.start_step,
         "final_loss": history[-1]["loss"] if history else None,
-        "first_loss": history[0]["loss"] if history else None,
+        "first_loss": first_logged(engine, "loss"),
         "tokens_per_s": float(np.median([h["tokens_per_s"] for h in steady])) if steady
         else None,
         "mfu": float(np.median([h["mfu"] for h in history[1:]])) if len(history) > 1 else None,

@@ -1,5 +1,6 @@
 """A run's ``summary.json``: every job that trains writes it through ``write_summary``, once, at
-the end of the run."""
+the end of the run. A resumed run's first-step figures come from ``metrics.jsonl``, which holds
+the whole run (``first_logged``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import jax
 
+from meshrl.trainer.curves import read_metrics
 from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
@@ -24,3 +26,15 @@ def write_summary(summary: dict[str, Any], workdir: str, table: str | None = Non
                                 json.dumps(summary, indent=2))
         if table is not None:
             _log.info("%s", table)
+
+
+def first_logged(engine: Any, key: str) -> float | None:
+    """``key`` at the run's first step: from ``<workdir>/metrics.jsonl`` when ``engine`` (a
+    ``TrainEngine``) resumed a run (its history starts after the restored step), else from its
+    history; None when neither has it."""
+    if engine.start_step:
+        rows = read_metrics(engine.workdir / "metrics.jsonl")
+        first = next((rows[s][key] for s in sorted(rows) if key in rows[s]), None)
+        if first is not None:
+            return first
+    return next((h[key] for h in engine.history if key in h), None)

@@ -209,7 +209,7 @@ def test_resumed_run_restores_the_warm_start_as_the_same_reference_without_retra
     finally:
         resumed.close()
 
-    assert (start_step, warm) == (1, 0)  # resumed; no warm start run in this invocation
+    assert (start_step, warm) == (1, 2)  # resumed: the run's warm start, restored (below)
     assert sft_steps == ["2"]
     assert sorted(p.name for p in sft.iterdir() if p.name.isdigit()) == sft_steps
     assert (sft / "2").stat().st_mtime_ns == sft_mtime  # restored, not retrained and resaved

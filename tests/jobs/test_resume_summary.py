@@ -1,0 +1,53 @@
+"""A resumed run's summary covers the whole run: the first step's figures come from the
+metrics the first process logged, and the reward pool's counts go on from the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshrl.configs import sft_synthetic
+from meshrl.configs.loader import from_config_dict
+from meshrl.jobs import sft as sft_job
+from meshrl.tests.trainer.tiny import run_rl, tiny_rl_config
+from meshrl.trainer.curves import read_metrics
+
+VARIED = ("meshrl.tests.jobs.varied_reward:reward",)
+
+
+def _metrics(workdir) -> dict[int, dict]:
+    return read_metrics(workdir / "metrics.jsonl")  # a step's rows merged
+
+
+def test_a_resumed_rl_runs_summary_keeps_the_first_reward_and_counts_every_reward_call(
+        tmp_path):
+    _, first = run_rl(tiny_rl_config(**{"reward.names": VARIED}), tmp_path)
+    _, resumed = run_rl(tiny_rl_config(**{"reward.names": VARIED, "trainer.steps": 3}),
+                        tmp_path)
+
+    metrics = _metrics(tmp_path)
+    assert resumed["start_step"] == 2
+    assert metrics[1]["rollout/reward_mean"] != metrics[3]["rollout/reward_mean"]
+    assert resumed["reward_first"] == first["reward_first"] == metrics[1]["rollout/reward_mean"]
+    assert resumed["reward_last"] == metrics[3]["rollout/reward_mean"]
+    # Step 3 scores at least its own 3 groups of 2 on top of the first run's calls.
+    assert resumed["reward/calls"] >= first["reward/calls"] + 6, (first, resumed)
+
+
+def test_a_resumed_sft_runs_summary_keeps_the_first_loss(tmp_path):
+    def config(steps):
+        cfg = sft_synthetic.get_config("smoke")
+        cfg.trainer.steps = steps
+        cfg.trainer.eval_every = 0
+        cfg.checkpoint.async_save = False
+        cfg.logging.progress_bar = False
+        cfg.logging.tensorboard = False
+        return from_config_dict(cfg)
+
+    first = sft_job.run(config(2), str(tmp_path))
+    resumed = sft_job.run(config(3), str(tmp_path))
+
+    metrics = _metrics(tmp_path)
+    assert resumed["start_step"] == 2
+    assert resumed["first_loss"] == pytest.approx(first["first_loss"], rel=0, abs=0)
+    assert resumed["first_loss"] == pytest.approx(metrics[1]["loss"], rel=0, abs=0)
+    assert resumed["final_loss"] == pytest.approx(metrics[3]["loss"], rel=0, abs=0)
