@@ -7,8 +7,8 @@ Each process runs ``<this interpreter> <the args after -->`` with ``--config.dis
 set for an explicit start (coordinator on a free localhost port, process ids 0..N-1). Where
 there is no accelerator (``--platform cpu``, the default) each process gets
 ``--devices_per_process`` fake CPU devices. Every output line is prefixed with ``[pK]``. When a
-process exits non-zero, the others are stopped (their whole process groups, so no orphans) and
-the launcher exits with that code. Ctrl-C, SIGTERM and SIGHUP (a CI cancel, ``timeout``, a closed
+process exits non-zero, the launcher names it, stops the others (every process group, the failed
+one's too, so no orphans) and exits with its code (128 + n for a process killed by signal n). Ctrl-C, SIGTERM and SIGHUP (a CI cancel, ``timeout``, a closed
 ssh connection) stop them all the same way, and the launcher exits with 130, 143 or 129. On Linux
 each process also dies with the launcher (``PR_SET_PDEATHSIG``), so a launcher killed with
 SIGKILL leaves no process holding devices; elsewhere only that last case leaves them running.
@@ -64,6 +64,7 @@ def process_command(args: Sequence[str], process_id: int, num_processes: int,
 def process_env(devices_per_process: int, platform: str) -> dict[str, str]:
     env = dict(os.environ)
     if platform == "cpu":
+        env.pop("JAX_NUM_CPU_DEVICES", None)  # it would override the device count below
         flags = [f for f in env.get("XLA_FLAGS", "").split()
                  if not f.startswith("--xla_force_host_platform_device_count")]
         env["XLA_FLAGS"] = " ".join(
@@ -74,10 +75,16 @@ def process_env(devices_per_process: int, platform: str) -> dict[str, str]:
 
 def _pump(proc: subprocess.Popen, tag: str, lock: threading.Lock) -> None:
     assert proc.stdout is not None
+    closed = False
     for line in iter(proc.stdout.readline, b""):
+        if closed:  # keep draining: a full pipe would block the process for good
+            continue
         with lock:
-            sys.stdout.write(f"[{tag}] {line.decode(errors='replace')}")
-            sys.stdout.flush()
+            try:
+                sys.stdout.write(f"[{tag}] {line.decode(errors='replace')}")
+                sys.stdout.flush()
+            except OSError:  # the reader went away (``| head``)
+                closed = True
 
 
 def _killpg(p: subprocess.Popen, sig: signal.Signals) -> None:
@@ -88,9 +95,10 @@ def _killpg(p: subprocess.Popen, sig: signal.Signals) -> None:
 
 
 def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    # Every group, its leader exited or not: a dead process's own children (a reward pool)
+    # are still in its group, and the group id stays theirs while any of them lives.
     for p in procs:
-        if p.poll() is None:
-            _killpg(p, signal.SIGTERM)
+        _killpg(p, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     for p in procs:
         try:
@@ -98,6 +106,8 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
         except subprocess.TimeoutExpired:
             _killpg(p, signal.SIGKILL)
             p.wait()
+    for p in procs:  # children that outlived their process's SIGTERM
+        _killpg(p, signal.SIGKILL)
 
 
 class _SignalledError(BaseException):
@@ -145,10 +155,14 @@ def launch(args: Sequence[str], num_processes: int, devices_per_process: int,
             pumps[-1].start()
         while True:
             codes = [p.poll() for p in procs]
-            failed = [c for c in codes if c not in (None, 0)]
+            failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
+                i, code = failed[0]
+                how = f"signal {-code}" if code < 0 else f"exit code {code}"
+                print(f"launch/local.py: process {i} ended with {how}; stopping the others",
+                      file=sys.stderr, flush=True)
                 _stop(procs)
-                return failed[0]
+                return 128 - code if code < 0 else code  # a signal: the shell's 128 + n
             if all(c == 0 for c in codes):
                 return 0
             time.sleep(poll_s)
