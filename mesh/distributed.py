@@ -24,8 +24,11 @@ def initialize_distributed(cfg: DistributedConfig) -> bool:
         # Cluster environments (TPU pods, SLURM, Open MPI) supply every argument.
         jax.distributed.initialize()
     else:
+        # No cluster detection: under SLURM it would fill ``local_device_ids`` from
+        # SLURM_LOCALID and pin each process to one GPU, whatever the node holds.
         jax.distributed.initialize(coordinator_address=cfg.coordinator_address,
-                                   num_processes=cfg.num_processes, process_id=cfg.process_id)
+                                   num_processes=cfg.num_processes, process_id=cfg.process_id,
+                                   cluster_detection_method="deactivate")
     _started = True
     log.set_process_index(jax.process_index())
     log.get_logger("mesh").info("jax.distributed initialised: process %d of %d, %d devices",
