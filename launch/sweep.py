@@ -15,8 +15,9 @@ Contract:
 * Every key is checked against the config schema and the config file is loaded before anything
   runs; a bad sweep exits 2 with one ``error:`` line naming the file and the rule.
 * Trial ``t`` runs ``<python> main.py --config CONFIG --workdir W/<t> --config.<k>=<v> ...``;
-  its name is built from its overrides (``learning_rate=0.001,seed=0``; the full dotted key
-  where two short names clash) and is unique, deterministic and filesystem-safe.
+  its name is built from its overrides alone (``learning_rate=0.001,seed=0``; the full dotted
+  key where an earlier config section owns the field name, as ``lora.seed``) and is unique,
+  deterministic and filesystem-safe.
 * The local launcher runs at most ``--parallel`` trials at once as subprocesses, each one's
   stdout and stderr to ``W/<t>/sweep.log``. A trial is finished when ``W/<t>/summary.json``
   holds a whole JSON object (jobs write it to a temporary file and rename it into place, so a
@@ -27,14 +28,21 @@ Contract:
 * At the end: ``W/results.csv`` (every trial, its overrides and every scalar of its
   summary.json), a table on stdout, ``W/sweep_curves.png`` (see ``launch/sweep_report.py``).
   The exit code is 1 when any trial is not finished, else 0.
+* Ctrl-C or SIGTERM starts no more trials, stops the running ones (SIGINT: each saves the step
+  it reached; SIGKILL to what is left after a grace period), writes the report and exits 130 or
+  143; a rerun goes on. A finished trial whose recorded settings (``sweep_settings.json``:
+  config and overrides) differ from the sweep's now is an error, not a result.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from meshrl.launch import sweep_report, sweep_run
 from meshrl.launch.sweep_hyper import (  # noqa: F401 (the vocabulary sweep files use)
@@ -78,11 +86,33 @@ def _parse(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+class _Terminated(BaseException):
+    """SIGTERM reached the sweep: its trials are stopped as on Ctrl-C."""
+
+
+def _catch_sigterm() -> Any:
+    """Turn the first SIGTERM into ``_Terminated`` (main thread only); the handler to put
+    back, or None."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    seen: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not seen:  # a second one while the trials stop is ignored
+            seen.append(signum)
+            raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the sweep; 0 when every trial finished, 1 when one did not, 2 on bad input."""
+    """Run the sweep; 0 when every trial finished, 1 when one did not, 2 on bad input, 130 or
+    143 when Ctrl-C or SIGTERM stopped it (the report covers what ran)."""
     args = _parse(sys.argv[1:] if argv is None else argv)
     log_lib.setup("INFO")
     workdir = pathlib.Path(args.workdir).resolve()
+    stopped = 0
+    previous = _catch_sigterm()
     try:
         spec = load_sweep(args.sweep_file)
         if args.launcher == "xmanager":
@@ -93,8 +123,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SweepError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        stopped = 130
+    except _Terminated:
+        stopped = 128 + signal.SIGTERM
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     rows = sweep_report.write_report(spec.trials, workdir)
     print(sweep_report.format_table(spec.trials, rows, workdir))
+    if stopped:
+        print("sweep stopped; the same command goes on where it stopped", file=sys.stderr)
+        return stopped
     return 0 if all(r["status"] == "done" for r in rows) else 1
 
 

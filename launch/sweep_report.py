@@ -1,7 +1,8 @@
 """A sweep's results: ``W/results.csv``, the table on stdout, ``W/sweep_curves.png``.
 
 Contract: one row per trial, in sweep order: ``trial``, ``status`` (``done`` when its
-summary.json holds a whole JSON object, else ``failed``), its overrides (one column per dotted
+summary.json holds a whole JSON object, ``not started`` without a trial directory (a stopped
+sweep), else ``failed``), its overrides (one column per dotted
 key), every scalar of its summary.json (nested dicts flattened to ``outer.inner``; lists left
 out) and, for a failed trial, ``error``: the last line of its ``sweep.log``. The table shows the
 overrides and the headline numbers of the job (RL: accuracy and reward; SFT: loss); the CSV has
@@ -52,6 +53,8 @@ def trial_row(trial: Trial, workdir: pathlib.Path) -> dict[str, Any]:
     row.update(trial.overrides)
     if summary is not None:
         row.update(flatten(summary))
+    elif not (workdir / trial.name).is_dir():  # the sweep stopped before it
+        row["status"], row["error"] = "not started", "not started"
     else:
         tail = log_tail(workdir / trial.name / LOG, 1)
         row["error"] = tail[0] if tail else f"no {LOG} (launched by XManager: see its output)"
@@ -149,7 +152,7 @@ def format_table(trials: Sequence[Trial], rows: Sequence[Mapping[str, Any]],
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip()]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip() for row in cells]
     for r in rows:
-        if r["status"] != "done":
+        if r["status"] == "failed":
             where = workdir / str(r["trial"]) / LOG
             tail = log_tail(where) or [str(r.get("error", ""))]
             source = f"the last lines of {where}" if where.is_file() else "why"

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +27,8 @@ from meshrl.launch.sweep_trials import (
     Trial,
     is_finished,
     log_tail,
+    record_settings,
+    settings_change,
     trial_command,
 )
 from meshrl.utils.log import get_logger
@@ -36,7 +41,13 @@ XMANAGER_MISSING = ("--launcher xmanager needs the xmanager package, which is no
 
 def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,
                 runner: Callable[[Sweep, Sequence[Trial], pathlib.Path, int], None]) -> None:
-    """Run, with ``runner``, the trials of ``spec`` that have no summary.json yet."""
+    """Run, with ``runner``, the trials of ``spec`` that have no summary.json yet. A finished
+    trial whose recorded settings differ from the sweep's now is a ``SweepError``."""
+    for t in spec.trials:
+        if is_finished(workdir, t) and (change := settings_change(spec, t, workdir)):
+            raise SweepError(f"trial {t.name} finished with other settings ({change}) than "
+                             f"{spec.path} gives it now: its results would pass for this "
+                             f"sweep's; use another --workdir, or remove {workdir / t.name}")
     todo = [t for t in spec.trials if not is_finished(workdir, t)]
     log.info("sweep %s: %d trials, %d finished, %d to run (up to %d at once) under %s",
              spec.path, len(spec.trials), len(spec.trials) - len(todo), len(todo), parallel,
@@ -46,19 +57,48 @@ def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,
         runner(spec, todo, workdir, parallel)
 
 
-def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> int:
-    tdir = workdir / trial.name
+def _prepare(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> None:
+    """The trial's workdir, with the settings it starts with recorded."""
     # Private, as main.py creates a workdir: it refuses one that group or others may write,
     # which a umask of 002 would give.
-    tdir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    (workdir / trial.name).mkdir(mode=0o700, exist_ok=True)
+    record_settings(spec, trial, workdir)
+
+
+class _Running:
+    """The local trials' processes, so that a stop reaches every one, and no trial starts
+    after it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.procs: set[subprocess.Popen] = set()
+        self.stopping = False
+
+
+def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path, running: _Running) -> int | None:
+    """The trial's exit code; None when the sweep was stopped before it started."""
+    tdir = workdir / trial.name
     cmd = trial_command(spec, trial, workdir)
-    t0 = time.perf_counter()
-    log.info("trial %s: started", trial.name)
-    with open(tdir / LOG, "a") as f:  # appended: a resumed trial keeps its earlier attempts
+    with running.lock:
+        if running.stopping:
+            return None
+        _prepare(spec, trial, workdir)
+        f = open(tdir / LOG, "a")  # noqa: SIM115 (closed below) appended: earlier attempts stay
         f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {shlex.join(cmd)}\n")
         f.flush()
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL).returncode
+        # Its own session: a stop reaches the trial and its children through ``_stop``, once
+        # (a terminal's Ctrl-C reaches only the sweep).
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        running.procs.add(proc)
+    t0 = time.perf_counter()
+    log.info("trial %s: started", trial.name)
+    try:
+        rc = proc.wait()
+    finally:
+        f.close()
+        with running.lock:
+            running.procs.discard(proc)
     wall = time.perf_counter() - t0
     if rc == 0 and is_finished(workdir, trial):
         log.info("trial %s: finished in %.0f s", trial.name, wall)
@@ -69,12 +109,52 @@ def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> int:
     return rc
 
 
+def _killpg(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:  # the whole group exited
+        pass
+
+
+def _stop(running: _Running, grace_s: float) -> None:
+    """Start no more trials; SIGINT to each running one (``main.py`` saves the step it reached
+    and exits), SIGKILL to what is left of its process group after ``grace_s``."""
+    with running.lock:
+        running.stopping = True
+        procs = list(running.procs)
+    log.warning("sweep stopped: stopping %d running trials (each saves its step); a rerun "
+                "resumes them", len(procs))
+    try:
+        for p in procs:
+            _killpg(p, signal.SIGINT)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:  # also on a second Ctrl-C: nothing of a trial outlives the sweep
+        for p in procs:
+            _killpg(p, signal.SIGKILL)
+            p.wait()
+
+
 def run_local(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
-              parallel: int) -> None:
-    """Each trial as a subprocess, at most ``parallel`` at once; a failure stops no other."""
-    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        for future in [pool.submit(_run_one, spec, t, workdir) for t in trials]:
+              parallel: int, stop_grace_s: float = 60.0) -> None:
+    """Each trial as a subprocess, at most ``parallel`` at once; a failure stops no other. An
+    exception here (Ctrl-C; SIGTERM as ``sweep.main`` raises it) stops every trial
+    (``_stop``) and is raised again."""
+    running = _Running()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel)
+    try:
+        for future in [pool.submit(_run_one, spec, t, workdir, running) for t in trials]:
             future.result()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        _stop(running, stop_grace_s)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 # --- XManager ------------------------------------------------------------------------------
@@ -151,6 +231,9 @@ def run_xmanager(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,
     """The trials as one XManager experiment, at most ``parallel`` work units at once."""
     require_xmanager()
     from absl import flags
+
+    for t in trials:
+        _prepare(spec, t, workdir)
 
     if not flags.FLAGS.is_parsed():  # xmanager reads its absl flags; this CLI uses argparse
         flags.FLAGS.mark_as_parsed()

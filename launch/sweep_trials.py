@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import json
 import pathlib
@@ -19,11 +20,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from meshrl.launch.sweep_hyper import Overrides
+from meshrl.utils import paths
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAIN = ROOT / "main.py"
 SUMMARY = "summary.json"
 LOG = "sweep.log"
+SETTINGS = "sweep_settings.json"  # the config and overrides the trial last started with
 _MAX_NAME = 150  # well under the 255 bytes a file name may have
 
 
@@ -45,14 +48,20 @@ class Sweep:
     trials: list[Trial]
 
 
+def _plain(value: Any) -> Any:
+    """A float subclass (numpy's float64 from ``np.logspace``) as a float: its ``repr`` is
+    ``np.float64(0.001)``, which no override parses."""
+    return float(value) if isinstance(value, float) else value
+
+
 def format_value(value: Any) -> str:
     """``value`` as ``--config.k=<this>`` takes it (floats round-trip through ``repr``)."""
     if isinstance(value, bool):
         return str(value).lower()
     if isinstance(value, float):
-        return repr(value)
+        return repr(float(value))
     if isinstance(value, (list, tuple)):
-        return repr(tuple(value))
+        return repr(tuple(_plain(v) for v in value))
     return str(value)
 
 
@@ -69,14 +78,30 @@ def _name_value(value: Any) -> str:
     return format_value(value)
 
 
+@functools.cache
+def _field_owners() -> dict[str, str]:
+    """Field name -> the dotted key of the first schema section that has it."""
+    from meshrl.configs.schema import SECTIONS
+
+    owners: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            owners.setdefault(f.name, f"{section}.{f.name}")
+    return owners
+
+
+def _label(key: str) -> str:
+    """The field name, unless an earlier schema section owns it (``trainer.seed`` is ``seed``,
+    ``lora.seed`` is ``lora.seed``): from the schema alone, so a trial's name never depends on
+    the other trials of its sweep."""
+    short = key.rsplit(".", 1)[-1]
+    return short if _field_owners().get(short, key) == key else key
+
+
 def trial_names(trials: Sequence[Overrides]) -> list[str]:
-    """``short=value,...`` per trial, short being the field name, or the dotted key when two
-    keys of the sweep share a field name; ``base`` for no overrides. Names that still clash
-    (values equal once made filesystem-safe) get a digest of their overrides."""
-    keys = list(dict.fromkeys(k for t in trials for k in t))
-    shorts = [k.rsplit(".", 1)[-1] for k in keys]
-    label = {k: s if shorts.count(s) == 1 else k for k, s in zip(keys, shorts)}
-    names = [_safe(",".join(f"{label[k]}={_name_value(v)}" for k, v in t.items()) or "base")
+    """``label=value,...`` per trial (``_label``); ``base`` for no overrides. Names that still
+    clash (values equal once made filesystem-safe) get a digest of their overrides."""
+    names = [_safe(",".join(f"{_label(k)}={_name_value(v)}" for k, v in t.items()) or "base")
              for t in trials]
     clashes = {n for n in names if names.count(n) > 1}
     return [f"{n}-{hashlib.sha1(repr(sorted(t.items())).encode()).hexdigest()[:8]}"
@@ -95,6 +120,34 @@ def trial_args(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> list[str]:
 
 def trial_command(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> list[str]:
     return [sys.executable, str(MAIN), *trial_args(spec, trial, workdir)]
+
+
+def trial_settings(spec: Sweep, trial: Trial) -> dict[str, Any]:
+    """What makes the trial's run: the config and every override (the sweep's fixed ones too)."""
+    return {"config": spec.config,
+            "overrides": [*override_args(spec.fixed), *override_args(trial.overrides)]}
+
+
+def record_settings(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> None:
+    paths.write_text_atomic(paths.as_path(workdir / trial.name / SETTINGS),
+                            json.dumps(trial_settings(spec, trial), indent=1))
+
+
+def settings_change(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> str | None:
+    """How the trial's recorded settings differ from the sweep's now (None: they do not, or
+    none were recorded)."""
+    try:
+        old = json.loads((workdir / trial.name / SETTINGS).read_text())
+    except (OSError, ValueError):
+        return None
+    new = trial_settings(spec, trial)
+    if old == new:
+        return None
+    if old.get("config") != new["config"]:
+        return f"config {old.get('config')!r} -> {new['config']!r}"
+    gone = [a for a in old.get("overrides", []) if a not in new["overrides"]]
+    added = [a for a in new["overrides"] if a not in old.get("overrides", [])]
+    return f"overrides {' '.join(gone) or '(none)'} -> {' '.join(added) or '(none)'}"
 
 
 def read_summary(workdir: pathlib.Path, trial: Trial) -> dict[str, Any] | None:

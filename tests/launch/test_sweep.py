@@ -119,13 +119,36 @@ def test_trial_names_are_field_names_and_values_in_sweep_order():
     assert sweep.trial_names([{}]) == ["base"]
 
 
-def test_trial_names_use_the_dotted_key_when_two_field_names_clash():
-    trials = [{"trainer.seed": 0, "data.seed": 0, "trainer.steps": 5},
-              {"trainer.seed": 1, "data.seed": 0, "trainer.steps": 5}]
+def test_trial_names_use_the_dotted_key_where_an_earlier_section_owns_the_field_name():
+    trials = [{"trainer.seed": 0, "lora.seed": 0, "trainer.steps": 5},
+              {"trainer.seed": 1, "lora.seed": 0, "trainer.steps": 5}]
 
     names = sweep.trial_names(trials)
 
-    assert names == ["trainer.seed=0,data.seed=0,steps=5", "trainer.seed=1,data.seed=0,steps=5"]
+    assert names == ["seed=0,lora.seed=0,steps=5", "seed=1,lora.seed=0,steps=5"]
+
+
+def test_a_trial_added_to_a_sweep_renames_none_of_the_others():
+    trials = sweep.product(sweep.sweep("trainer.learning_rate", [1e-3, 3e-4]),
+                           sweep.sweep("trainer.seed", [0, 1]))
+
+    before = sweep.trial_names(trials)
+    after = sweep.trial_names([*trials, {"trainer.learning_rate": 1e-3, "lora.seed": 1}])
+
+    assert after[:4] == before
+    assert after[4] == "learning_rate=0.001,lora.seed=1"
+
+
+def test_numpy_floats_name_and_pass_as_plain_floats():
+    np = pytest.importorskip("numpy")
+    trials = sweep.sweep("trainer.learning_rate", list(np.logspace(-4, -3, 2)))
+    spec = sweep.Sweep(pathlib.Path("s.py"), SMOKE, {"optimizer.b2": np.float64(0.95)},
+                       [sweep.Trial(n, t) for n, t in zip(sweep.trial_names(trials), trials)])
+
+    assert [t.name for t in spec.trials] == ["learning_rate=0.0001", "learning_rate=0.001"]
+    assert sweep.trial_args(spec, spec.trials[0], pathlib.Path("w"))[4:] == [
+        "--config.optimizer.b2=0.95", "--config.trainer.learning_rate=0.0001"]
+    assert sweep.format_value((np.float64(0.5), 2)) == "(0.5, 2)"
 
 
 def test_trial_names_are_filesystem_safe_unique_and_bounded():
@@ -296,3 +319,18 @@ def test_trial_workdirs_are_created_private_so_main_py_accepts_them_under_umask_
     for trial in trials:
         assert trial.stat().st_mode & 0o777 == 0o700
         prepare(trial)  # what main.py checks first: no WorkdirError
+
+
+def test_a_finished_trial_whose_fixed_settings_changed_is_an_error_not_a_result(
+        tmp_path, fake_main, capsys):
+    path, workdir = _sweep_file(tmp_path, LR_SEED), tmp_path / "w"
+    sweep.main([str(path), "--workdir", str(workdir)])
+    path.write_text(path.read_text() + "FIXED = {'trainer.steps': 50}\n")
+    capsys.readouterr()
+
+    rc = sweep.main([str(path), "--workdir", str(workdir)])
+
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert (f"error: trial learning_rate=0.001,seed=0 finished with other settings (overrides "
+            f"(none) -> --config.trainer.steps=50) than {path}") in err

@@ -7,7 +7,12 @@ preemption or an OOM kill would at that moment."""
 from __future__ import annotations
 
 import json
+import os
+import pathlib
 import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -71,3 +76,66 @@ def test_kill_during_summary_writing_leaves_the_trial_unfinished_and_the_sweep_r
     assert "1 trials, 0 finished, 1 to run" in capsys.readouterr().err
     assert json.loads(summary.read_text())["accuracy_after"] == 0.5
     assert (workdir / TRIAL / sweep_run.LOG).read_text().count("fake main.py: again") == 1
+
+
+# A trial that records its pid and runs until stopped.
+LONG_MAIN = '''
+import os, pathlib, sys, time
+args = sys.argv[1:]
+workdir = pathlib.Path(args[args.index("--workdir") + 1])
+(workdir / "pid").write_text(str(os.getpid()))
+time.sleep(120)
+'''
+DRIVE = '''
+import pathlib, sys
+from meshrl.launch import sweep, sweep_trials
+sweep_trials.MAIN = pathlib.Path(sys.argv[1])
+sys.exit(sweep.main(sys.argv[2:]))
+'''
+THREE_TRIALS = """
+from meshrl.launch import sweep as hyper
+CONFIG = {config!r}
+def sweep():
+    return hyper.sweep("trainer.seed", [0, 1, 2])
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_stopped_sweep_stops_its_trials_starts_no_more_and_reports(tmp_path, sig, code):
+    fake = tmp_path / "long_main.py"
+    fake.write_text(LONG_MAIN)
+    spec = tmp_path / "s.py"
+    spec.write_text(THREE_TRIALS.format(config=str(sweep_trials.ROOT / "configs" / "default.py")))
+    workdir = tmp_path / "w"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVE, str(fake), str(spec), "--workdir",
+                             str(workdir), "--parallel", "2"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    pid_files = [workdir / f"seed={s}" / "pid" for s in (0, 1)]
+    deadline = time.monotonic() + 60
+    while not all(p.exists() and p.read_text() for p in pid_files):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    pids = [int(p.read_text()) for p in pid_files]
+
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=60)
+
+    try:
+        assert proc.returncode == code, err[-2000:]
+        assert not any(_alive(p) for p in pids)
+        assert not (workdir / "seed=2").exists()
+        status = {ln.split()[0]: " ".join(ln.split()[1:3]) for ln in out.splitlines()[1:4]}
+        assert status["seed=2"] == "not started", out
+        assert "sweep stopped; the same command goes on where it stopped" in err
+    finally:
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
