@@ -19,6 +19,7 @@ a version to this mid-read gets ``WeightVersionGoneError`` (a ``FileNotFoundErro
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -290,6 +291,16 @@ def published_versions(workdir: paths.PathLike) -> list[int]:
     if not root.is_dir():
         return []
     return sorted(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def version_stamp(workdir: paths.PathLike, version: int) -> int | None:
+    """When the save of ``version`` began (ns, from Orbax's step metadata file): a version a
+    resumed run publishes again has another. None when it cannot be read (gone)."""
+    try:
+        meta = json.loads((weights_dir(workdir, version) / "_CHECKPOINT_METADATA").read_text())
+        return int(meta["init_timestamp_nsecs"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def publish_weights(params: Any, workdir: paths.PathLike, version: int) -> epath.Path:

@@ -3,7 +3,9 @@
 ``VersionEvaluator`` puts one version at a time on an async sampler and scores it with the RL
 job's own evaluation (``workflows.evaluate.aevaluate``); ``awatch`` lists
 ``<workdir>/weights`` until the run's final version is evaluated or the run has ended, and
-raises ``EvaluateTimeoutError`` when neither happens for ``evaluate.timeout_s`` seconds.
+raises ``EvaluateTimeoutError`` when neither happens for ``evaluate.timeout_s`` seconds. A
+version published again after its evaluation (a resumed RL run redoes the steps after its
+checkpoint) is evaluated again; its new metrics replace the old.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from etils import epath
 
 from meshrl.configs.schema import Config
 from meshrl.inference.async_sampler import AsyncSampler
-from meshrl.inference.weights import WeightMismatchError, published_versions
+from meshrl.inference.weights import WeightMismatchError, published_versions, version_stamp
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.errors import UserError
@@ -26,6 +28,7 @@ from meshrl.workflows.setup import aevaluate_held_out
 
 log = log_lib.get_logger("evaluate")
 ACCURACY = "eval/greedy_accuracy"
+STAMPS = "weight_stamps.json"  # under <workdir>/eval
 
 
 class EvaluateTimeoutError(UserError, TimeoutError):
@@ -63,13 +66,34 @@ class VersionEvaluator:
                  mismatch: Callable[[int, Exception], Exception]) -> None:
         self.config, self.workdir, self.engine, self.pool = config, workdir, engine, pool
         self.examples, self.tokenizer, self.mismatch = examples, tokenizer, mismatch
+        # version -> the stamp (``version_stamp``) of the weights its metrics are of: a version
+        # a resumed RL run publishes again is evaluated again.
+        self._stamps_path = workdir / "eval" / STAMPS
+        try:
+            self.stamps = {int(k): int(v) for k, v in
+                           json.loads(self._stamps_path.read_text()).items()}
+        except (OSError, ValueError, AttributeError):
+            self.stamps = {}
+        self._loaded: int | None = None
+
+    def republished(self, version: int) -> bool:
+        """Whether ``version``'s weights changed since the evaluation of it on record."""
+        old, now = self.stamps.get(version), version_stamp(self.workdir, version)
+        return old is not None and now is not None and now != old
+
+    def record(self, version: int) -> None:
+        """Note the weights of the version just evaluated (after its metrics are written)."""
+        if self._loaded is not None:
+            self.stamps[version] = self._loaded
+            paths.write_text_atomic(self._stamps_path, json.dumps(
+                {str(k): v for k, v in sorted(self.stamps.items())}))
 
     def load(self, version: int) -> bool:
         """Put ``version`` on the sampler; False if it vanished (a resumed RL run replaces the
         versions after its checkpoint: it comes back under the same number; or the run's
         ``checkpoint.keep_versions`` retired it: it is then no longer listed)."""
-        # TODO(meshrl): a version a resumed RL run replaces after it was evaluated keeps the
-        # old weights' metrics; the trainer publishes no marker that would tell them apart.
+        # Read first: weights replaced while loading get a newer stamp, evaluated again.
+        self._loaded = version_stamp(self.workdir, version)
         try:
             self.engine.load_weights(version)
         except WeightMismatchError as e:
@@ -123,11 +147,17 @@ async def awatch(ev: VersionEvaluator, write: Callable[[int, dict[str, float]], 
     while True:
         # The end marker before the listing: a run that had ended has published everything.
         ended = run_ended(workdir, config)
-        for version in [v for v in published_versions(workdir) if v not in done]:
+        for version in published_versions(workdir):
+            if version in done and not ev.republished(version):
+                continue
+            if version in done:
+                log.warning("version %d was published again since its evaluation (a resumed RL "
+                            "run): evaluating it again; its new metrics replace the old", version)
             if not await asyncio.to_thread(ev.load, version):
                 continue
             done[version] = await ev.evaluate(version)
             write(version, done[version])
+            ev.record(version)
             log.info("version %d: %s", version,
                      ", ".join(f"{k} {v:.3f}" for k, v in done[version].items()))
             last = time.monotonic()

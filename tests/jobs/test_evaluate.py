@@ -105,6 +105,26 @@ def test_rerun_skips_versions_already_in_the_eval_metrics(workdir, monkeypatch):
     assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [2, 4]
 
 
+def test_a_version_published_again_after_its_evaluation_is_evaluated_again(workdir,
+                                                                          monkeypatch):
+    config = _eval_config()
+    evaluate.run(config, str(workdir))
+    # As a resumed RL run publishes a version again, with other weights (here version 4's).
+    weights = workdir / "weights"
+    shutil.rmtree(weights / "2")
+    shutil.copytree(weights / "4", weights / "2")
+    seen = _count_evaluations(monkeypatch)
+
+    summary = evaluate.run(config, str(workdir))
+    again = evaluate.run(config, str(workdir))
+
+    assert seen == [2]  # once: the second rerun finds every evaluation current
+    assert summary["versions"] == again["versions"] == [2, 4]
+    metrics = read_metrics(workdir / "eval" / "metrics.jsonl")
+    for key in ("eval/greedy_accuracy", "eval/completion_len", "eval/pass_at_1"):
+        assert metrics[2][key] == metrics[4][key], key
+
+
 def test_versions_appearing_one_by_one_are_each_evaluated_as_they_appear(workdir, monkeypatch):
     (workdir / "summary.json").unlink()  # the run is still going
     real = published_versions(workdir)
