@@ -5,8 +5,9 @@ The context is the prompt ids, then each model turn exactly as the sampler produ
 behaviour logprobs and weight versions), then each observation's ids (``workflows/render.py``:
 loss mask 0, version -1, never sampled). Nothing is decoded and re-encoded across turns, so the
 trainer scores exactly the ids the sampler generated. Limits: ``max_turns`` model turns and
-``max_total_len`` tokens in all (prompt, turns and observations); an episode that runs out ends
-with ``finish_reason = "length"`` and keeps what it has.
+``max_total_len`` tokens in all (prompt, turns and observations); an episode that runs out before
+the environment says done ends with ``finish_reason = "length"``, keeps what it has, and is
+scored by the reward pool as an empty answer (its last turn is no final answer).
 
 Versions across turns: every generated token records its version, so a turn after a weight
 handoff carries the new version and the episode's ``oldest_version`` the first turn's. An episode
@@ -120,7 +121,8 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
     ctx.prompt_len = len(ctx.ids)
     turns: list[dict[str, Any]] = []
     rewards: list[float] = []
-    finish, last_text, limit = "", "", settings.max_total_len
+    finish, last_text, limit, ended = "", "", settings.max_total_len, False
+    eos = spec.renderer.tokenizer.eos_id
     for turn in range(settings.max_turns):
         if _stale(spec, engine, ctx):
             spec.counters["stale_episodes"] = spec.counters.get("stale_episodes", 0) + 1
@@ -149,10 +151,15 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
         turns.append({"role": "assistant", "text": last_text, "tokens": len(out.tokens),
                       "versions": sorted(set(int(v) for v in out.versions)),
                       "finish_reason": out.finish_reason})
-        if done or turn == settings.max_turns - 1:
+        if done:
+            ended = True
             break
+        if turn == settings.max_turns - 1:
+            break
+        # Only EOS itself closes the turn: a stop on another id (``agent.turn_stop``) leaves
+        # the template's end-of-turn token to the observation.
         obs_ids = spec.renderer.observation_ids(
-            observation, stopped_on_eos=out.finish_reason == "stop")
+            observation, stopped_on_eos=bool(out.tokens) and out.tokens[-1] == eos)
         if limit is not None and len(ctx.ids) + len(obs_ids) >= limit:
             finish = "length"  # no room for the observation and one more model token
             break
@@ -161,6 +168,10 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
                    "tokens": len(obs_ids)} for m in as_messages(observation)]
     if not any(ctx.mask):
         return None
+    if not ended:
+        # Out of turns or tokens before the environment said done: the last turn is no final
+        # answer (a tool call, say), so it is scored as an empty one.
+        finish, last_text = "length", ""
     if rewards:
         total = sum(rewards)
     else:

@@ -137,6 +137,49 @@ def test_total_token_budget_ends_the_episode_with_length(tok):
     assert traj.finish_reason == "length" and len(traj) <= limit
 
 
+def test_an_episode_out_of_turns_mid_tool_use_ends_with_length_and_scores_no_answer(tok):
+    # The model calls the tool in every turn: its last turn is no final answer.
+    call = tok.encode(CALL) + [tok.eos_id]
+    sampler = ScriptedSampler([call, call])
+    _, item = messages_prompt(tok)
+    rewards = ConstRewards(1.0)
+
+    async def run():
+        async with Tools(["calculator"]) as tools:
+            spec = AgentSpec(tool_env_factory(tools), TurnRenderer(tok))
+            return await arun_episode(sampler, item, reward_pool=rewards, decode=tok.decode,
+                                      settings=EpisodeSettings(max_turns=2,
+                                                               stop_ids=(tok.eos_id,)),
+                                      agent=spec)
+    traj = asyncio.run(run())
+
+    assert traj.finish_reason == traj.metadata["episode"]["finish_reason"] == "length"
+    assert rewards.seen == [""]
+
+
+def test_a_turn_ended_on_a_turn_stop_id_keeps_the_templates_end_of_turn(tok):
+    # agent.turn_stop: the turn ends on the call's last id, not on EOS (<|im_end|>), so the
+    # observation must close the turn with the template's end token itself.
+    call = tok.encode(CALL)
+    sampler = ScriptedSampler([call, tok.encode("56088") + [tok.eos_id]])
+    messages, item = messages_prompt(tok)
+
+    async def run():
+        async with Tools(["calculator"]) as tools:
+            spec = AgentSpec(tool_env_factory(tools), TurnRenderer(tok), stop_ids=(call[-1],))
+            return await arun_episode(sampler, item, reward_pool=ConstRewards(),
+                                      decode=tok.decode, agent=spec,
+                                      settings=EpisodeSettings(max_turns=3,
+                                                               stop_ids=(tok.eos_id,)))
+    traj = asyncio.run(run())
+
+    whole = tok.apply_chat_template(messages + [{"role": "assistant", "content": CALL},
+                                                {"role": "tool", "content": "56088"}],
+                                    add_generation_prompt=True)
+    assert traj.prompt_ids + traj.completion_ids[:-len(tok.encode("56088")) - 1] == \
+        tok.encode(whole)
+
+
 def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(tmp_path):
     drifting = qwen_tokenizer(tmp_path / "drift", DRIFTING_TEMPLATE)
     with pytest.raises(TemplateDriftError, match="renders earlier turns differently"):
