@@ -52,13 +52,15 @@ def _call_from_json(raw: str, args_key: str) -> ToolCall | ToolCallError:
         obj = json.loads(raw)
     except json.JSONDecodeError as e:
         return ToolCallError(f"not valid JSON ({e.msg} at character {e.pos})", raw)
+    except RecursionError:  # model text nested past the parser's depth
+        return ToolCallError("not valid JSON (nested too deep)", raw)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCallError('a call must be a JSON object with a string "name"', raw)
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):  # some models emit the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             pass
     if not isinstance(args, dict):
         return ToolCallError(f'"{args_key}" must be a JSON object', raw)
@@ -107,22 +109,36 @@ def _split_json_objects(text: str) -> list[str]:
     return parts + ([tail] if tail else [])
 
 
+def _unparse(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)[:200]
+    except RecursionError:
+        return "(nested too deep)"
+
+
 def _pythonic(text: str) -> list[ToolCall | ToolCallError]:
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError as e:
         return [ToolCallError(f"not a list of calls ({e.msg})", text)]
+    except (RecursionError, MemoryError, ValueError):  # nested too deep; a NUL byte
+        return [ToolCallError("not a list of calls (cannot be parsed)", text[:200])]
     items = tree.body.elts if isinstance(tree.body, ast.List) else [tree.body]
     calls: list[ToolCall | ToolCallError] = []
     for item in items:
         if not (isinstance(item, ast.Call) and isinstance(item.func, ast.Name) and not item.args):
             calls.append(ToolCallError("each call must be name(key=value, ...)",
-                                       ast.unparse(item)))
+                                       _unparse(item)))
+            continue
+        names = [k.arg for k in item.keywords]
+        if None in names or len(set(names)) < len(names):
+            calls.append(ToolCallError("arguments must be distinct key=value pairs (no **)",
+                                       _unparse(item)))
             continue
         try:
-            args = {k.arg: ast.literal_eval(k.value) for k in item.keywords if k.arg}
-        except ValueError:
-            calls.append(ToolCallError("arguments must be literals", ast.unparse(item)))
+            args = {k.arg: ast.literal_eval(k.value) for k in item.keywords}
+        except (ValueError, TypeError, RecursionError, MemoryError):  # {[1]: 2}: unhashable
+            calls.append(ToolCallError("arguments must be literals", _unparse(item)))
             continue
         calls.append(ToolCall(item.func.id, args))
     return calls

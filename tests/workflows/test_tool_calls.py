@@ -81,3 +81,18 @@ def test_too_many_calls_in_one_turn_are_capped_with_an_error():
 def test_unknown_parser_names_are_rejected_with_the_known_ones():
     with pytest.raises(ValueError, match="known: \\['hermes', 'llama3'\\]"):
         get_parser("mistral")
+
+
+@pytest.mark.parametrize("parse, text, needle", [
+    (parse_hermes, "<tool_call>" + "[" * 5000 + "</tool_call>", "nested too deep"),
+    (parse_llama3, '{"name": "f", "parameters": ' + "[" * 5000, "nested too deep"),
+    (parse_llama3, "[f(a={[1]: 2})]", "arguments must be literals"),
+    (parse_llama3, "[f(a=" + "-" * 5000 + "1)]", "cannot be parsed"),
+    (parse_llama3, "[f(**{'a': 1})]", "no **"),
+    (parse_llama3, "[f(a=1, a=2)]", "distinct"),
+])
+def test_model_text_a_parser_cannot_take_is_a_call_error_not_an_exception(parse, text, needle):
+    turn = parse(text)
+
+    assert len(turn.calls) == 1 and isinstance(turn.calls[0], ToolCallError), turn.calls
+    assert needle in turn.calls[0].message
