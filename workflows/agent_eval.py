@@ -42,6 +42,9 @@ async def aevaluate_agent(engine: SamplerClient, reward_pool: Any, examples: Seq
     if engine.version != version:
         raise EvalVersionError(f"engine holds version {engine.version}, evaluating {version}")
     greedy = dataclasses.replace(settings, temperature=0.0, seed=seed)
+    # No staleness cut: an episode that sees another version must reach the version check
+    # below (an error), not end as a rejected, wrong answer.
+    spec = dataclasses.replace(spec, max_staleness=None)
     verifier = _Verifier(reward_pool)
     trajs = await asyncio.gather(*(
         spec.arun(engine, ex, reward_pool=verifier, decode=decode, settings=greedy,

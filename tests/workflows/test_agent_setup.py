@@ -141,3 +141,26 @@ def test_agent_evaluation_runs_the_tool_episode_greedily_and_scores_the_final_tu
     assert ev["eval/greedy_accuracy"] == 1.0 and ev["eval/tool_call_rate"] == 1.0
     assert ev["eval/turns"] == 2.0
     assert all(r.request.temperature == 0.0 for r in sampler.completions)
+
+
+def test_agent_evaluation_with_weights_changing_mid_episode_raises_even_with_a_staleness_bound():
+    from meshrl.workflows.agent import AgentSpec
+    from meshrl.workflows.environment import FunctionEnv
+    from meshrl.workflows.evaluate import EvalVersionError
+    from meshrl.workflows.render import TurnRenderer
+
+    tok = CharTokenizer()
+    ex = {"prompt": "1+1=", "answer": "2", "prompt_ids": [tok.bos_id] + tok.encode("1+1=")}
+
+    def handoff(turn):
+        sampler.version += 1  # the trainer publishes during the evaluation
+    sampler = ScriptedSampler([tok.encode("hmm") + [tok.eos_id], tok.encode("2") + [tok.eos_id]],
+                              after_turn=handoff)
+    # rollout.max_staleness = 0 on the spec, as agent_spec builds it for the RL job.
+    spec = AgentSpec(lambda: FunctionEnv(lambda ex, action, turn: ("again", None, turn >= 1)),
+                     TurnRenderer(tok), max_staleness=0)
+
+    with pytest.raises(EvalVersionError, match="got tokens of versions \\[1\\]"):
+        asyncio.run(aevaluate_agent(sampler, _Pool(), [ex], version=0, spec=spec,
+                                    settings=EpisodeSettings(max_turns=2, stop_ids=(tok.eos_id,)),
+                                    decode=tok.decode))
