@@ -116,20 +116,24 @@ class Tools:
                              f"{sorted(BUILTIN_TOOLS)}")
         self.specs = {n: BUILTIN_TOOLS[n] for n in names}
         self.sandbox = ToolSandbox(limits)
+        # Calls that never reach the sandbox: an unknown tool or arguments off its schema
+        # (``invalid``), text that is no call (``malformed``, counted by the environment).
+        self.counters = {"invalid": 0, "malformed": 0}
 
     async def acall(self, name: str, arguments: Any) -> ToolOutput:
         spec = self.specs.get(name)
         if spec is None:
+            self.counters["invalid"] += 1
             return ToolOutput(False, f"error: unknown tool {name!r}; available: "
                                      f"{', '.join(self.specs) or 'none'}", "invalid")
         errors = schema_errors(spec.parameters, arguments)
         if errors:
-            self.sandbox.counters["invalid"] = self.sandbox.counters.get("invalid", 0) + 1
+            self.counters["invalid"] += 1
             return ToolOutput(False, f"error: {name}: {'; '.join(errors)}", "invalid")
         return await self.sandbox.arun(name, arguments, fresh=spec.fresh)
 
     def metrics(self) -> dict[str, float]:
-        return self.sandbox.metrics()
+        return self.sandbox.metrics() | {f"tools/{k}": float(v) for k, v in self.counters.items()}
 
     async def aclose(self) -> None:
         await self.sandbox.aclose()

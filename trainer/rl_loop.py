@@ -351,6 +351,7 @@ class RLLoop:
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
             "dropped_stale_groups": runner.controller.dropped_stale,
             "rollout_counters": dict(runner.counters), **self.reward_pool.metrics(),
+            **{k: v for k, v in runner.metrics().items() if k.startswith(("agent/", "tools/"))},
             "reward_first": first_logged(self.engine, "rollout/reward_mean"),
             "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,

@@ -92,6 +92,11 @@ class AgentSpec:
     stop_ids: tuple[int, ...] = ()  # ids that end a model turn besides the settings' (EOS)
     counters: dict[str, int] = dataclasses.field(default_factory=dict)
 
+    def metrics(self) -> dict[str, float]:
+        """The episode counters (``agent/*``) and the tools' (``tools/*``)."""
+        out = {f"agent/{k}": float(v) for k, v in self.counters.items()}
+        return out | (self.tools.metrics() if self.tools is not None else {})
+
     async def arun(self, engine: SamplerClient, item: dict, *, reward_pool: RewardScorer,
                    decode: Callable[[Sequence[int]], str], settings: EpisodeSettings,
                    group_id: int = 0, sample_index: int = 0) -> Trajectory | None:

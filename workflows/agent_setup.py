@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
 
 from meshrl.configs.schema import Config, ConfigError
 from meshrl.models.tokenizer import Tokenizer
@@ -77,12 +76,3 @@ def turn_stop_ids(config: Config, tokenizer: Tokenizer) -> tuple[int, ...]:
                           f"tokens {ids}: the sampler stops on single tokens, use a string that "
                           f"is one token")
     return (ids[0],)
-
-
-def agent_metrics(spec: Any) -> dict[str, float]:
-    """The tools' counters and the agent episode counters of ``spec`` (empty without one)."""
-    if spec is None:
-        return {}
-    out = {f"agent/{k}": float(v) for k, v in spec.counters.items()}
-    return out | (spec.tools.metrics() if spec.tools is not None else {})
-

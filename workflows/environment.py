@@ -131,6 +131,7 @@ class ToolEnv:
         messages = []
         for call in turn.calls:
             if isinstance(call, ToolCallError):
+                self.tools.counters["malformed"] += 1
                 record = {"name": None, "arguments": None, "ok": False,
                           "output": f"error: malformed tool call: {call.message}"}
             else:

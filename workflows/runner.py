@@ -22,7 +22,7 @@ import collections
 import itertools
 import math
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from meshrl.utils.errors import UserError, one_line
@@ -92,13 +92,15 @@ class RolloutRunner:
                  controller: StalenessController, *, first_group_id: int = 0,
                  counters: collections.Counter[str] | None = None,
                  max_failed_groups: int = 64, watch: RolloutWatch | None = None,
-                 status_every_s: float = 30.0, track_prompts_state: bool = False) -> None:
+                 status_every_s: float = 30.0, track_prompts_state: bool = False,
+                 metric_sources: Sequence[Callable[[], dict[str, float]]] = ()) -> None:
         self.group_fn, self.prompts, self.controller = group_fn, prompts, controller
         self.max_failed_groups = max_failed_groups
         # ``prompts.get_state()`` after each read (for ``rollout_state``); off for iterators
         # without one.
         self.track_prompts_state = track_prompts_state
         self.watch, self.status_every_s = watch, status_every_s
+        self.metric_sources = tuple(metric_sources)  # more metrics, e.g. agent episodes' counts
         self._failed_in_row = 0
         # Share one Counter with group_episode_fn so filtering counts reach metrics/state_dict.
         self.counters = counters if counters is not None else collections.Counter()
@@ -380,5 +382,8 @@ class RolloutRunner:
         self.counters.update(state["counters"])
 
     def metrics(self) -> dict[str, float]:
-        return {**self.controller.metrics(),
-                **{f"rollout/{k}": float(v) for k, v in self.counters.items()}}
+        out = {**self.controller.metrics(),
+               **{f"rollout/{k}": float(v) for k, v in self.counters.items()}}
+        for source in self.metric_sources:
+            out.update(source())
+        return out

@@ -44,16 +44,18 @@ def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer
     counters: collections.Counter[str] = collections.Counter()
     watch = RolloutWatch(reward_names=config.reward.names, filter_equal=r.filter_equal_groups,
                          group_size=r.group_size, max_in_a_row=r.max_filtered_in_a_row)
+    agent = agent_spec(config, tokenizer, workdir=workdir)
     group_fn = group_episode_fn(engine, group_size=r.group_size,
                                 filter_equal=r.filter_equal_groups, counters=counters, watch=watch,
                                 reward_pool=reward_pool, decode=tokenizer.decode,
                                 settings=episode_settings(config, tokenizer), env=env,
-                                agent=agent_spec(config, tokenizer, workdir=workdir))
+                                agent=agent)
     controller = StalenessController(batch_size=r.prompts_per_step, max_staleness=r.max_staleness,
                                      version=version)
     return RolloutRunner(group_fn, prompts, controller, counters=counters,
                          max_failed_groups=r.max_failed_groups, watch=watch,
-                         status_every_s=r.status_every_s)
+                         status_every_s=r.status_every_s,
+                         metric_sources=() if agent is None else (agent.metrics,))
 
 
 def routing_shape(config: Config, model_cfg: Any) -> tuple[int, int] | None:

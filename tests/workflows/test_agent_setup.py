@@ -164,3 +164,33 @@ def test_agent_evaluation_with_weights_changing_mid_episode_raises_even_with_a_s
         asyncio.run(aevaluate_agent(sampler, _Pool(), [ex], version=0, spec=spec,
                                     settings=EpisodeSettings(max_turns=2, stop_ids=(tok.eos_id,)),
                                     decode=tok.decode))
+
+
+def test_the_rl_runner_reports_agent_and_tool_counts_bad_calls_included():
+    from meshrl.tests.workflows.agent_fakes import ConstRewards
+    from meshrl.workflows.setup import make_runner
+
+    tok = CharTokenizer()
+    cfg = base_config("rl")
+    cfg.sampler.update(prompt_buckets=(16, 255), max_len=256, max_new_tokens=128)
+    cfg.trainer.seq_len = 256
+    cfg.data.max_prompt_len = 16
+    cfg.rollout.update(max_turns=2, group_size=1)
+    cfg.agent.update(env="tools", turn_stop="\n")
+    bad = '<tool_call>{"name":"nope","arguments":{}}</tool_call><tool_call>{oops</tool_call>\n'
+    sampler = ScriptedSampler([tok.encode(bad), tok.encode("#### 6") + [tok.eos_id]])
+    runner = make_runner(from_config_dict(cfg), sampler, ConstRewards(), iter([]), tok)
+    item = {"prompt": "2*3=", "prompt_ids": [tok.bos_id] + tok.encode("2*3="), "answer": "6"}
+
+    async def go():
+        try:
+            return await runner.group_fn(item, 0)
+        finally:
+            for source in runner.metric_sources:
+                await source.__self__.tools.aclose()
+    group = asyncio.run(go())
+
+    assert group is not None
+    metrics = runner.metrics()
+    assert metrics["tools/invalid"] == 1.0 and metrics["tools/malformed"] == 1.0
+    assert metrics["tools/calls"] == 0.0  # neither reached the sandbox
