@@ -118,6 +118,14 @@ def merge_frozen(frozen: dict[str, Any], adapters: Adapters | None,
     return out
 
 
+def leaf_names(treedef: Any) -> list[str]:
+    """The leaf names (``path_name``) of ``treedef`` in its own order. A frozen base dict is
+    keyed by them but, once through jit, sorted as strings (``layers/10`` before
+    ``layers/2``): leaves go back into a tree by name, never by the dict's order."""
+    index = jax.tree.unflatten(treedef, list(range(treedef.num_leaves)))
+    return [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(index)[0]]
+
+
 BaseTree = tuple[tuple[str, tuple[int, ...], str], ...]
 
 
@@ -193,7 +201,7 @@ class Lora:
         """The param state the base forward takes: dequantised base + scaled ``A @ B``, each
         leaf in its original dtype (``dtypes``); ``adapters = None``: the base alone."""
         flat = merge_frozen(frozen, adapters, self.targets, self.scale, dtypes)
-        return jax.tree.unflatten(treedef, list(flat.values()))
+        return jax.tree.unflatten(treedef, [flat[k] for k in leaf_names(treedef)])
 
     def unmerged(self, treedef: Any, frozen: dict[str, Any], adapters: Adapters | None,
                  dtypes: dict[str, Any], key: jax.Array | None = None, dropout: float = 0.0
@@ -204,7 +212,8 @@ class Lora:
         by_path = {t.path: t for t in self.targets}
         keys = self.dropout_keys(key) if key is not None and dropout > 0.0 else {}
         leaves = []
-        for path, stored in frozen.items():
+        for path in leaf_names(treedef):
+            stored = frozen[path]
             ad = None if adapters is None else adapters.get(path)
             if ad is not None:
                 leaves.append(AdaptedKernel(stored, ad["a"], ad["b"], keys.get(path),

@@ -58,6 +58,28 @@ def test_zero_b_merges_to_the_base_bitwise():
     assert_trees_equal(merged, params)
 
 
+def test_a_frozen_base_through_jit_keeps_each_layers_weights_in_its_layer():
+    # 11 unscanned layers: jit returns the frozen dict sorted as strings (layers/10 before
+    # layers/2); the tree must be rebuilt by name, in the merged and the unmerged forms.
+    g, params = _model(**{"model.num_layers": 11, "model.hidden_size": 32,
+                          "model.intermediate_size": 32, "model.scan_layers": False})
+    lora = Lora.of(LoraConfig(rank=4), g, params)
+    frozen = jax.jit(lora.freeze)(params)
+    keys = list(frozen)
+    assert keys.index("layers/10/attn/k/kernel") < keys.index("layers/2/attn/k/kernel")
+    dtypes = {k: v.dtype for k, v in frozen.items()}
+    treedef = jax.tree.structure(params)
+
+    merged = lora.merged(treedef, frozen, None, dtypes)
+    unmerged = lora.unmerged(treedef, frozen, None, dtypes)
+
+    assert_trees_equal(merged, params)
+    bases = [x.weight() if hasattr(x, "weight") else x
+             for x in jax.tree.leaves(unmerged, is_leaf=lambda x: hasattr(x, "weight"))]
+    for got, want in zip(bases, jax.tree.leaves(params), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8", "nf4"])
 def test_quantised_base_logits_stay_within_the_documented_tolerance(base_dtype):
     g, params = _model()
