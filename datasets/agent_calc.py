@@ -1,5 +1,6 @@
 """The calculator task of ``configs/agent_calc.py``: the synthetic arithmetic examples of
-``data.*`` (stream 0 to train on, stream 1 held out) written as JSONL whose answer field is a
+``data.*`` (the training stream, and the held-out prompts of ``sources.load_eval``: distinct, none
+of them trained on) written as JSONL whose answer field is a
 tool-use trace, so the SFT warm start teaches the model to call the calculator:
 
     12*34=  ->  <tool_call>{"name":"calculator","arguments":{"expression":"12*34"}}</tool_call>
@@ -21,7 +22,7 @@ import os
 from typing import Any
 
 from meshrl.configs.schema import DataConfig
-from meshrl.datasets import synthetic
+from meshrl.datasets import sources
 
 TRAIN_FILE, EVAL_FILE = "train.jsonl", "eval.jsonl"
 
@@ -48,10 +49,9 @@ def write_task(data: DataConfig, directory: str | os.PathLike[str],
     atomically (a rerun rewrites the same bytes)."""
     os.makedirs(directory, exist_ok=True)
     out = []
-    for name, stream, count in ((TRAIN_FILE, synthetic.TRAIN_STREAM, data.num_examples),
-                                (EVAL_FILE, synthetic.EVAL_STREAM, data.eval_examples)):
-        rows = synthetic.generate(data.source, data.shuffle_seed, stream, count,
-                                  data.difficulty, data.ops)
+    # The synthetic source's own split: the held-out prompts are distinct and none is trained.
+    for name, rows in ((TRAIN_FILE, sources.load_train(data, {})),
+                       (EVAL_FILE, sources.load_eval(data))):
         path = os.path.join(os.fspath(directory), name)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:

@@ -111,7 +111,10 @@ def test_calculator_traces_parse_as_calls_and_score_as_the_answer(tmp_path):
     train, held_out = write_task(c.data, tmp_path)
     rows = [json.loads(x) for x in open(train)]
     assert len(rows) == c.data.num_examples and rows[0]["answer"].startswith("<tool_call>")
-    assert len(open(held_out).readlines()) == c.data.eval_examples
+    held = [json.loads(x)["question"] for x in open(held_out)]
+    assert len(held) == c.data.eval_examples
+    # Held out: distinct prompts, none of them trained on.
+    assert len(set(held)) == len(held) and not set(held) & {r["question"] for r in rows}
 
 
 class _Pool:
