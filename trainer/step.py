@@ -139,7 +139,7 @@ def guarded_update(tx: optax.GradientTransformation, params: Any, opt_state: Any
                    loss: jax.Array) -> tuple[Any, Any, jax.Array, jax.Array]:
     """``(params, opt_state, grad_norm, finite)`` after one optax update of ``grads`` (already
     divided by the loss weight); a non-finite loss or gradient norm keeps the old params and
-    optimizer state."""
+    optimizer moments (the schedule's count still advances)."""
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, new_opt = tx.update(grads, opt_state, params)
@@ -148,8 +148,13 @@ def guarded_update(tx: optax.GradientTransformation, params: Any, opt_state: Any
     # update, costs no host sync, and protects checkpoints even in on_nonfinite="raise" mode
     # (where the loop raises when it reads this step's metrics one step later).
     keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt, opt_state),
-            grad_norm, finite)
+    kept = jax.tree.map(keep, new_opt, opt_state)
+    # The schedule's count advances even so: the rate stays indexed by the update's place in
+    # the run, not by how many updates were applied (a skip would delay the rest of the run).
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    kept = jax.tree.map(lambda k, n: n if is_schedule(k) else k, kept, new_opt,
+                        is_leaf=is_schedule)
+    return jax.tree.map(keep, new_params, params), kept, grad_norm, finite
 
 
 def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -169,8 +174,6 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
             step=state.step + 1, params=params, opt_state=opt_state,
             weight_version=state.weight_version + finite.astype(jnp.int32),
             skipped=state.skipped + (~finite).astype(jnp.int32))
-        # The schedule's own count lives in opt_state and does not advance on a skipped step, so
-        # after k skips the reported rate leads the applied one by k steps (skips are rare).
         metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": weight, "finite": finite, "skipped": new_state.skipped,
                    "step": state.step, **report_aux(aux, denom)}

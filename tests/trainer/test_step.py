@@ -7,11 +7,12 @@ import functools
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 from meshrl.algorithms.batch import TrainBatch
 from meshrl.algorithms.losses import get_loss
-from meshrl.configs.schema import Config
+from meshrl.configs.schema import Config, OptimizerConfig
 from meshrl.mesh import rules_for
 from meshrl.tests.trainer.tiny import RandomIterator, make_trainee, mesh_for, tiny_config
 from meshrl.tests.trees import assert_trees_close, assert_trees_equal
@@ -118,12 +119,46 @@ def test_nonfinite_loss_skips_update_and_counts_it():
     assert hist[0]["finite"] and not hist[1]["finite"] and not np.isfinite(hist[1]["loss"])
     assert int(after_nan.skipped) == 1 and int(after_nan.weight_version) == 1
     assert int(after_nan.step) == 2
-    # The skipped update leaves params and optimizer moments bitwise untouched.
-    assert_trees_equal((after_nan.params, after_nan.opt_state),
-                       (after_first.params, after_first.opt_state))
+    # The skipped update leaves params and optimizer moments bitwise untouched; only the
+    # schedule's count moves on (the next step applies its own rate).
+    is_schedule = lambda x: isinstance(x, optax.ScaleByScheduleState)  # noqa: E731
+    moments = lambda opt: jax.tree.map(lambda x: None if is_schedule(x) else x, opt,  # noqa: E731
+                                       is_leaf=is_schedule)
+    assert_trees_equal((after_nan.params, moments(after_nan.opt_state)),
+                       (after_first.params, moments(after_first.opt_state)))
     assert hist[2]["finite"] and np.isfinite(hist[2]["loss"])
     assert int(final.weight_version) == 2 and int(final.skipped) == 1
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(final.params))
+
+
+def test_steps_after_a_skipped_one_apply_their_own_scheduled_rates():
+    # SGD on a lookup table, schedule 1 - s/10: the update of a unit gradient is the rate.
+    cfg = OptimizerConfig(name="sgd", schedule="linear", warmup_steps=0, grad_clip_norm=0.0,
+                          min_lr_ratio=0.0)
+    tx, schedule = make_optimizer(cfg, 1.0, 10)
+    step = jax.jit(make_train_step(lambda p, ids, pos, seg: p["table"][ids], get_loss("sft"),
+                                   tx, schedule))
+    table = {"table": jax.numpy.zeros((4, 4))}
+
+    def rate(opt_state):
+        updates, _ = tx.update({"table": jax.numpy.ones((4, 4))}, opt_state, table)
+        return -float(updates["table"][0, 0])
+
+    def batch(mask):
+        return TrainBatch(input_ids=np.ones((2, 1), np.int32),
+                          targets=np.full((2, 1), 2, np.int32),
+                          loss_mask=np.full((2, 1), mask, np.float32),
+                          positions=np.zeros((2, 1), np.int32),
+                          segment_ids=np.ones((2, 1), np.int32))
+
+    state, applied, reported = init_state(table, tx, 0), [], []
+    for s in range(5):
+        applied.append(rate(state.opt_state))
+        state, metrics = step(state, batch(np.nan if s == 1 else 1.0))
+        reported.append(float(metrics["learning_rate"]))
+
+    np.testing.assert_allclose(applied, [1.0, 0.9, 0.8, 0.7, 0.6], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(reported, applied, rtol=0, atol=1e-6)
 
 
 def test_step_over_state_leaves_equals_the_pytree_step_bitwise():
