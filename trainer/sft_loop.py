@@ -54,8 +54,11 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
         batch = put_batch(rows, engine.batch_sh.like(rows))
         log(engine.dispatch(step, batch, prepare))
         save = every and step % every == 0 and step != cfg.steps
-        if save:
-            log(engine.read())  # the step's own wait is step time, the save's is not
+        evals = cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+        if save or evals:
+            # The step's own wait is step time; the save's or the evaluation's (which waits
+            # for the step's params first) is not.
+            log(engine.read())
         with Stopwatch() as host:
             if save:
                 engine.save(step)

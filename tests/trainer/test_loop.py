@@ -100,3 +100,22 @@ def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
     assert summary["tokens_per_s"] > 0 and 0 <= summary["eval_token_accuracy"] <= 1
     assert summary["eval_sequences"] > 0
     assert (tmp_path / "checkpoints" / "6").is_dir()
+
+
+def test_an_evaluation_step_is_timed_before_its_evaluation_runs(tmp_path):
+    # The evaluation waits for the step's params; timed after it, that wait would leave the
+    # step's own time (and so its tokens/s and MFU). So the step's metrics are read first.
+    from meshrl.trainer.sft_loop import periodic_eval
+
+    loop = make_loop(tiny_config(**{"trainer.steps": 6, "trainer.eval_every": 2,
+                                    "checkpoint.every_steps": 0}), tmp_path)
+    seen: list[int] = []
+
+    def evaluate(params):
+        seen.append(int(loop.history[-1]["step"]))
+        return {}
+
+    run_sft(loop, hooks=[periodic_eval(evaluate)])
+    loop.close()
+
+    assert seen == [2, 4]  # read before the hook: the history holds the step
