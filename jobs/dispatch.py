@@ -141,7 +141,8 @@ def model_notes(effective: EffectiveModel) -> dict[str, str]:
     notes = dict.fromkeys((f"model.{n}" for n in effective.from_checkpoint), source)
     what = ("built-in byte tokenizer" if effective.tokenizer_spec == "char"
             else f"{effective.tokenizer_spec}/tokenizer.json")
-    notes["model.tokenizer"] = (f"{what}: {tok.vocab_size} ids, eos {tok.eos_id}, bos "
+    stops = "" if len(tok.stop_ids) < 2 else f" (generation stops at {list(tok.stop_ids)})"
+    notes["model.tokenizer"] = (f"{what}: {tok.vocab_size} ids, eos {tok.eos_id}{stops}, bos "
                                 f"{tok.bos_id}, pad {tok.pad_id}, chat template "
                                 f"{'yes' if tok.has_chat_template else 'no (built-in format)'}")
     if not cfg.hf_path:

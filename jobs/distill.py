@@ -110,7 +110,7 @@ async def aevaluate_teacher(config: Config, teacher: Any, sampler_mesh: Mesh, lo
                                    rules=rules_for("sample")))
     try:
         return await aevaluate(sampler, loop.reward_pool, loop.parts.examples, version=0,
-                               decode=loop.tokenizer.decode, eos_id=loop.tokenizer.eos_id,
+                               decode=loop.tokenizer.decode, stop_ids=loop.tokenizer.stop_ids,
                                max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
                                temperature=c.sampler.temperature, seed=c.trainer.seed)
     finally:

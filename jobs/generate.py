@@ -130,7 +130,7 @@ def run(config: Config, workdir: str) -> None:
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.
     outs = sampler.generate([Request(rows[i][2], seed=config.trainer.seed + i,
-                                     stop_ids=(tokenizer.eos_id,)) for i in share])
+                                     stop_ids=tokenizer.stop_ids) for i in share])
     dt = time.perf_counter() - t0
     parts = multihost.allgather_json(
         {"records": [_record(*rows[i], out, tokenizer) for i, out in zip(share, outs)],

@@ -51,7 +51,7 @@ def sample_versions(config: Config, workdir: paths.PathLike,
     if not examples:
         return []
     sampler = make_sampler(cfg, *weights_source.fill(cfg, workdir, src, target), workdir=workdir)
-    requests = [Request(list(ex["prompt_ids"]), temperature=0.0, stop_ids=(tokenizer.eos_id,),
+    requests = [Request(list(ex["prompt_ids"]), temperature=0.0, stop_ids=tokenizer.stop_ids,
                         seed=config.trainer.seed * 1_000_003 + i, id=("versions", i))
                 for i, ex in enumerate(examples)]
     fields: dict[str, list[Any]] = {}

@@ -26,6 +26,9 @@ class Tokenizer(Protocol):
     vocab_size: int
     bos_id: int | None
     eos_id: int
+    # Every id that ends generation: ``eos_id`` first, then the others the checkpoint's
+    # generation_config.json lists (Qwen's <|endoftext|>, Llama 3's <|eot_id|>, ...).
+    stop_ids: tuple[int, ...]
     pad_id: int
     # False when the tokenizer only has a fallback chat format; the data pipeline then feeds plain
     # prompts raw (a tiny char model learns "12+34=" faster without chat scaffolding).
@@ -55,6 +58,7 @@ class CharTokenizer:
         self.vocab_size = vocab_size
         self.bos_id: int | None = self.BOS
         self.eos_id = self.EOS
+        self.stop_ids = (self.EOS,)
         self.pad_id = self.PAD
         self.has_chat_template = use_chat_template
 
@@ -127,6 +131,7 @@ class HFTokenizer:
                                  f"missing or not in the vocabulary: set eos_token to a token of "
                                  f"tokenizer.json (generation stops at EOS)")
         self.eos_id = eos_id
+        self.stop_ids = (eos_id, *_generation_eos_ids(directory, self.vocab_size, eos_id))
         pad_id = self._id_of(self._special["pad_token"])
         # Models without a pad token (Llama) pad with EOS; padded positions are masked anyway.
         self.pad_id = eos_id if pad_id is None else pad_id
@@ -159,6 +164,28 @@ class HFTokenizer:
         except SecurityError as e:
             raise TokenizerError(f"{self._directory!r}: its chat template was stopped: {e}: "
                                  f"use the model's original template") from e
+
+
+def _generation_eos_ids(directory: str, vocab_size: int, eos_id: int) -> list[int]:
+    """The ``eos_token_id`` ids (an int or a list) of ``<directory>/generation_config.json``
+    other than ``eos_id``, in order; none without the file."""
+    path = os.path.join(directory, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:
+        raise TokenizerError(f"{path}: not a readable JSON object ({e}): copy the file from "
+                             f"the model's original release") from None
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
+           or not 0 <= i < vocab_size]
+    if bad:
+        raise TokenizerError(f"{path}: eos_token_id {value!r}: every id must be an integer in "
+                             f"[0, {vocab_size}) (the tokenizer's vocabulary); generation stops "
+                             f"at these ids")
+    return list(dict.fromkeys(i for i in ids if i != eos_id))
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

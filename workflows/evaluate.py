@@ -58,7 +58,7 @@ async def _correct(reward_pool: Any, examples: Sequence[dict], outs: Sequence[Co
 
 
 async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, version: int,
-                    decode: Any, eos_id: int, max_new_tokens: int, n: int = 1,
+                    decode: Any, stop_ids: tuple[int, ...], max_new_tokens: int, n: int = 1,
                     temperature: float = 1.0, seed: int = 0) -> dict[str, float]:
     """Greedy accuracy (and pass@1 / pass@n from ``n`` samples when ``n > 1``) on ``examples``
     at the engine's current weights, which must be ``version`` throughout."""
@@ -69,7 +69,7 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
 
     def request(ex: dict, i: int, temp: float) -> Request:
         return Request(list(ex["prompt_ids"]), max_new_tokens=max_new_tokens, temperature=temp,
-                       stop_ids=(eos_id,), seed=seed * 1_000_003 + i, id=("eval", i))
+                       stop_ids=stop_ids, seed=seed * 1_000_003 + i, id=("eval", i))
 
     greedy = await asyncio.gather(*(engine.agenerate(request(ex, i, 0.0))
                                     for i, ex in enumerate(examples)))

@@ -27,7 +27,7 @@ def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
     batch has the one static length the train step was compiled for."""
     s = config.sampler
     return EpisodeSettings(max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                           top_k=s.top_k, top_p=s.top_p, stop_ids=(tokenizer.eos_id,),
+                           top_k=s.top_k, top_p=s.top_p, stop_ids=tokenizer.stop_ids,
                            max_turns=config.rollout.max_turns,
                            max_total_len=min(config.trainer.seq_len, s.max_len),
                            seed=config.trainer.seed)
@@ -96,6 +96,6 @@ async def aevaluate_held_out(config: Config, engine: Any, reward_pool: Any, exam
                                      settings=episode_settings(c, tokenizer),
                                      decode=tokenizer.decode, seed=c.trainer.seed)
     return await aevaluate(engine, reward_pool, examples, version=version,
-                           decode=tokenizer.decode, eos_id=tokenizer.eos_id,
+                           decode=tokenizer.decode, stop_ids=tokenizer.stop_ids,
                            max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
                            temperature=c.sampler.temperature, seed=c.trainer.seed)

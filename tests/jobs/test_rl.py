@@ -171,7 +171,7 @@ def _decode(ids):
 
 def test_evaluation_reports_greedy_accuracy_and_pass_at_k_from_the_verifier():
     out = asyncio.run(aevaluate(_FakeEngine(3), _ExactPool(), _examples(), version=3,
-                                decode=_decode, eos_id=2, max_new_tokens=4, n=4))
+                                decode=_decode, stop_ids=(2,), max_new_tokens=4, n=4))
 
     assert out["eval/greedy_accuracy"] == 0.5
     assert out["eval/pass_at_1"] == 0.5 and out["eval/pass_at_4"] == 0.5
@@ -185,7 +185,7 @@ def test_evaluation_scores_rows_with_and_without_an_optional_field_each_with_its
 
     rows = [{**_examples()[0], "difficulty": 3}, _examples()[1], _examples()[0]]
     out = asyncio.run(aevaluate(_FakeEngine(3), NeedsAllFieldsPool(), rows, version=3,
-                                decode=_decode, eos_id=2, max_new_tokens=4, n=2))
+                                decode=_decode, stop_ids=(2,), max_new_tokens=4, n=2))
 
     assert out["eval/greedy_accuracy"] == pytest.approx(2 / 3, rel=0, abs=1e-12)
     assert out["eval/pass_at_2"] == pytest.approx(2 / 3, rel=0, abs=1e-12)
@@ -194,7 +194,7 @@ def test_evaluation_scores_rows_with_and_without_an_optional_field_each_with_its
 def test_evaluation_with_tokens_of_another_version_raises():
     with pytest.raises(EvalVersionError, match="versions"):
         asyncio.run(aevaluate(_FakeEngine(3, drift_after=1), _ExactPool(), _examples(),
-                              version=3, decode=_decode, eos_id=2, max_new_tokens=4))
+                              version=3, decode=_decode, stop_ids=(2,), max_new_tokens=4))
 
 
 def test_plot_curves_writes_the_png_and_leaves_the_callers_matplotlib_backend(tmp_path):

@@ -7,7 +7,13 @@ import pathlib
 
 import pytest
 
-from meshrl.models.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from meshrl.models.tokenizer import (
+    CharTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    TokenizerError,
+    load_tokenizer,
+)
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -100,3 +106,48 @@ def test_hf_tokenizer_without_eos_in_vocab_is_a_clear_error(hf_dir, tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<nope>"}))
     with pytest.raises(ValueError, match="eos_token"):
         HFTokenizer(str(tmp_path))
+
+
+@pytest.mark.parametrize("listed, stops", [(None, [2]), (4, [2, 4]), ([4, 2, 4], [2, 4])])
+def test_generation_stops_at_every_eos_the_checkpoints_generation_config_lists(
+        hf_dir, tmp_path, listed, stops):
+    # </s> (2) is tokenizer_config's eos_token; an instruct model also ends its turn at
+    # <|im_end|> (4), which only generation_config.json names.
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((hf_dir / name).read_bytes())
+    if listed is not None:
+        (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+
+    tok = HFTokenizer(str(d))
+
+    assert tok.eos_id == 2 and list(tok.stop_ids) == stops
+    assert CharTokenizer().stop_ids == (CharTokenizer.EOS,)
+
+
+@pytest.mark.parametrize("listed", [[2, 10_000], ["</s>"], [True]])
+def test_a_generation_config_eos_outside_the_vocabulary_is_a_clear_error(hf_dir, tmp_path,
+                                                                        listed):
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((hf_dir / name).read_bytes())
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+
+    with pytest.raises(TokenizerError, match=r"generation_config.json: eos_token_id .*every id "
+                                             r"must be an integer in \[0, "):
+        HFTokenizer(str(d))
+
+
+def test_rollouts_and_evaluations_stop_at_the_tokenizers_stop_ids():
+    from meshrl.configs.loader import base_config, from_config_dict
+    from meshrl.workflows.setup import episode_settings
+
+    class TwoStops(CharTokenizer):
+        def __init__(self):
+            super().__init__()
+            self.stop_ids = (self.EOS, ord("|"))
+
+    config = from_config_dict(base_config("rl"))
+    assert episode_settings(config, TwoStops()).stop_ids == (CharTokenizer.EOS, ord("|"))
