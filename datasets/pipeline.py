@@ -57,11 +57,15 @@ def encode_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
 
 
 def response_ids(example: dict, prompt: str, tokenizer: Tokenizer) -> list[int]:
-    """The SFT target: the last assistant turn (as the template renders it) or the answer."""
+    """The SFT target: the last assistant turn as the template renders it (a prompt/answer row
+    too, when its prompt went through the template: the same end of turn), or the answer."""
     text = example["answer"]
-    if example.get("messages") is not None:
+    messages = example.get("messages")
+    if messages is None and tokenizer.has_chat_template:
+        messages = [{"role": "user", "content": example["prompt"]}]  # as ``prompt_text``
+    if messages is not None:
         full = tokenizer.apply_chat_template(
-            [*example["messages"], {"role": "assistant", "content": example["answer"]}],
+            [*messages, {"role": "assistant", "content": example["answer"]}],
             add_generation_prompt=False)
         # Use the template's own rendering of the turn (end-of-turn tokens included) when the
         # prompt is a prefix of it; trailing newlines after the end-of-turn are not trained on.

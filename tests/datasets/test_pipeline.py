@@ -294,3 +294,24 @@ def test_sft_iterator_stops_caching_at_its_token_budget(monkeypatch):
     cached = sum(len(ex["_input"]) for ex in it._tokenized.values())
     assert 0 < len(it._tokenized) < 37 and cached <= 60
     assert len(calls) > 37  # the rest are tokenized at every read
+
+
+def test_a_prompt_answer_row_ends_its_turn_as_the_chat_template_does(tmp_path):
+    # ChatML closes a turn with <|im_end|>, which is not EOS here: a row given as
+    # prompt/answer must be trained on the same end of turn as the same row as messages.
+    from meshrl.datasets.pipeline import prompt_text, response_ids
+    from meshrl.models.tokenizer import HFTokenizer
+    from meshrl.tests.jobs.real_model import train_tokenizer
+
+    train_tokenizer(tmp_path)  # ChatML; a base model's EOS, as in Qwen2.5's base release
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "eos_token": "<|endoftext|>"}))
+    tok = HFTokenizer(str(tmp_path))
+    plain = {"prompt": "What is 2+3?", "answer": "5"}
+    chat = {**plain, "messages": [{"role": "user", "content": "What is 2+3?"}]}
+
+    targets = [response_ids(ex, prompt_text(ex, tok), tok) for ex in (plain, chat)]
+
+    assert targets[0] == targets[1]
+    assert tok.encode("<|im_end|>")[0] in targets[0]
