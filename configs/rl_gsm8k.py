@@ -25,7 +25,6 @@ from meshrl.configs.loader import base_config
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     cfg = base_config("rl")
     cfg.mesh.fsdp = True  # trainer params and moments sharded over data (ZeRO-3)
-    cfg.model.arch = "qwen2"  # informative: the HF config.json in model.hf_path decides
     cfg.model.remat = "full"  # 1024-token sequences: recompute activations per layer
     # Layers in a scan: one layer's code to compile, and the remat recompute stays inside the
     # backward loop (unrolled, XLA may schedule it early and keep every layer's activations:

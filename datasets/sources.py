@@ -140,6 +140,27 @@ def read_parquet(path: str, data: DataConfig, require_answer: bool = True) -> li
             for i, row in enumerate(table.to_pylist(), start=1)]
 
 
+def check_first_row(path: str, data: DataConfig, require_answer: bool = True) -> None:
+    """Read the first row of ``path`` as the pipeline will (``row_to_example``): a file whose
+    fields do not fit ``data.*`` fails here with the pipeline's error, before a run starts."""
+    if data.source == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=1), None)
+        except Exception as e:  # pyarrow raises several types for a corrupt file
+            raise DatasetError(f"{path}: not a readable Parquet file ({e}): check "
+                               f"data.source and the file") from None
+        rows = [] if batch is None else batch.to_pylist()
+        if rows:
+            row_to_example(rows[0], data, f"{path}:row 1", require_answer)
+        return
+    for lineno, row in jsonl_rows(path):
+        if row is not None:
+            row_to_example(row, data, f"{path}:{lineno}", require_answer)
+            return
+
+
 def read_file(path: str, data: DataConfig, stats: dict[str, int], field_name: str,
               require_answer: bool = True) -> list[dict]:
     if not os.path.isfile(path):

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 import jax
 
 from meshrl.configs.loader import render
 from meshrl.configs.paths import check_chat_model, check_input_paths, input_paths
 from meshrl.configs.schema import Config, Job
+from meshrl.datasets import sources
 from meshrl.mesh import (
     create_mesh,
     describe_mesh,
@@ -78,6 +80,21 @@ def quiet_known_noise() -> None:
             logger.addFilter(_NOISE)
 
 
+def check_data_rows(config: Config) -> None:
+    """The first row of each data file the job reads, read as its pipeline reads it: fields
+    that do not fit ``data.*`` fail the dry run, not the run's first batch."""
+    data = config.data
+    if data.source not in ("jsonl", "parquet"):
+        return
+    files = {Job.SFT: [(data.path, True), (data.eval_path, True)],
+             Job.RL: [(data.path, True), (data.eval_path, True)],
+             Job.GENERATE: [(data.path, False)],
+             Job.EVALUATE: [(data.eval_path, True)]}.get(config.job, [])
+    for path, require_answer in files:
+        if path and os.path.isfile(path):
+            sources.check_first_row(path, data, require_answer)
+
+
 def preflight(config: Config) -> EffectiveModel:
     """The checks a run and its dry run share, before any device, compile or write: the input
     paths, the effective model and tokenizer (``models.build.effective_model``, the functions
@@ -85,6 +102,7 @@ def preflight(config: Config) -> EffectiveModel:
     Returns the effective model the dry run prints."""
     quiet_known_noise()
     check_input_paths(config)
+    check_data_rows(config)
     check_wandb(config)
     effective = effective_model(config.model)
     warning = check_chat_model(config)

@@ -224,8 +224,9 @@ def good_inputs(tmp_path: pathlib.Path) -> pathlib.Path:
     (tmp_path / "model" / "model-00001-of-00001.safetensors").write_bytes(b"")
     (tmp_path / "tok").mkdir()
     _word_tokenizer(tmp_path / "tok")  # the dry run loads it, as the run does
-    (tmp_path / "train.jsonl").write_text("{}\n")
-    (tmp_path / "eval.jsonl").write_text("{}\n")
+    row = json.dumps({"question": "a", "answer": "b"}) + "\n"
+    (tmp_path / "train.jsonl").write_text("\n" + row)  # a blank first line is skipped
+    (tmp_path / "eval.jsonl").write_text(row)
     return tmp_path
 
 
@@ -238,6 +239,15 @@ def _good(d: pathlib.Path) -> dict[str, dict]:
 def test_dry_run_accepts_paths_that_hold_what_the_job_reads(good_inputs):
     check_input_paths(_config(**_good(good_inputs)))
     assert "# mesh" in jobs.dry_run(_config(**_good(good_inputs)))
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "eval.jsonl"])
+def test_dry_run_reads_the_first_row_of_each_data_file_as_the_run_will(good_inputs, name):
+    (good_inputs / name).write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+
+    with pytest.raises(DatasetError, match=rf"{name}:1: missing field\(s\) \['question', "
+                                           rf"'answer'\] \(row has \['prompt', 'response'\]\)"):
+        jobs.dry_run(_config(**_good(good_inputs)))
 
 
 # (section, field, path relative to the inputs (None: delete this file first), message)
