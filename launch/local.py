@@ -94,20 +94,29 @@ def _killpg(p: subprocess.Popen, sig: signal.Signals) -> None:
         pass
 
 
-def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    # Every group, its leader exited or not: a dead process's own children (a reward pool)
-    # are still in its group, and the group id stays theirs while any of them lives.
-    for p in procs:
-        _killpg(p, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+def stop_groups(procs: Sequence[subprocess.Popen], first: signal.Signals,
+                grace_s: float) -> None:
+    """``first`` to the process group of each of ``procs`` (each started in a session of its
+    own), up to ``grace_s`` for them to exit, then SIGKILL to every group: also to a group
+    whose leader exited (its children, a reward pool, are still in it, and the group id stays
+    theirs while any lives), and also when a second Ctrl-C cuts the wait short."""
+    try:
+        for p in procs:
+            _killpg(p, first)
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p in procs:
             _killpg(p, signal.SIGKILL)
             p.wait()
-    for p in procs:  # children that outlived their process's SIGTERM
-        _killpg(p, signal.SIGKILL)
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    stop_groups(procs, signal.SIGTERM, grace_s)
 
 
 class _SignalledError(BaseException):

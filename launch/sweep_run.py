@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import pathlib
 import shlex
 import signal
@@ -20,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from meshrl.launch.local import stop_groups
 from meshrl.launch.sweep_hyper import SweepError
 from meshrl.launch.sweep_trials import (
     LOG,
@@ -109,13 +109,6 @@ def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path, running: _Running
     return rc
 
 
-def _killpg(proc: subprocess.Popen, sig: signal.Signals) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:  # the whole group exited
-        pass
-
-
 def _stop(running: _Running, grace_s: float) -> None:
     """Start no more trials; SIGINT to each running one (``main.py`` saves the step it reached
     and exits), SIGKILL to what is left of its process group after ``grace_s``."""
@@ -124,19 +117,7 @@ def _stop(running: _Running, grace_s: float) -> None:
         procs = list(running.procs)
     log.warning("sweep stopped: stopping %d running trials (each saves its step); a rerun "
                 "resumes them", len(procs))
-    try:
-        for p in procs:
-            _killpg(p, signal.SIGINT)
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-    finally:  # also on a second Ctrl-C: nothing of a trial outlives the sweep
-        for p in procs:
-            _killpg(p, signal.SIGKILL)
-            p.wait()
+    stop_groups(procs, signal.SIGINT, grace_s)
 
 
 def run_local(spec: Sweep, trials: Sequence[Trial], workdir: pathlib.Path,

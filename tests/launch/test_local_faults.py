@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from meshrl.tests.launch.pids import alive
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAUNCH = [sys.executable, str(ROOT / "launch" / "local.py")]
 
@@ -27,15 +29,6 @@ JOB = ("import os, pathlib, subprocess, sys, time; "
        "time.sleep(60)")
 
 
-def _alive(pid: int) -> bool:
-    """Running, not a zombie: an orphan's zombie lingers where PID 1 does not reap."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 def _start(tmp_path: pathlib.Path, processes: int = 2) -> tuple[subprocess.Popen, list[int]]:
     """The launcher running JOB; the pids of its processes and of their children."""
     launcher = subprocess.Popen([*LAUNCH, "--num_processes", str(processes), "--", "-c", JOB,
@@ -46,23 +39,23 @@ def _start(tmp_path: pathlib.Path, processes: int = 2) -> tuple[subprocess.Popen
         assert time.monotonic() < deadline and launcher.poll() is None, "job did not start"
         time.sleep(0.05)
     pids = [int(w) for i in range(processes) for w in (tmp_path / str(i)).read_text().split()]
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     return launcher, pids
 
 
 def _gone_within(pids: list[int], seconds: float) -> list[int]:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        left = [p for p in pids if _alive(p)]
+        left = [p for p in pids if alive(p)]
         if not left:
             return []
         time.sleep(0.05)
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if alive(p)]
 
 
 def _kill_leftovers(pids: list[int]) -> None:
     for p in pids:
-        if _alive(p):
+        if alive(p):
             os.kill(p, signal.SIGKILL)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import time
 import pytest
 
 from meshrl.launch import sweep, sweep_run, sweep_trials
+from meshrl.tests.launch.pids import alive
 
 # main.py's stand-in: its first attempt dies writing summary.json, a later one finishes.
 # ``atomic`` writes the way the jobs do (utils.paths.write_text_atomic); ``in_place`` the way
@@ -100,14 +100,6 @@ def sweep():
 """
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except (FileNotFoundError, ProcessLookupError):
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_stopped_sweep_stops_its_trials_starts_no_more_and_reports(tmp_path, sig, code):
     fake = tmp_path / "long_main.py"
@@ -130,12 +122,12 @@ def test_a_stopped_sweep_stops_its_trials_starts_no_more_and_reports(tmp_path, s
 
     try:
         assert proc.returncode == code, err[-2000:]
-        assert not any(_alive(p) for p in pids)
+        assert not any(alive(p) for p in pids)
         assert not (workdir / "seed=2").exists()
         status = {ln.split()[0]: " ".join(ln.split()[1:3]) for ln in out.splitlines()[1:4]}
         assert status["seed=2"] == "not started", out
         assert "sweep stopped; the same command goes on where it stopped" in err
     finally:
         for p in pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
