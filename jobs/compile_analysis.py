@@ -84,17 +84,17 @@ def advice(config: Config, program: str) -> str:
 
 def over_capacity(prog: Program, error: Exception, chip: chips.Chip | None, seconds: float,
                   hint: str) -> dict[str, Any]:
-    """compile.json's object for a program the TPU compiler refused for lack of HBM: the
-    temporaries it asked for plus the program's own weights and state, and what to change."""
+    """compile.json's object for a program the TPU compiler refused for lack of HBM: what it
+    asked for, and what to change. The compiler's figure ("HLO temporaries (X G)") is already
+    the whole footprint, its arguments included (checked by tests/jobs/test_compile_tpu.py)."""
     first = str(error).strip().splitlines()[0]
     m = _OOM.search(first)
-    temps = float(m.group(1)) if m else float("nan")
-    needed = temps + (prog.weights_bytes + prog.state_bytes) / GiB
+    needed = float(m.group(1)) if m else float("nan")
     cap = chip.hbm_bytes / GiB if chip else None
     return {"program": prog.name, "compile_s": round(seconds, 2), "steps_per_call": prog.steps,
             "fits": False, "hbm_per_chip_gib": needed, "hbm_capacity_gib": cap,
             "headroom": 1 - needed / cap if cap else None, "error": first,
-            "advice": hint, "memory_gib": {"temps": temps}, "collectives": {},
+            "advice": hint, "memory_gib": {"total": needed}, "collectives": {},
             "collective_bytes": None, "unknown_trip_count_loops": [],
             "model_flops": prog.model_flops / prog.steps, "hbm_traffic_bytes": None,
             "weights_bytes_per_chip": prog.weights_bytes,

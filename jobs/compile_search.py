@@ -72,10 +72,12 @@ def search(config: Config, devices: list[Any], chip: Chip | None, compile_all: C
             except (ValueError, TypeError) as e:  # a split the model code cannot shard
                 row["refused"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
             else:
+                # A program the compiler refused for HBM has no roofline: it does not fit.
+                roofline = train["roofline"] or {}
                 row.update(compiled=True, fits=train["fits"], headroom=train["headroom"],
                            hbm_per_chip_gib=train["hbm_per_chip_gib"],
                            step_s_roofline=train["step_s_roofline"],
-                           mfu_roofline=train["mfu_roofline"], bound=train["roofline"]["bound"])
+                           mfu_roofline=train["mfu_roofline"], bound=roofline.get("bound"))
                 if train["fits"] and (best is None or train["step_s_roofline"]
                                       < best[1]["step_s_roofline"]):
                     best = (cand, row)
@@ -94,6 +96,8 @@ def search(config: Config, devices: list[Any], chip: Chip | None, compile_all: C
 def _summary(row: dict[str, Any]) -> str:
     if not row["compiled"]:
         return f"refused: {row['refused']}"
+    if row["step_s_roofline"] is None:
+        return f"{row['hbm_per_chip_gib']:.1f} GiB/chip asked: refused by the compiler"
     return (f"{row['hbm_per_chip_gib']:.1f} GiB/chip, fits {row['fits']}, roofline step "
             f"{row['step_s_roofline'] * 1e3:.1f} ms, MFU {row['mfu_roofline']:.0%}, "
             f"{row['bound']}-bound")

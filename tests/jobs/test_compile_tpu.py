@@ -246,3 +246,24 @@ def test_tpu_compiler_installed_leaves_a_cpu_run_quiet():
     assert "# mesh (1 devices, cpu)" in proc.stdout or ", cpu)" in proc.stdout
     for noise in ("TPU_WORKER_HOSTNAMES", "libtpu", "backend 'tpu'", "host bounds"):
         assert noise not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_compilers_refusal_names_the_whole_footprint_arguments_included():
+    # 12 GiB of arguments and a 4 GiB sort on one 16 GiB v5e chip: refused at 12 + 2 + 4.
+    from meshrl.aot.chips import CHIPS
+    from meshrl.jobs import compile_analysis
+    from meshrl.jobs.compile_programs import Program
+
+    devices, _, _ = compile_job.target(_config("sft").compile)
+    one = NamedSharding(jax.sharding.Mesh(devices[:1], ("d",)), PartitionSpec())
+    gib = 2 ** 30 // 4  # float32 elements in a GiB
+    args = (jax.ShapeDtypeStruct((12 * gib,), jnp.float32, sharding=one),
+            jax.ShapeDtypeStruct((2 * gib,), jnp.float32, sharding=one))
+    lowered = jax.jit(lambda x, y: x.sum() + jnp.sort(y)[::1024].sum()).lower(*args)
+    with pytest.raises(Exception, match="RESOURCE_EXHAUSTED") as info:
+        lowered.compile()
+
+    prog = Program("train", lowered, 1, 1.0, 1.0, 12 * 2 ** 30, 2 * 2 ** 30)
+    e = compile_analysis.over_capacity(prog, info.value, CHIPS["v5e"], 1.0, "")
+
+    assert e["hbm_per_chip_gib"] == pytest.approx(18.0, abs=0.01)
