@@ -189,15 +189,15 @@ def _kind(opcode: str, computation: str) -> str | None:
 
 
 def _buffer_bytes(kind: str, instr: Instr, by_name: dict[str, Instr]) -> float:
-    out = array_bytes(instr.type_str)
+    """The buffer of ``instr`` on one device, every operand of a combined collective (XLA
+    merges a step's gradient all-reduces into one with many operands) counted."""
+    out = sum(array_bytes(instr.type_str))
+    srcs = [by_name[n] for n in _operands(instr) if n in by_name]
+    in_bytes = sum(sum(array_bytes(s.type_str)) for s in srcs)
     if kind == "all-gather":
-        return max(out, default=0.0)  # -start returns (operand, output): the output is larger
-    operand = re.match(r"\s*%([\w.\-]+)", instr.rest)
-    src = by_name.get(operand.group(1)) if operand else None
-    in_bytes = array_bytes(src.type_str) if src else []
-    if kind == "reduce-scatter" and in_bytes:
-        return sum(in_bytes)
-    return sum(in_bytes) if in_bytes else (out[0] if out else 0.0)
+        # The gathered outputs; a -start returns (operands..., outputs...).
+        return out - in_bytes if instr.opcode.endswith("-start") else out
+    return in_bytes if srcs else out
 
 
 def multiplicities(comps: dict[str, list[Instr]], entry: str

@@ -55,6 +55,32 @@ def test_collective_in_loop_counts_once_per_trip_from_the_condition():
     assert c.unknown_loops == []
 
 
+COMBINED = """HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (a: f32[4,8], b: f32[16], c: bf16[2,8]) -> f32[16] {
+  %a = f32[4,8] parameter(0)
+  %b = f32[16] parameter(1)
+  %c = bf16[2,8] parameter(2)
+  %ar = (f32[4,8], f32[16]) all-reduce(%a, %b), replica_groups={{0,1}}, to_apply=%add
+  %ags = ((bf16[2,8], f32[16]), (bf16[4,8], f32[32])) all-gather-start(%c, %b), replica_groups={{0,1}}, dimensions={0}
+  %agd = (bf16[4,8], f32[32]) all-gather-done(%ags)
+  ROOT %r = f32[16] get-tuple-element(%ar), index=1
+}
+"""
+
+
+def test_a_combined_collective_counts_every_operand():
+    c = hlo.collectives(COMBINED)
+    assert c.by_kind["all-reduce"].bytes == 128 + 64  # both gradients, not the first alone
+    assert c.by_kind["all-gather"].bytes == 64 + 128  # the gathered outputs, inputs left out
+
+
 def test_stated_trip_count_wins_and_unreadable_loop_is_listed():
     stated = LOOP.replace("body=%body", 'body=%body, backend_config={"known_trip_count":{"n":"7"}}')
     assert hlo.collectives(stated).by_kind["all-gather"].count == 7
