@@ -130,10 +130,13 @@ def train_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program
     lowered = jitted.lower(leaves, abstract_batch(batch_sh, rows, t.seq_len,
                                                   {"routing": routing} if routing else None))
     warnings = split_warning(rows, t.microbatches, batch_sh.input_ids, t.seq_len)
-    tokens = rows * t.seq_len * (updates_per_step(rl) if rl_job else 1)
-    flops = flops_per_token(model_cfg, t.seq_len) * tokens
+    # Each epoch trains on every row once (its K minibatches split the rows); with K x E > 1
+    # the step first scores the batch in a forward pass of its own (a third of a train pass).
+    batch_flops = flops_per_token(model_cfg, t.seq_len) * rows * t.seq_len
+    flops = batch_flops * (rl.ppo_epochs if rl_job else 1)
     remat = 8 / 6 if model_cfg.remat == "full" else 1.0  # the forward pass runs again
-    return Program("train", lowered, 1, flops, flops * remat, weights,
+    proximal = batch_flops / 3 if rl_job and updates_per_step(rl) > 1 else 0.0
+    return Program("train", lowered, 1, flops, flops * remat + proximal, weights,
                    per_chip_bytes(leaves) - weights, warnings)
 
 

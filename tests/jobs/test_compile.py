@@ -263,3 +263,24 @@ def test_lora_train_program_takes_adapters_and_frozen_base_far_below_full_fine_t
     assert lora["weights_bytes_per_chip"] < 0.5 * full_weights  # nf4 projections, fp32 rest
     assert lora["state_bytes_per_chip"] < 0.1 * 2 * full_weights  # vs full Adam moments
     assert args < 0.3 * (3 * full_weights + batch)  # full: params + two Adam moments
+
+
+def test_rl_train_flops_count_each_epoch_once_and_the_proximal_forward_as_executed():
+    from meshrl.jobs.compile_programs import train_program
+    from meshrl.mesh import create_mesh
+    from meshrl.models import resolve_model_config
+
+    def program(minibatches, epochs):
+        cfg = base_config("rl")
+        cfg.job = "compile"
+        cfg.rl.ppo_minibatches, cfg.rl.ppo_epochs = minibatches, epochs
+        config = from_config_dict(cfg)
+        devices = compile_job.target(config.compile)[0]
+        return train_program(config, resolve_model_config(config.model),
+                             create_mesh(config.mesh, devices))
+
+    one, four, twice = program(1, 1), program(4, 1), program(2, 2)
+
+    assert four.model_flops == pytest.approx(one.model_flops)  # 4 minibatches of 1/4 the rows
+    assert twice.model_flops == pytest.approx(2 * one.model_flops)  # 2 epochs
+    assert four.executed_flops == pytest.approx(one.executed_flops + one.model_flops / 3)
