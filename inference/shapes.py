@@ -47,13 +47,18 @@ def plan_shapes(model_cfg: ModelConfig, cfg: SamplerConfig, mesh: Mesh, rules: R
     T = cfg.max_len
     if cfg.kv_cache == "paged":
         return paged_shapes(cfg, decodes_in_place(cfg, mesh.devices.flat[0].platform))
-    prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
+    prompts = prompt_buckets(cfg)
     rows = decode_row_buckets(model_cfg, cfg, mesh, rules)
     # A chunk may split into calls over ranges of its ranking with their own windows.
     split = cfg.decode_split_windows and len(rows) > 1
     return SamplerShapes(prompt_buckets=prompts, pass_tokens=prefill_pass_tokens(cfg, prompts),
                          window_buckets=buckets_up_to(T, 32),
                          row_buckets=rows, split=split)
+
+
+def prompt_buckets(cfg: SamplerConfig) -> tuple[int, ...]:
+    """``sampler.prompt_buckets``, or (empty) powers of two from 16 up to ``max_len - 1``."""
+    return tuple(cfg.prompt_buckets) or buckets_up_to(cfg.max_len - 1, 16)
 
 
 def prefill_pass_tokens(cfg: SamplerConfig, prompt_buckets: Sequence[int]) -> int:
@@ -80,7 +85,7 @@ def paged_shapes(cfg: SamplerConfig, in_place: bool = False) -> SamplerShapes:
     table (one program). No row buckets or splits: the page table, not the slot order, says
     where a sequence lives."""
     S, T, size = cfg.slots, cfg.max_len, cfg.page_size
-    prompts = tuple(cfg.prompt_buckets) or buckets_up_to(T - 1, 16)
+    prompts = prompt_buckets(cfg)
     windows = (T,) if in_place else tuple(sorted({-(-w // size) * size
                                                   for w in buckets_up_to(T, 32)}))
     return SamplerShapes(prompt_buckets=prompts, pass_tokens=prefill_pass_tokens(cfg, prompts),

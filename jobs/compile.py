@@ -101,8 +101,9 @@ def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] |
             or not {"train", "decode"} <= set(by) or any(r.get("error") for r in results)):
         return None
     trainer = by["train"]["weights_bytes_per_chip"] + by["train"]["state_bytes_per_chip"]
-    if "reference" in by:
-        trainer += by["reference"]["weights_bytes_per_chip"]  # the frozen copy
+    if "reference" in by and config.lora.rank == 0:
+        # The frozen copy; a LoRA run's reference reads the trainer's frozen base instead.
+        trainer += by["reference"]["weights_bytes_per_chip"]
     sampler_weights = by["decode"]["weights_bytes_per_chip"]
     resident, kv = trainer + sampler_weights, by["decode"]["state_bytes_per_chip"]
     # A program's own share: what it needs beyond the resident buffers it takes as arguments.

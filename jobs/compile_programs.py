@@ -29,7 +29,7 @@ from meshrl.inference import programs as sampler_programs
 from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
-from meshrl.inference.shapes import prefill_pass_tokens
+from meshrl.inference.shapes import prefill_pass_tokens, prompt_buckets
 from meshrl.mesh import rules_for
 from meshrl.models import (
     KVCache,
@@ -226,13 +226,13 @@ def prefill_program(config: Config, model_cfg: ModelConfig, mesh: Mesh, *,
     ``all_positions``: the head on every prompt position, a baseline of benchmarks/memory.py)."""
     s = config.sampler
     cfg, graphdef, params, cache, cache_sh, state, repl = sampler_parts(config, model_cfg, mesh)
-    S, P = s.slots, bucket or s.prompt_buckets[-1]
+    S, P = s.slots, bucket or prompt_buckets(s)[-1]
     host = (np.zeros((S, P), np.int32), np.full((S,), P, np.int32), np.arange(S, dtype=np.int32),
             slot_settings([], S, s))
     tokens, lens, slots, settings = (abstract_tree(x, repl) for x in host)
     prefill = sampler_programs.make_prefill(
         graphdef, cfg, s.max_len, all_positions=all_positions,
-        max_tokens=prefill_pass_tokens(s, s.prompt_buckets) if max_tokens is None else max_tokens)
+        max_tokens=prefill_pass_tokens(s, prompt_buckets(s)) if max_tokens is None else max_tokens)
     jitted = jax.jit(prefill, static_argnames=("resample",), donate_argnums=(1, 2),
                      out_shardings=(cache_sh, repl, repl))
     lowered = jitted.lower(params, cache, state, tokens, lens, slots, settings, resample=True)
@@ -260,7 +260,7 @@ def reprefill_tail_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -
                         f"{s.kv_cache!r}")
     cfg, graphdef, params, cache, cache_sh, _, repl = sampler_parts(config, model_cfg, mesh)
     S, L = s.slots, s.max_len
-    tail = paged_programs.make_tail(graphdef, prefill_pass_tokens(s, s.prompt_buckets))
+    tail = paged_programs.make_tail(graphdef, prefill_pass_tokens(s, prompt_buckets(s)))
     jitted = jax.jit(tail, donate_argnums=(1,), out_shardings=cache_sh)
     host = (np.zeros((S, L), np.int32), np.zeros((S, L), np.int32),
             np.arange(S, dtype=np.int32), np.int32(S))

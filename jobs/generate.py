@@ -46,8 +46,8 @@ from jax.sharding import Mesh
 
 from meshrl.configs.schema import Config
 from meshrl.datasets.prompts import encode_prompts, read_prompts
-from meshrl.inference.requests import buckets_up_to
 from meshrl.inference.sampler import Request, Sampler
+from meshrl.inference.shapes import prompt_buckets
 from meshrl.jobs import rl_agent, weights_source
 from meshrl.mesh import create_mesh
 from meshrl.mesh.placement import process_sampler_mesh
@@ -63,9 +63,7 @@ log = get_logger("inference")
 def prompt_limit(config: Config) -> int:
     """The longest prompt the job samples for: data.max_prompt_len, capped by the sampler's
     largest prompt bucket (as ``Sampler`` resolves an empty ``sampler.prompt_buckets``)."""
-    s = config.sampler
-    buckets = tuple(s.prompt_buckets) or buckets_up_to(s.max_len - 1, 16)
-    return min(config.data.max_prompt_len, buckets[-1])
+    return min(config.data.max_prompt_len, prompt_buckets(config.sampler)[-1])
 
 
 def resolve_source(config: Config, workdir: paths.PathLike) -> weights_source.WeightSource:

@@ -126,6 +126,28 @@ def test_colocated_rl_peak_with_the_kv_cache_released_is_the_larger_phase():
     assert compile_job.colocated(sft, _colocated_results()) is None  # no sampler beside SFT
 
 
+def test_colocated_rl_counts_a_kl_references_weights_once_and_none_with_lora():
+    base = base_config("rl").to_dict()
+    results = [*_colocated_results(), _entry("reference", 12.0, 7.5, 0.0)]
+
+    def resident(**rl_lora):
+        cfg = {**base, "job": "compile", "rl": {**base["rl"], "kl_coef": 0.1},
+               "lora": {**base["lora"], **rl_lora}}
+        return compile_job.colocated(from_config_dict(cfg), results)["resident_gib"]
+
+    assert resident() == pytest.approx(69.5 + 7.5)  # its own frozen copy of the params
+    assert resident(rank=4) == pytest.approx(69.5)  # the trainer's frozen base, no copy
+
+
+def test_an_empty_prompt_bucket_list_compiles_the_samplers_own_buckets():
+    cfg = base_config("rl")
+    cfg.job, cfg.compile.programs = "compile", ("prefill",)
+    cfg.sampler.prompt_buckets = ()
+    config = from_config_dict(cfg)
+    (prefill,) = compile_job.compile_all(config, *compile_job.target(config.compile)[:2])
+    assert prefill["hbm_per_chip_gib"] > 0
+
+
 def test_colocated_rl_train_phase_peak_names_the_step_and_its_fix():
     config = from_config_dict({**base_config("rl").to_dict(), "job": "compile"})
     results = [_entry("train", 90.0, 7.5, 15.0), _entry("decode", 60.0, 15.0, 32.0)]
