@@ -14,8 +14,8 @@ from meshrl.configs.schema import Config
 from meshrl.jobs.compile_programs import Program
 
 GiB = 2 ** 30
-XLA_COST_NOTE = ("XLA's cost model: counts a loop body (scanned layers, decode steps) once and "
-                 "does not see inside custom kernels; not a step time")
+XLA_COST_NOTE = ("XLA's cost model, per chip and per call: counts a loop body (scanned layers, "
+                 "decode steps) once and does not see inside custom kernels; not a step time")
 
 
 def _xla_cost(compiled: Any) -> dict[str, Any]:
@@ -48,7 +48,7 @@ def analyse(prog: Program, compiled: Any, chip: chips.Chip | None, n_chips: int,
                         for k, v in coll.to_json().items()},
         "collective_bytes": coll.total_bytes / prog.steps,
         "unknown_trip_count_loops": coll.unknown_loops,
-        "model_flops": prog.model_flops / prog.steps,
+        "model_flops": prog.model_flops / prog.steps,  # all chips; the rest is per chip
         "hbm_traffic_bytes": traffic / prog.steps,
         "weights_bytes_per_chip": prog.weights_bytes, "state_bytes_per_chip": prog.state_bytes,
         "step_s_roofline": None, "mfu_roofline": None, "roofline": None,

@@ -51,7 +51,7 @@ def table(report: Mapping[str, Any]) -> str:
     lines = [f"compile: {report['job']} programs for {report['target']}"
              + (f"; chip {chip} figures from {report['chip_source']}" if chip else
                 "; no chip figures for this device kind: memory and collectives only")]
-    head = (f"{'program':<14} {'HBM/chip GiB':>12} {'of':>6} {'fits':>12} {'TFLOP/step':>10} "
+    head = (f"{'program':<14} {'HBM/chip GiB':>12} {'of':>6} {'fits':>12} {'TFLOP/step*':>11} "
             f"{'HBM GB/step':>11} {'compute/hbm/coll ms':>22} {'step ms':>8} {'MFU':>5} "
             f"{'bound':>11}  collectives/step")
     lines.append(head)
@@ -67,7 +67,7 @@ def table(report: Mapping[str, Any]) -> str:
         mfu = "-" if e["mfu_roofline"] is None else f"{e['mfu_roofline']:.0%}"
         lines.append(
             f"{e['program']:<14} {e['hbm_per_chip_gib']:>12.3f} {cap:>6} {_fit(e):>12} "
-            f"{e['model_flops'] / 1e12:>10.4g} {e['hbm_traffic_bytes'] / 1e9:>11.4g} "
+            f"{e['model_flops'] / 1e12:>11.4g} {e['hbm_traffic_bytes'] / 1e9:>11.4g} "
             f"{times:>22} {_ms(e['step_s_roofline']):>8} {mfu:>5} {r.get('bound', '-'):>11}  "
             f"{_collectives(e)}")
     for e in report["programs"]:
@@ -87,6 +87,7 @@ def table(report: Mapping[str, Any]) -> str:
         lines.append(_colocated_line(both, fit))
     if report.get("search"):
         lines.append(f"mesh search: {len(report['search'])} meshes tried (compile.json 'search')")
-    lines.append("Per step on one chip; step time and MFU are roofline estimates (max of compute, "
-                 "HBM and collective time, perfect overlap), not measurements.")
+    lines.append("Per step on one chip, except *: the model's TFLOP a step on all chips. Step "
+                 "time and MFU are roofline estimates (max of compute, HBM and collective "
+                 "time, perfect overlap), not measurements.")
     return "\n".join(lines)
