@@ -26,7 +26,7 @@ from meshrl.jobs.compile_programs import BUILDERS, default_programs
 from meshrl.jobs.compile_report import table
 from meshrl.jobs.compile_search import search
 from meshrl.mesh import create_mesh
-from meshrl.mesh.placement import colocated_sampler_mesh
+from meshrl.mesh.placement import create_meshes
 from meshrl.models import resolve_model_config
 from meshrl.utils import log, paths
 from meshrl.utils.errors import UserError
@@ -61,10 +61,13 @@ def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
     """Compile ``names`` (default: ``compile.programs`` or the job's) on the run's mesh over
     ``devices``; one compile.json object each."""
     model_cfg = resolve_model_config(config.model)
-    mesh = create_mesh(config.mesh, devices)
-    meshes = {"train": mesh, "reference": mesh}  # the sampler's own with rl.sampler_expert
-    if config.compile.job == "rl" and config.rl.placement == "colocated":
-        meshes.update(dict.fromkeys(SAMPLING_PHASE, colocated_sampler_mesh(config, mesh, devices)))
+    if config.compile.job == "rl":
+        # As the RL job places them: colocated, both on every device (the sampler's own mesh
+        # with rl.sampler_expert); split, each on its share of the devices.
+        mesh, sampler_mesh = create_meshes(config, devices)
+    else:
+        mesh = sampler_mesh = create_mesh(config.mesh, devices)
+    meshes = {"train": mesh, "reference": mesh, **dict.fromkeys(SAMPLING_PHASE, sampler_mesh)}
     names = names or config.compile.programs or default_programs(config)
     results = []
     for name in names:
@@ -78,7 +81,7 @@ def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
             results.append(over_capacity(prog, e, chip, time.perf_counter() - t0,
                                          advice(config, name)))
         else:
-            results.append(analyse(prog, compiled, chip, len(devices),
+            results.append(analyse(prog, compiled, chip, meshes.get(name, mesh).devices.size,
                                    time.perf_counter() - t0))
             if results[-1]["fits"] is False:
                 results[-1]["advice"] = advice(config, name)

@@ -306,3 +306,15 @@ def test_rl_train_flops_count_each_epoch_once_and_the_proximal_forward_as_execut
     assert four.model_flops == pytest.approx(one.model_flops)  # 4 minibatches of 1/4 the rows
     assert twice.model_flops == pytest.approx(2 * one.model_flops)  # 2 epochs
     assert four.executed_flops == pytest.approx(one.executed_flops + one.model_flops / 3)
+
+
+def test_split_placement_compiles_the_trainer_and_the_sampler_on_their_own_devices():
+    cfg = base_config("rl")
+    cfg.job, cfg.compile.programs = "compile", ("train", "decode")
+    cfg.rl.placement, cfg.rl.sampler_devices = "split", 4
+    cfg.mesh.data = 4  # the trainer's share: 4 of the 8 devices, as the RL job places it
+    config = from_config_dict(cfg)
+
+    train, decode = compile_job.compile_all(config, *compile_job.target(config.compile)[:2])
+
+    assert train["mesh"]["data"] == 4 and decode["mesh"]["data"] == 4
