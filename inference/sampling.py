@@ -64,7 +64,10 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
     rank_V = jnp.arange(V)
     k_B = jnp.where(top_k_B <= 0, V, jnp.minimum(top_k_B, V))
-    keep_k_BxV = rank_V[None, :] < k_B[:, None]
+    # Ties with the k-th logit stay (as in HF's TopKLogitsWarper): then top-p's mass below is
+    # over the same set top-k alone keeps, and the filters commute.
+    kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
+    keep_k_BxV = sorted_BxV >= kth_Bx1
     sorted_k_BxV = jnp.where(keep_k_BxV, sorted_BxV, _NEG)
     probs_BxV = jax.nn.softmax(sorted_k_BxV, axis=-1)
     # A token is kept while the mass of the strictly better tokens is below top_p. top_p 1 keeps

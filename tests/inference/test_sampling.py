@@ -28,6 +28,18 @@ def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
     assert _kept(tiny) == [1]
 
 
+def test_top_k_and_top_p_together_keep_what_each_keeps_alone_ties_included():
+    from meshrl.inference.sampling import filter_and_count
+
+    logits = jnp.asarray([[2.0, 1.0, 1.0, 1.0, 1.0, -1.0]])  # a tie at the 2nd logit
+    one, zero_k, k2, p = jnp.ones(1), jnp.zeros(1, jnp.int32), jnp.asarray([2]), jnp.asarray([0.6])
+
+    kept = {name: int(filter_and_count(logits, one, k, pp)[1][0]) for name, k, pp in (
+        ("top_k", k2, one), ("top_p", zero_k, p), ("both", k2, p))}
+
+    assert kept == {"top_k": 5, "top_p": 5, "both": 5}
+
+
 def test_sampled_logprob_is_under_the_renormalised_distribution():
     tokens, lp, raw = sample(jnp.repeat(LOGITS_1xV, 64, 0), jnp.ones(64),
                              jnp.full((64,), 2, jnp.int32), jnp.ones(64),
