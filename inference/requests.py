@@ -119,18 +119,35 @@ def tokens_left(comp: Completion, c: SamplerConfig) -> int:
     return token_budget(comp.request, c) - len(comp.tokens)
 
 
+_INT32 = 2 ** 31
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequence[int]) -> None:
     """Raise ValueError for a request a sampler with ``c`` and ``prompt_buckets`` cannot serve."""
     n = len(request.prompt_ids)
     if not 1 <= n <= prompt_buckets[-1]:
         raise ValueError(f"prompt length {n}: must be in [1, {prompt_buckets[-1]}] "
                          f"(sampler.prompt_buckets = {tuple(prompt_buckets)})")
-    if not isinstance(request.priority, numbers.Integral) or isinstance(request.priority, bool):
+    if not _is_int(request.priority):
         raise ValueError(f"priority = {request.priority!r}: must be an integer")
+    if not _is_int(request.seed):
+        raise ValueError(f"seed = {request.seed!r}: must be an integer")
     if len(request.stop_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
-    if request.max_new_tokens is not None and request.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens = {request.max_new_tokens}: must be >= 1")
+    # The device holds these as int32: a larger value would wrap, not mean "no limit".
+    bad = [i for i in request.stop_ids if not _is_int(i) or not 0 <= i < _INT32]
+    if bad:
+        raise ValueError(f"stop_ids {bad}: each must be a token id in [0, 2**31)")
+    if request.max_new_tokens is not None and not (_is_int(request.max_new_tokens)
+                                                   and 1 <= request.max_new_tokens < _INT32):
+        raise ValueError(f"max_new_tokens = {request.max_new_tokens!r}: must be an integer in "
+                         f"[1, 2**31) (sampler.max_len caps what any request generates)")
+    if not _is_int(request.min_new_tokens):
+        raise ValueError(f"min_new_tokens = {request.min_new_tokens!r}: must be an integer")
     max_new = request.max_new_tokens or c.max_new_tokens
     if not 0 <= request.min_new_tokens <= max_new:
         raise ValueError(f"min_new_tokens = {request.min_new_tokens}: must be in [0, "
@@ -145,8 +162,9 @@ def _check_sampling(request: Request) -> None:
     t, k, p, m = request.temperature, request.top_k, request.top_p, request.min_p
     if t is not None and not 0 <= t < math.inf:
         raise ValueError(f"temperature = {t}: must be >= 0 and finite")
-    if k is not None and (not isinstance(k, numbers.Integral) or isinstance(k, bool) or k < 0):
-        raise ValueError(f"top_k = {k!r}: must be an integer >= 0")
+    if k is not None and not (_is_int(k) and 0 <= k < _INT32):
+        raise ValueError(f"top_k = {k!r}: must be an integer in [0, 2**31) (>= the vocabulary "
+                         f"keeps every token)")
     for name, v in (("top_p", p), ("min_p", m)):
         if v is not None and not 0 <= v <= 1:
             raise ValueError(f"{name} = {v}: must be in [0, 1]")

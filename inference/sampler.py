@@ -222,6 +222,11 @@ class Sampler:
         ``submit``, first come, first served."""
         for r in requests:
             self.validate(r)
+        given = [r.id for r in requests if r.id is not None]
+        if len(set(given)) < len(given):  # results are matched to requests by id
+            dup = next(i for i in given if given.count(i) > 1)
+            raise ValueError(f"request id {dup!r} is given to {given.count(dup)} requests: "
+                             f"ids must be distinct (or None)")
         order = list(range(len(requests)))
         if longest_first:
             order.sort(key=lambda i: -token_budget(requests[i], self.cfg))

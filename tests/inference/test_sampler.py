@@ -262,8 +262,15 @@ def test_min_new_tokens_outside_zero_to_max_new_is_rejected(tiny_params, min_new
     ({"top_p": 1.5}, r"top_p = 1.5: must be in \[0, 1\]"),
     ({"temperature": -1.0}, r"temperature = -1.0: must be >= 0 and finite"),
     ({"temperature": float("inf")}, r"temperature = inf: must be >= 0 and finite"),
-    ({"top_k": 2.5}, r"top_k = 2.5: must be an integer >= 0"),
-    ({"top_k": -1}, r"top_k = -1: must be an integer >= 0"),
+    ({"top_k": 2.5}, r"top_k = 2.5: must be an integer in \[0, 2\*\*31\)"),
+    ({"top_k": -1}, r"top_k = -1: must be an integer in \[0, 2\*\*31\)"),
+    ({"top_k": 2 ** 31}, r"top_k = 2147483648: must be an integer in \[0, 2\*\*31\)"),
+    ({"max_new_tokens": 2 ** 31}, r"max_new_tokens = 2147483648: must be an integer in \[1, "),
+    ({"max_new_tokens": 2.0}, r"max_new_tokens = 2.0: must be an integer"),
+    ({"seed": None}, r"seed = None: must be an integer"),
+    ({"seed": 1.5}, r"seed = 1.5: must be an integer"),
+    ({"stop_ids": (2, -22)}, r"stop_ids \[-22\]: each must be a token id in \[0, 2\*\*31\)"),
+    ({"stop_ids": (2 ** 31,)}, r"stop_ids \[2147483648\]: each must be a token id"),
 ])
 def test_a_sampling_setting_out_of_range_is_rejected_before_queueing(tiny_params, setting,
                                                                      message):
@@ -273,7 +280,17 @@ def test_a_sampling_setting_out_of_range_is_rejected_before_queueing(tiny_params
     sampler = make_sampler(params)
 
     with pytest.raises(ValueError, match=message):
-        sampler.submit(Request([3, 4], max_new_tokens=4, **setting))
+        sampler.submit(Request([3, 4], **{"max_new_tokens": 4, **setting}))
+    assert not sampler.has_work()
+
+
+def test_generate_refuses_requests_sharing_an_id_before_queueing_any(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params)
+    twins = [Request([3, 4], max_new_tokens=2, id="group0") for _ in range(2)]
+
+    with pytest.raises(ValueError, match="request id 'group0' is given to 2 requests"):
+        sampler.generate([Request([5], max_new_tokens=2), *twins])
     assert not sampler.has_work()
 
 
