@@ -33,6 +33,24 @@ def test_a_resumed_rl_runs_summary_keeps_the_first_reward_and_counts_every_rewar
     assert resumed["reward/calls"] >= first["reward/calls"] + 6, (first, resumed)
 
 
+def test_the_first_logged_value_of_a_resumed_run_comes_from_its_metrics_file(tmp_path):
+    import json
+    import types
+
+    from meshrl.trainer.summary import first_logged
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 1, "loss": 5.0}, {"step": 1, "eval": 0.5}, {"step": 2, "loss": 4.0})))
+    history = [{"step": 3, "loss": 3.0}]
+    resumed = types.SimpleNamespace(start_step=2, workdir=tmp_path, history=history)
+    fresh = types.SimpleNamespace(start_step=0, workdir=tmp_path, history=history)
+
+    assert first_logged(resumed, "loss") == 5.0
+    assert first_logged(fresh, "loss") == 3.0  # a fresh run's own history
+    assert first_logged(resumed, "nope") is None
+
+
+@pytest.mark.slow  # two SFT runs; the RL case above runs the same helper end to end
 def test_a_resumed_sft_runs_summary_keeps_the_first_loss(tmp_path):
     def config(steps):
         cfg = sft_synthetic.get_config("smoke")
