@@ -111,9 +111,9 @@ class RLLoop:
         self.reward_pool, self.prompts, self.reference = (parts.reward_pool, parts.prompts,
                                                           parts.reference)
         self.counters = parts.counters
-        # The reward pool counts on from the checkpoint: a resumed run's ``reward/*`` cover it all.
-        for k, v in self.counters.get("reward", {}).items():
-            self.reward_pool.counters[k] = self.reward_pool.counters.get(k, 0) + v
+        # The reward pool's counts of the processes before this one (from the checkpoint): a
+        # resumed run's ``reward/*`` cover the whole run.
+        self._reward_before: dict[str, float] = dict(self.counters.get("reward", {}))
         self._sampler_programs = 0  # the sampler's compiled programs at the last step's end
         # The host's fields: the reference adds ``ref_logprobs`` on the device.
         self.host_batch_sh = self.engine.batch_sh.replace(ref_logprobs=None)
@@ -202,12 +202,17 @@ class RLLoop:
             self.engine.metrics.write(version, ev)
         return ev
 
+    def reward_metrics(self) -> dict[str, float]:
+        """The reward pool's ``metrics()``, counted over the whole run (a resumed one too)."""
+        now = self.reward_pool.metrics()
+        return {k: v + self._reward_before.get(k, 0.0) for k, v in now.items()}
+
     def save(self, step: int, runner: Any) -> None:
         """Checkpoint: train state, prompt iterator, runner counters (version, staleness), the
         reward pool's counts and, on one process, the rollout state (untrained groups and prompts; docs/rl.md "Resume")
         with the iterator state that goes with it."""
         counters = {**self.counters, "runner": runner.state_dict(),
-                    "reward": dict(self.reward_pool.counters)}
+                    "reward": self.reward_metrics()}
         if not runner.track_prompts_state:
             self.engine.save(step, {"prompts": self.prompts.get_state()}, counters)
             return
@@ -303,7 +308,7 @@ class RLLoop:
                        "perf/handoff_s": t_end - t_trained,
                        "perf/samples_per_s": samples / record["perf/step_time_s"]})
         record.update(runner.metrics())
-        record.update(self.reward_pool.metrics())
+        record.update(self.reward_metrics())
         # Sampler programs compiled on first use during the step: none after the first step.
         programs = self.sampler.compile_count()
         record["sampler/programs_compiled"] = float(programs - self._sampler_programs)
@@ -350,7 +355,7 @@ class RLLoop:
             "max_staleness_seen": max(hist) if hist else 0,
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
             "dropped_stale_groups": runner.controller.dropped_stale,
-            "rollout_counters": dict(runner.counters), **self.reward_pool.metrics(),
+            "rollout_counters": dict(runner.counters), **self.reward_metrics(),
             **{k: v for k, v in runner.metrics().items() if k.startswith(("agent/", "tools/"))},
             "reward_first": first_logged(self.engine, "rollout/reward_mean"),
             "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
