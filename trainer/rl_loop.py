@@ -209,8 +209,8 @@ class RLLoop:
 
     def save(self, step: int, runner: Any) -> None:
         """Checkpoint: train state, prompt iterator, runner counters (version, staleness), the
-        reward pool's counts and, on one process, the rollout state (untrained groups and prompts; docs/rl.md "Resume")
-        with the iterator state that goes with it."""
+        reward pool's counts and, on one process, the rollout state (untrained groups and
+        prompts; docs/rl.md "Resume") with the iterator state that goes with it."""
         counters = {**self.counters, "runner": runner.state_dict(),
                     "reward": self.reward_metrics()}
         if not runner.track_prompts_state:
