@@ -96,10 +96,10 @@ def _killpg(p: subprocess.Popen, sig: signal.Signals) -> None:
 
 def stop_groups(procs: Sequence[subprocess.Popen], first: signal.Signals,
                 grace_s: float) -> None:
-    """``first`` to the process group of each of ``procs`` (each started in a session of its
-    own), up to ``grace_s`` for them to exit, then SIGKILL to every group: also to a group
-    whose leader exited (its children, a reward pool, are still in it, and the group id stays
-    theirs while any lives), and also when a second Ctrl-C cuts the wait short."""
+    """Stop ``procs``, each the leader of its own session: ``first`` to every process group,
+    up to ``grace_s`` for the leaders to exit, then SIGKILL to every group, whether its leader
+    exited or not (its children, such as a reward pool, stay in the group and keep its id)
+    and whether or not the wait was interrupted (a second Ctrl-C)."""
     try:
         for p in procs:
             _killpg(p, first)

@@ -84,12 +84,16 @@ def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path, running: _Running
             return None
         _prepare(spec, trial, workdir)
         f = open(tdir / LOG, "a")  # noqa: SIM115 (closed below) appended: earlier attempts stay
-        f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {shlex.join(cmd)}\n")
-        f.flush()
-        # Its own session: a stop reaches the trial and its children through ``_stop``, once
-        # (a terminal's Ctrl-C reaches only the sweep).
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            f.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} sweep: {shlex.join(cmd)}\n")
+            f.flush()
+            # A session of its own: a terminal's Ctrl-C reaches the sweep alone, and ``_stop``
+            # signals each trial's whole process group exactly once.
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            f.close()
+            raise
         running.procs.add(proc)
     t0 = time.perf_counter()
     log.info("trial %s: started", trial.name)

@@ -115,9 +115,8 @@ class RolloutRunner:
         self._tasks: set[asyncio.Task] = set()
         self._filler: asyncio.Task | None = None
         self._exhausted = False
-        # Groups in flight (the task set lags a finished group by a loop turn), and whether an
-        # end marker for the current end of the prompts is in the queue.
-        self._running = 0
+        # Whether an end marker for the current end of the prompts is in the queue. Groups in
+        # flight are ``controller.running`` (the task set lags a finished group by a loop turn).
         self._ended = False
         self._error: BaseException | None = None
         # Rollout state (``rollout_state``): every started group's item until the trainer takes
@@ -175,7 +174,7 @@ class RolloutRunner:
                         break
                 # Alive past the end of the prompts: a group dropped as stale later puts its
                 # item back, and only this loop admits it again.
-                if self._exhausted and not (self._running or self._items or self._ended):
+                if self._exhausted and not (self.controller.running or self._items or self._ended):
                     self._ended = True
                     self._put(None)  # end of stream (sorts last): wakes a waiting get_batch
                 await self._wake.wait()
@@ -190,7 +189,6 @@ class RolloutRunner:
 
     def _admit(self, item: dict) -> None:
         self.controller.on_submit()
-        self._running += 1
         self._open[self._next_group_id] = item
         task = asyncio.create_task(self._run_group(item, self._next_group_id))
         self._next_group_id += 1
@@ -201,7 +199,6 @@ class RolloutRunner:
         try:
             group = await self.group_fn(item, group_id)
         except asyncio.CancelledError:
-            self._running -= 1
             self.controller.on_reject()
             raise
         except Exception as e:  # noqa: BLE001  (one bad episode must not stop the pipeline)
@@ -217,7 +214,6 @@ class RolloutRunner:
             self._failed_in_row = 0
             if self.watch is not None and self.watch.error is not None and self._error is None:
                 self._end_stream(self.watch.error)
-        self._running -= 1
         if group is None:
             self.controller.on_reject()
             item = self._open.pop(group_id, None)
@@ -309,7 +305,7 @@ class RolloutRunner:
             entry = await self._queue.get()
             group = entry[2]
             if group is None:
-                if self._error is None and (self._running or self._items):
+                if self._error is None and (self.controller.running or self._items):
                     # Work put back or still running after the marker was queued (a stale
                     # group's prompt): the filler queues a new marker when it is done.
                     self._ended = False
