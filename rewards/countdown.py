@@ -21,6 +21,7 @@ def score_one(completion: str, numbers: list[int], target: int) -> float:
     equation = last_answer_tag(answer_tail(completion))
     if not equation:
         return 0.0
+    target = int(target)  # fields read from a file may hold the number as a string
     lhs, eq, rhs = equation.partition("=")
     if eq:
         try:
@@ -34,7 +35,7 @@ def score_one(completion: str, numbers: list[int], target: int) -> float:
         return 0.0
     if Counter(used) - Counter(int(n) for n in numbers):  # a number used more than given
         return 0.0
-    return 1.0 if value == int(target) else 0.0
+    return 1.0 if value == target else 0.0
 
 
 @register("countdown",

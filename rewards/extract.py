@@ -23,8 +23,10 @@ NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
 def answer_tail(completion: str) -> str:
-    """The part of ``completion`` a final-answer reward parses (see ``MAX_ANSWER_CHARS``)."""
-    return completion[-MAX_ANSWER_CHARS:]
+    """The part of ``completion`` a final-answer reward parses (see ``MAX_ANSWER_CHARS``), with
+    the typographic minus (U+2212, which models trained on typeset text write) read as "-":
+    dropped, it would turn "-18" into "18"."""
+    return completion[-MAX_ANSWER_CHARS:].replace("\u2212", "-")
 
 
 def last_answer_tag(text: str) -> str | None:

@@ -38,16 +38,22 @@ MAX_BITS = 65536  # numerator/denominator bits of an exact number, checked befor
 
 _TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mbox|operatorname)\s*"
                        r"\{([^{}]*)\}")
-# A unit is a word of 2+ letters ("5 cm", "12 apples"); one letter may be a variable ("2x").
-# Two letters, then any letters: "{2,}" followed by a class that also takes letters would
-# backtrack quadratically on a long letter run that ends in a non-match.
-_UNITS = re.compile(r"^([-+]?[\d.,/]*\d)\s*[a-zA-Z]{2}[a-zA-Z.\s]*(?:\^\{?[23]\}?)?$")
+# A unit is a word of 2+ letters after a space ("5 cm", "12 apples"), or a known unit written
+# against the number ("5cm"): letters written against a number may be variables ("6xy" is a
+# product, "2x" too). Two letters, then any letters: "{2,}" followed by a class that also takes
+# letters would backtrack quadratically on a long letter run that ends in a non-match.
+_ATTACHED_UNITS = ("mm|cm|dm|km|mg|kg|lbs?|oz|ft|yd|mi|ml|mL|hrs?|mins?|secs?|mph|kph|am|pm|"
+                   "cents|dollars|days|hours|minutes|seconds|weeks|months|years|meters|miles")
+_UNITS = re.compile(r"^([-+]?[\d.,/]*\d)(?:\s+[a-zA-Z]{2}|(?:" + _ATTACHED_UNITS
+                    + r")(?![a-zA-Z]))[a-zA-Z.\s]*(?:\^\{?[23]\}?)?$")
+# A tuple or interval: commas between its numbers separate elements, not thousands.
+_BRACKETED = re.compile(r"^[(\[].*[)\]]$")
 _NUM = re.compile(r"^[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:/\d+)?$")
 
 
 def normalize(text: str) -> str:
     """Canonical string for an answer; only surface notation is removed, never content."""
-    s = text.strip()
+    s = text.strip().replace("\u2212", "-")
     for token in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\displaystyle"):
         s = s.replace(token, "")
     s = s.replace("\\$", "").replace("$", "").replace("\\ ", " ").replace("~", " ")
@@ -58,7 +64,8 @@ def normalize(text: str) -> str:
     s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
     s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)  # \frac12
     s = re.sub(r"^[a-zA-Z]\s*=\s*(?!.*=)", "", s.strip())  # "x = 5" -> "5"
-    s = re.sub(r"\b\d{1,3}(?:,\d{3})+(?![\d])", lambda m: m.group().replace(",", ""), s)
+    if not _BRACKETED.match(s):
+        s = re.sub(r"\b\d{1,3}(?:,\d{3})+(?![\d])", lambda m: m.group().replace(",", ""), s)
     s = s.strip().rstrip(".").strip()
     unit = _UNITS.match(s)
     if unit:

@@ -73,6 +73,13 @@ def test_countdown_uses_only_the_last_answer_tag(completion: str, expected: floa
     assert get("countdown")(["q"], [completion], numbers=[NUMS], target=[TARGET]) == [expected]
 
 
+@pytest.mark.parametrize("equation", ["(3 + 5) * 2", "(3 + 5) * 2 = 16"])
+def test_countdown_reads_string_fields_from_files_as_numbers(equation: str):
+    reward = get("countdown")(["q"], [_wrap(equation)], numbers=[[str(n) for n in NUMS]],
+                              target=[str(TARGET)])
+    assert reward == [1.0]
+
+
 def test_countdown_accepts_the_generated_solution_of_synthetic_examples():
     examples = [countdown_example(0, 0, i, difficulty=3) for i in range(50)]
     rewards = get("countdown")(["q"] * 50, [_wrap(ex["answer"]) for ex in examples],

@@ -26,6 +26,10 @@ GSM8K_CASES = [
     ("#### 0.5", "#### .5", 1.0),
     ("first #### 70 then corrected\n#### 72", GOLD, 1.0),
     ("#### 72\nI double-checked: 48 + 24 = 72", GOLD, 1.0),
+    # Markdown headings mark no answer: the box, else the last number, decides.
+    ("#### Step 1: Clips in May\n48/2 = 24\n#### Step 2: Total\n\\boxed{72}", GOLD, 1.0),
+    ("#### Solution\n48 + 24 = 72\n#### Final Answer\nShe sold 72 clips.", GOLD, 1.0),
+    ("#### \u22123", "#### -3", 1.0),  # the typographic minus
     # Traps: the right number somewhere, but not as the final answer.
     ("#### 24", GOLD, 0.0),
     ("72 clips? No: #### 70", GOLD, 0.0),
@@ -41,6 +45,8 @@ GSM8K_CASES = [
     ("#### 1,25", GOLD_BIG, 0.0),
     ("#### 12,500", GOLD_BIG, 0.0),
     ("#### 3", "#### -3", 0.0),
+    ("#### \u22123", "#### 3", 0.0),
+    ("#### Step 2: 72 clips\nso the total is 70", GOLD, 0.0),
     ("\\boxed{}", GOLD, 0.0),
 ]
 

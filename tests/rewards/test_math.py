@@ -73,6 +73,11 @@ EQUIVALENT = [
     ("\\boxed{\\pi}", "\\pi"),
     ("\\boxed{-0}", "0"),
     ("\\boxed{46", "46"),  # an unclosed box is no box; the last number is the answer
+    ("\\boxed{5cm}", "5"),  # a known unit written against the number
+    ("\\boxed{3hrs}", "3"),
+    ("\\boxed{6 x y}", "6xy"),
+    ("\\boxed{\u22123}", "-3"),  # the typographic minus
+    ("\\boxed{(1, 234)}", "(1,234)"),  # a pair, not one thousand two hundred and thirty-four
 ]
 
 NOT_EQUIVALENT = [
@@ -108,6 +113,10 @@ NOT_EQUIVALENT = [
     ("\\boxed{1,00}", "100"),
     ("\\boxed{A}", "B"),
     ("\\boxed{5 m}", "5"),  # one letter could be a variable, so it is not dropped as a unit
+    ("\\boxed{6}", "6xy"),  # letters against a number are a product, not a unit
+    ("\\boxed{12}", "12ab^2"),
+    ("\\boxed{\u22123}", "3"),
+    ("\\boxed{1234}", "(1,234)"),
     ("\\boxed{x^{1000}}", "x"),
     ("\\boxed{2^{10}}", "1000"),
     ("\\boxed{\\frac{1}{0}}", "1"),
