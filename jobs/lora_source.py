@@ -43,6 +43,16 @@ def warm_start_dir(workdir: paths.PathLike) -> Any:
     return paths.as_path(workdir) / "sft" / "checkpoints"
 
 
+def finished_warm_start(workdir: paths.PathLike) -> int | None:
+    """The step of the RL run's SFT warm start's last verified checkpoint under ``workdir``
+    (None: none): once RL has a checkpoint, the warm start it started from ended there."""
+    reader = CheckpointReader(warm_start_dir(workdir))
+    try:
+        return reader.latest_step()
+    finally:
+        reader.close()
+
+
 def base_of(run: dict[str, Any], workdir: paths.PathLike, where: str) -> LoraBase:
     """The base of the run whose saved config is ``run`` (``where``: its checkpoint, for the
     error line). An RL run without ``model.hf_path`` warm-starts when its warm start has steps
@@ -55,11 +65,7 @@ def base_of(run: dict[str, Any], workdir: paths.PathLike, where: str) -> LoraBas
     steps = run.get("trainer", {}).get("steps", 0) if steps == -1 else steps
     if run.get("job") != "rl" or not steps:
         return LoraBase("random", seed)
-    reader = CheckpointReader(warm_start_dir(workdir))
-    try:
-        step = reader.latest_step()
-    finally:
-        reader.close()
+    step = finished_warm_start(workdir)
     if step is None:
         raise ConfigError(f"{where}: its LoRA adapters adapt the SFT warm start, and "
                           f"{warm_start_dir(workdir)} holds no verified checkpoint of it: "

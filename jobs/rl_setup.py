@@ -14,6 +14,7 @@ from meshrl.configs.distill_schema import teacher_model
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import make_sft_iterator
 from meshrl.jobs.distill import check_vocab, load_teacher, teacher_source
+from meshrl.jobs.lora_source import finished_warm_start, warm_start_dir
 from meshrl.mesh import logical_to_sharding, rules_for
 from meshrl.models import load
 from meshrl.trainer.engine import Trainee, TrainEngine
@@ -94,20 +95,28 @@ def sample_offset(config: Config, mesh: Any) -> int:
 def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngine,
                          tokenizer: Any) -> tuple[ReferencePolicy | None, Any, int]:
     """(the KL reference or None, the params RL starts from, the run's warm-start steps, a
-    resumed run's included). A fresh run warm-starts when ``warm_start_steps`` says so; a resumed run with a
-    KL needs the step-0 policy again, so it reruns the finished warm start, which restores its
-    last checkpoint and trains nothing."""
+    resumed run's included). A fresh run warm-starts when ``warm_start_steps`` says so. A
+    resumed run whose warm start ran needs its result again when it is the KL reference or
+    the frozen LoRA base: it reruns the finished warm start to its last checkpoint, which
+    restores and trains nothing, whatever ``trainer.steps`` says now (with
+    ``rl.warm_start_steps = -1`` a longer run would otherwise train the reference further)."""
     kl, restored = config.rl.kl_coef > 0.0, engine.restored
     if config.distill.teacher:
         teacher_source(config)  # a bad teacher path fails before the warm start trains
     trainee = engine.trainee
     params = trainee.params
-    sft_steps = warm_start_steps(config) if restored is None or kl else 0
-    if sft_steps:
-        sft_dir = workdir / "sft" / "checkpoints"
-        if restored is not None and not any(p.name.isdigit() for p in sft_dir.glob("*")):
+    sft_steps = warm_start_steps(config)
+    # A resumed run's train state holds every weight RL trains; the warm start's result is
+    # needed again only as the KL reference or the frozen LoRA base.
+    needed = restored is None or kl or engine.lora is not None
+    if restored is not None and sft_steps:
+        finished = finished_warm_start(workdir)
+        if finished is None and needed:
             log.warning("no SFT checkpoint under %s: retraining the warm start to rebuild the "
-                        "KL reference policy", sft_dir)
+                        "%s", warm_start_dir(workdir),
+                        "KL reference policy" if kl else "frozen LoRA base")
+        sft_steps = sft_steps if finished is None else finished
+    if sft_steps and needed:
         params = run_warm_start(config, workdir, engine.mesh, dataclasses.replace(trainee),
                                 tokenizer, sft_steps)
     if config.distill.enabled:
@@ -123,7 +132,7 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
             temperature=config.sampler.temperature, group_size=config.rollout.group_size,
             microbatches=config.trainer.microbatches,
             base=None if lora is None else engine.frozen_base)
-    return reference, params, warm_start_steps(config)
+    return reference, params, sft_steps
 
 
 def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any

@@ -280,3 +280,33 @@ def test_reference_apply_puts_a_microbatched_reference_kl_into_the_batch(kl_wher
         np.testing.assert_allclose(got_BxL, np.asarray(want_B)[:, None] * mask_BxL, **TOL)
         assert not np.allclose(got_BxL, np.asarray(plain_B)[:, None] * mask_BxL, rtol=1e-3,
                                atol=1e-3)  # the KL really moved the advantages
+
+
+def test_resumed_lora_run_keeps_its_warm_start_base_when_trainer_steps_grow(tmp_path):
+    # LoRA without a KL: the warm start's result is the frozen base the adapters adapt. With
+    # rl.warm_start_steps = -1 (as many as trainer.steps) a longer resumed run must restore the
+    # warm start it ran, not start from the random init nor train the warm start further.
+    import orbax.checkpoint as ocp
+
+    from meshrl.jobs import rl as rl_job
+    from meshrl.tests.trainer.tiny import run_rl
+    from meshrl.utils.params import flat_params
+
+    over = {"rl.warm_start_steps": -1, "rl.warm_start_batch_size": 4, "lora.rank": 4,
+            "trainer.steps": 1}
+    run_rl(tiny_rl_config(**over), tmp_path)  # 1 warm-start step, 1 RL step, version 1
+    published = flat_params(ocp.StandardCheckpointer().restore(tmp_path / "weights" / "1"))
+
+    resumed = rl_job.build(tiny_rl_config(**{**over, "trainer.steps": 2}), tmp_path)
+    try:
+        merged = flat_params(jax.device_get(resumed.engine.params))
+        start, warm = resumed.start_step, resumed.warm_start_steps
+    finally:
+        resumed.close()
+
+    assert (start, warm) == (1, 1)
+    assert sorted(p.name for p in (tmp_path / "sft" / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["1"]
+    assert merged.keys() == published.keys()
+    for name, value in published.items():  # the sampler's weights at version 1, merged
+        np.testing.assert_allclose(merged[name], value, rtol=1e-6, atol=1e-6, err_msg=name)
