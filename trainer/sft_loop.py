@@ -17,6 +17,7 @@ from meshrl.trainer.metrics import peak_flops_per_device
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.stop import stop_hook
 from meshrl.trainer.summary import first_logged
+from meshrl.utils import interrupt
 from meshrl.utils.log import get_logger
 
 _log = get_logger("trainer.sft")
@@ -62,8 +63,13 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
         with Stopwatch() as host:
             if save:
                 engine.save(step)
-            for hook in hooks:
-                hook(step, engine)
+            try:
+                for hook in hooks:
+                    hook(step, engine)
+            except interrupt.Stopped:
+                # The stop's save read the step's metrics; the resumed run starts after it.
+                log(engine.read())
+                raise
         clock.exclude(host.wall_s, host.cpu_s)
     log(engine.read())
     if cfg.steps > engine.start_step or not engine.checkpointer.all_steps():

@@ -119,3 +119,30 @@ def test_an_evaluation_step_is_timed_before_its_evaluation_runs(tmp_path):
     loop.close()
 
     assert seen == [2, 4]  # read before the hook: the history holds the step
+
+
+def test_a_stop_request_between_checkpoints_writes_the_stopped_steps_row_once(tmp_path):
+    from meshrl.trainer.stop import stop_hook
+    from meshrl.utils import interrupt
+
+    config = tiny_config(**{"checkpoint.every_steps": 0, "trainer.steps": 4})
+
+    def ctrl_c_at_2(step: int, engine) -> None:
+        if step == 2:
+            interrupt.request()  # what the first SIGINT does
+
+    engine = make_loop(config, tmp_path)
+    try:
+        with pytest.raises(interrupt.Stopped):
+            run_sft(engine, hooks=[ctrl_c_at_2, stop_hook])
+    finally:
+        engine.close()
+        interrupt.clear()
+    resumed = make_loop(config, tmp_path)
+    try:
+        run_sft(resumed)
+    finally:
+        resumed.close()
+
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
