@@ -331,6 +331,24 @@ def _remove_retired(root: epath.Path) -> None:
         paths.remove_tree(p)
 
 
+def retire_versions_after(workdir: paths.PathLike, step: int) -> list[int]:
+    """Delete the versions published after ``step`` (process 0; the others return []): a run
+    starting at ``step`` (0: from scratch) did not publish them, so a reader taking the newest
+    version must not find a dead or discarded run's. Returns the versions deleted."""
+    if jax.process_index() != 0:
+        return []
+    root = paths.as_path(workdir) / "weights"
+    later = [v for v in published_versions(workdir) if v > step]
+    _remove_retired(root)
+    for aside in [_set_aside(weights_dir(workdir, v)) for v in later]:
+        if aside is not None:
+            paths.remove_tree(aside)
+    if later:
+        log.warning("weight versions %s were published by a run this one does not continue "
+                    "(it starts at step %d): deleted", later, step)
+    return later
+
+
 def publish_version(params: Any, workdir: paths.PathLike, version: int, keep: int) -> epath.Path:
     """Publish ``params`` as ``version``, then keep only the newest ``keep`` versions up to it
     (0: all). Every process calls it (the save is collective); process 0 alone renames and

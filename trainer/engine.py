@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from meshrl.algorithms.batch import TrainBatch
 from meshrl.configs.schema import Config
-from meshrl.inference.weights import publish_version
+from meshrl.inference.weights import publish_version, retire_versions_after
 from meshrl.models import LoadedModel, flops_per_token
 from meshrl.models.lora import AdapterUpdate, LoraSetup
 from meshrl.trainer.checkpoint import Checkpointer, Restored
@@ -202,6 +202,7 @@ class TrainEngine:
             jitted if spec.row_buckets is None
             else BucketedStep(jitted, self.batch_sh, t.seq_len, spec.row_buckets,
                               spec.trailing))
+        retire_versions_after(self.workdir, self.start_step)
         self.metrics = MetricsWriter(self.workdir, tensorboard=config.logging.tensorboard,
                                      process_index=jax.process_index(),
                                      resume_step=None if self.restored is None

@@ -165,6 +165,22 @@ def test_keep_versions_is_honoured_across_a_resume(tmp_path):
     assert (tmp_path / "weights" / "5").stat().st_ino != dead_run_5  # published again
 
 
+def test_a_resumed_run_deletes_the_versions_a_dead_run_published_after_its_start(tmp_path):
+    config = tiny_config(**{"trainer.steps": 6, "checkpoint.every_steps": 3,
+                            "checkpoint.keep_versions": 0})
+    with pytest.raises(_DiedError):  # dies at step 5: newest checkpoint is step 3
+        _train(config, tmp_path, hooks=[_publish_each_step(stop_after=5)])
+    assert published_versions(tmp_path) == [1, 2, 3, 4, 5]
+
+    # Resumed at 3 and ending at 4: the dead run's 5 must not stay the newest version.
+    _train(tiny_config(**{"trainer.steps": 4, "checkpoint.every_steps": 3,
+                          "checkpoint.keep_versions": 0}), tmp_path,
+           hooks=[_publish_each_step()])
+
+    assert published_versions(tmp_path) == [1, 2, 3, 4]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["1", "2", "3", "4"]
+
+
 def test_keep_versions_zero_keeps_every_version(tmp_path):
     params = {"w": jnp.ones((4,), jnp.float32)}
 
