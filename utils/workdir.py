@@ -76,6 +76,12 @@ def _problem(path: str, st: os.stat_result) -> str | None:
 
 def prepare(workdir: paths.PathLike) -> None:
     """Create a missing workdir (mode 0700) and refuse one this process should not write."""
+    if "[" in os.fspath(workdir):
+        # Orbax finds a checkpoint's files by glob patterns built on the directory's path, where
+        # "[...]" is a character class: the save succeeds and the restore fails.
+        raise WorkdirError(f"workdir {os.fspath(workdir)}: holds '[', which the checkpointer "
+                           f"reads as a glob character class (its checkpoints would not "
+                           f"restore): pass a path without '[' as --workdir")
     if paths.is_uri(workdir):
         paths.as_path(workdir).mkdir(parents=True, exist_ok=True)
         return

@@ -114,6 +114,14 @@ def test_a_workdir_owned_by_another_user_is_refused_naming_both_uids(tmp_path):
     assert run.stat().st_uid == 12345
 
 
+@pytest.mark.parametrize("name", ["run[1]", "a[b/run"])
+def test_a_workdir_path_with_a_glob_bracket_is_refused_before_anything_is_created(tmp_path, name):
+    target = tmp_path / name
+    with pytest.raises(WorkdirError, match=r"holds '\[', which the checkpointer reads as a glob"):
+        prepare(target)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_as_workdir_is_refused(tmp_path):
     (tmp_path / "run").write_text("data")
 
