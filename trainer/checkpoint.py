@@ -146,10 +146,13 @@ class Checkpointer:
         step = self._saving
         if not self._primary or step is None:
             return
-        step_dir = self.directory / f"{step}{TMP_SUFFIX}"
+        # Orbax writes into <step>.orbax-checkpoint-tmp and renames it, or on an object store
+        # (gs://) writes into <step> itself and marks it complete with a commit file.
+        tmp, final = self.directory / f"{step}{TMP_SUFFIX}", self.directory / str(step)
+        step_dir = tmp if tmp.exists() else final
         if not step_dir.exists():
-            raise RuntimeError(f"checkpoint step {step}: Orbax's temporary directory "
-                                  f"{step_dir} is missing at finalisation; cannot manifest it")
+            raise RuntimeError(f"checkpoint step {step}: neither Orbax's temporary directory "
+                               f"{tmp} nor {final} exists at finalisation; cannot manifest it")
         # Atomic: a manifest is whole or absent.
         paths.write_text_atomic(step_dir / MANIFEST,
                                 json.dumps({"step": step, "files": _file_table(step_dir)}))

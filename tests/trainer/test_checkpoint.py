@@ -224,3 +224,28 @@ def test_moved_aside_steps_are_kept_until_a_step_at_least_as_new_verifies(tmp_pa
     ckpt.save(4, {"w": np.full((4,), 4, np.float32)}, {"index": 4}, {}, {"step": 4})
     ckpt.close()
     assert not list(tmp_path.glob("corrupt.*"))
+
+
+def test_a_commit_file_store_like_gcs_saves_manifests_and_restores(tmp_path, monkeypatch):
+    # On gs:// Orbax writes each step into <step> itself and marks it with a commit file
+    # (CommitFileTemporaryPath), never <step>.orbax-checkpoint-tmp. Orbax's own "is this GCS"
+    # test, answering yes for this directory, makes it take that path without a bucket.
+    import jax.numpy as jnp
+    from orbax.checkpoint._src.path import gcs_utils
+
+    from meshrl.configs.loader import base_config, from_config_dict
+
+    monkeypatch.setattr(gcs_utils, "is_gcs_path", lambda p: str(p).startswith(str(tmp_path)))
+    ck = Checkpointer(tmp_path / "checkpoints", from_config_dict(base_config("sft")).checkpoint)
+    state = {"w": jnp.arange(4.0)}
+    try:
+        ck.save(1, state, {"i": 1}, {"c": 1}, {"step": 1})
+        ck.wait()
+        restored = ck.restore_latest(jax.eval_shape(lambda: state))
+    finally:
+        ck.close()
+
+    assert not (tmp_path / "checkpoints" / f"1{TMP_SUFFIX}").exists()  # the commit-file path
+    assert (tmp_path / "checkpoints" / "1" / MANIFEST).exists()
+    assert restored is not None and restored.step == 1
+    np.testing.assert_array_equal(restored.state["w"], np.arange(4.0))
