@@ -12,6 +12,9 @@ from typing import Any
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig
 from meshrl.utils.errors import MissingFileError, UserError
+from meshrl.utils.log import get_logger
+
+log = get_logger("models")
 
 _ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
           "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -121,10 +124,17 @@ def _moe_fields(hf: dict[str, Any], model_type: str) -> dict[str, Any]:
 
 def _rope_fields(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers >= 5 writes rope_parameters (theta inside); 4.x wrote rope_theta + rope_scaling.
+    # A non-empty rope_scaling (what model cards say to add for long context) is what both
+    # apply: 4.x never reads rope_parameters, 5.x replaces it with rope_scaling, theta from
+    # rope_scaling, else the top-level rope_theta, else the model type's default.
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    spec = params if params.get("rope_type") or not scaling else scaling
+    spec = scaling or params
+    theta = spec.get("rope_theta", hf.get("rope_theta", 10000.0))
+    if scaling and params and params.get("rope_theta", theta) != theta:
+        log.warning("HF config: rope_scaling %s replaces rope_parameters %s (as transformers "
+                    "does), so rope_theta is %s, not rope_parameters' %s", scaling, params,
+                    theta, params["rope_theta"])
     rope_type = spec.get("rope_type", spec.get("type"))
     if rope_type not in _ROPE_TYPES:
         raise ConfigError(f"HF config rope_scaling type = {rope_type!r}: unsupported; supported: "

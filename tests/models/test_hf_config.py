@@ -94,12 +94,32 @@ def test_transformers_4_style_rope_scaling_is_read():
                                                                           4.0)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_rope_scaling_added_beside_rope_parameters_is_applied_as_transformers_does(model_type):
+    # A transformers-5 config.json (rope_parameters) with the rope_scaling key a model card says
+    # to add for long context: transformers applies rope_scaling, theta from it, else the
+    # top-level rope_theta, else the model type's default.
+    transformers = pytest.importorskip("transformers")
+    given = {"model_type": model_type, "vocab_size": 64, "hidden_size": 64,
+             "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "rope_parameters": {"rope_type": "default",
+                                                           "rope_theta": 1e6},
+             "rope_scaling": {"rope_type": "linear", "factor": 4.0}}
+    hf = transformers.AutoConfig.for_model(**given).rope_parameters
+
+    cfg = model_config_from_hf(given)
+
+    assert (cfg.rope_scaling, cfg.rope_scaling_factor, cfg.rope_theta) == (
+        hf["rope_type"], hf["factor"], hf["rope_theta"])
+
+
 @pytest.mark.parametrize("change, named", [
     ({"model_type": "gpt2"}, "'gpt2'"),
     ({"architectures": ["LlamaForSequenceClassification"]}, "LlamaForSequenceClassification"),
     ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "'yarn'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
      "low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn'"),  # beside rope_parameters
     ({"use_sliding_window": True}, "use_sliding_window"),
     ({"num_local_experts": 8}, "num_local_experts"),
     ({"hidden_act": "gelu"}, "hidden_act"),
