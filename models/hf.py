@@ -143,12 +143,26 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
             sharding = (shardings[key] if shardings is not None
                         else SingleDeviceSharding(jax.devices()[0]))
             var.set_value(_place(host, sharding))
+        if cfg.tie_embeddings and "lm_head.weight" in files:
+            _check_tied_head(path, read("lm_head.weight", "lm_head"),
+                             read("model.embed_tokens.weight", "embed"))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
     log.info("loaded %s (%s, %d params)", path, cfg.arch, len(mapping))
     nnx.update(model, params)
     return model
+
+
+def _check_tied_head(path: pathlib.Path, head: np.ndarray, embed: np.ndarray) -> None:
+    """A tied config whose files hold their own ``lm_head.weight``: the same values are a
+    redundant copy; others are a head that transformers 4.x drops (it ties) and 5.x uses."""
+    if head.shape != embed.shape or not np.array_equal(head, embed):
+        raise CheckpointError(
+            f"{path}: config.json says tie_word_embeddings = true, but the checkpoint holds an "
+            f"lm_head.weight that differs from model.embed_tokens.weight (transformers 4.x "
+            f"would tie them, 5.x uses the file's head): set tie_word_embeddings to false to "
+            f"load the head, or remove lm_head.weight to tie")
 
 
 def _place(host: np.ndarray, sharding: NamedSharding | SingleDeviceSharding) -> jax.Array:

@@ -154,3 +154,28 @@ def test_wrong_tensor_shape_fails_naming_it(hf_checkpoint):
 
     with pytest.raises(CheckpointError, match=r"model\.norm\.weight"):
         load_hf_checkpoint(path)
+
+
+def test_a_tied_config_over_a_distinct_lm_head_fails_naming_both_tensors(hf_checkpoint):
+    path, _ = hf_checkpoint("qwen2_untied")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+
+    with pytest.raises(CheckpointError, match=r"tie_word_embeddings = true.*lm_head\.weight "
+                                              r"that differs from model\.embed_tokens\.weight"):
+        load_hf_checkpoint(path)
+
+
+def test_a_tied_checkpoint_holding_a_redundant_head_copy_loads_tied(hf_checkpoint):
+    from safetensors.numpy import load_file, save_file
+
+    path, _ = hf_checkpoint("qwen2_untied")
+    tensors = load_file(path / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+
+    model = load_hf_checkpoint(path)
+
+    assert model.cfg.tie_embeddings
