@@ -24,7 +24,7 @@ from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
 from meshrl.datasets.pipeline import encode_prompt, prompt_text, response_ids
-from meshrl.datasets.sources import DatasetError, _check_messages, jsonl_rows
+from meshrl.datasets.sources import DatasetError, _check_messages, disjoint_examples, jsonl_rows
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils.log import get_logger
 
@@ -72,14 +72,15 @@ def read_pairs(path: str, field: str = "dpo.path") -> list[dict]:
     return pairs
 
 
-def synthetic_pairs(data: DataConfig, stream: int, count: int) -> list[dict]:
-    """``count`` pairs of the arithmetic task: chosen the correct answer, rejected a different
-    number with as many digits (drawn from the example's own seed, so reproducible)."""
+def synthetic_pairs(data: DataConfig, stream: int, count: int, start: int = 0) -> list[dict]:
+    """``count`` pairs of the arithmetic task from index ``start``: chosen the correct answer,
+    rejected a different number with as many digits (drawn from the example's own seed, so
+    reproducible)."""
     if data.source != "arithmetic":
         raise DatasetError(f"data.source = {data.source!r}: the synthetic preference task "
                            f"needs 'arithmetic' (or set dpo.path to a preference JSONL file)")
     pairs = []
-    for i in range(count):
+    for i in range(start, start + count):
         ex = synthetic.arithmetic_example(data.shuffle_seed, stream, i, data.difficulty,
                                           data.ops)
         rng = np.random.default_rng([data.shuffle_seed & 0xFFFFFFFF, stream, i, 1])
@@ -164,8 +165,14 @@ def load_pairs(dpo: DPOConfig, data: DataConfig, held_out: bool) -> list[dict]:
         if not held_out:
             return read_pairs(path)
         return read_pairs(path, "dpo.eval_path")[:data.eval_examples] if path else []
-    stream = synthetic.EVAL_STREAM if held_out else synthetic.TRAIN_STREAM
-    return synthetic_pairs(data, stream, data.eval_examples if held_out else data.num_examples)
+    train = synthetic_pairs(data, synthetic.TRAIN_STREAM, data.num_examples)
+    if not held_out:
+        return train
+    if data.eval_examples == 0:
+        return []
+    return disjoint_examples(
+        lambda start: synthetic_pairs(data, synthetic.EVAL_STREAM, data.eval_examples, start),
+        {p["prompt"] for p in train}, data)
 
 
 class PreferenceIterator:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from meshrl.configs.schema import DataConfig
@@ -193,12 +193,21 @@ def load_eval(data: DataConfig) -> list[dict]:
                         data.source)
             return []
         return read_file(data.eval_path, data, {}, "data.eval_path")[:data.eval_examples]
-    taken = {ex["prompt"] for ex in load_train(data, {})}
+    return disjoint_examples(
+        lambda start: synthetic.generate(data.source, data.shuffle_seed, synthetic.EVAL_STREAM,
+                                         data.eval_examples, data.difficulty, data.ops,
+                                         start=start),
+        {ex["prompt"] for ex in load_train(data, {})}, data)
+
+
+def disjoint_examples(chunk_at: Callable[[int], list[dict]], taken: set[str],
+                      data: DataConfig) -> list[dict]:
+    """``data.eval_examples`` held-out examples of a synthetic task, read in chunks from
+    ``chunk_at(start)``, each prompt once and none in ``taken`` (the training prompts)."""
     out: list[dict] = []
     start, budget = 0, 20 * data.eval_examples + 1000  # bounded: tiny task spaces run dry
     while len(out) < data.eval_examples and start < budget:
-        chunk = synthetic.generate(data.source, data.shuffle_seed, synthetic.EVAL_STREAM,
-                                   data.eval_examples, data.difficulty, data.ops, start=start)
+        chunk = chunk_at(start)
         start += len(chunk)
         for ex in chunk:
             if ex["prompt"] not in taken:

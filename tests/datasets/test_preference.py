@@ -112,6 +112,14 @@ def test_synthetic_pairs_prefer_the_correct_sum_over_a_wrong_number_of_as_many_d
     assert {p["prompt"] for p in held} != {p["prompt"] for p in train[:20]}
 
 
+def test_synthetic_held_out_pairs_share_no_prompt_with_training_and_repeat_none():
+    data = DataConfig(source="arithmetic", difficulty=2)  # configs/dpo.py's task: 8,100 sums
+    train = {p["prompt"] for p in load_pairs(DPOConfig(), data, held_out=False)}
+    held = [p["prompt"] for p in load_pairs(DPOConfig(), data, held_out=True)]
+    assert len(held) == data.eval_examples == len(set(held))
+    assert not set(held) & train
+
+
 def test_synthetic_task_needs_arithmetic():
     with pytest.raises(DatasetError, match=r"data.source = 'countdown': the synthetic "
                                            r"preference task needs 'arithmetic'"):
