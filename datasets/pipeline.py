@@ -13,6 +13,7 @@ Design notes: docs/data.md.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import grain
@@ -379,9 +380,12 @@ def make_prompt_iterator(data: DataConfig, tokenizer: Tokenizer, *, batch_size: 
                           process_index=process_index, process_count=process_count)
 
 
-def eval_examples(data: DataConfig, tokenizer: Tokenizer) -> list[dict]:
-    """Tokenized held-out examples (over-long prompts follow data.on_overlong; drops logged)."""
-    tokenize = _Tokenize(data, tokenizer, seq_len=None)
+def eval_examples(data: DataConfig, tokenizer: Tokenizer, teacher_forced: bool = False
+                  ) -> list[dict]:
+    """Tokenized held-out examples (over-long prompts follow data.on_overlong; drops logged).
+    ``teacher_forced``: with the SFT rows ``_input``, ``_target`` and ``_mask`` built exactly as
+    training builds them (the whole conversation rendered; no length limit here)."""
+    tokenize = _Tokenize(data, tokenizer, seq_len=sys.maxsize if teacher_forced else None)
     out = [tokenize(ex) for ex in sources.load_eval(data)]
     kept = [ex for ex in out if "_drop" not in ex]
     if len(kept) < len(out):

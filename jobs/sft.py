@@ -14,7 +14,6 @@ import jax
 
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples, make_sft_iterator
-from meshrl.datasets.pipeline import response_ids
 from meshrl.mesh import create_mesh
 from meshrl.models import load, param_count
 from meshrl.models.load import with_weights
@@ -27,14 +26,6 @@ from meshrl.trainer.summary import write_summary
 from meshrl.utils import log
 
 _log = log.get_logger("trainer.sft")
-
-
-def _teacher_forced(ex: dict, tokenizer: Any) -> dict:
-    """Prompt + reference response as the SFT pipeline builds them: input, target, mask."""
-    full = list(ex["prompt_ids"]) + response_ids(ex, ex["prompt_text"], tokenizer)
-    n_prompt = len(ex["prompt_ids"])
-    return {"_input": full[:-1], "_target": full[1:],
-            "_mask": [0.0] * (n_prompt - 1) + [1.0] * (len(full) - n_prompt)}
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
@@ -53,8 +44,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     n_params = param_count(skeleton.arch)
     _log.info("SFT: %.2fM params, mesh %s, %d steps of %d x %d tokens", n_params / 1e6,
               dict(mesh.shape), tcfg.steps, tcfg.batch_size, tcfg.seq_len)
-    held_out = eval_batches([_teacher_forced(ex, tokenizer)
-                             for ex in eval_examples(config.data, tokenizer)],
+    held_out = eval_batches(eval_examples(config.data, tokenizer, teacher_forced=True),
                             tcfg.seq_len, tcfg.batch_size, tokenizer.pad_id)
     evaluate = make_evaluator(trainee.forward, held_out, mesh, config.mesh.fsdp)
     engine = TrainEngine(config, workdir, mesh, trainee, sft_spec(config, mesh))

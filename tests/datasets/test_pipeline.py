@@ -315,3 +315,31 @@ def test_a_prompt_answer_row_ends_its_turn_as_the_chat_template_does(tmp_path):
 
     assert targets[0] == targets[1]
     assert tok.encode("<|im_end|>")[0] in targets[0]
+
+
+def test_a_held_out_chat_row_is_evaluated_on_the_target_it_is_trained_on(tmp_path):
+    # A system turn before the user's: the held-out target must be rendered from the whole
+    # conversation, as training renders it (ChatML's <|im_end|> is not EOS here).
+    from meshrl.datasets import eval_examples, make_sft_iterator
+    from meshrl.models.tokenizer import HFTokenizer
+    from meshrl.tests.jobs.real_model import train_tokenizer
+
+    train_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                                "eos_token": "<|endoftext|>"}))
+    tok = HFTokenizer(str(tmp_path))
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "5"}]}) + "\n")
+    data = DataConfig(source="jsonl", path=str(rows), eval_path=str(rows), eval_examples=1)
+
+    batch = next(make_sft_iterator(data, tok, batch_size=1, seq_len=96, seed=0, pack=False))
+    held = eval_examples(data, tok, teacher_forced=True)[0]
+
+    trained = batch["targets"][0][batch["loss_mask"][0] == 1].tolist()
+    assert [t for t, m in zip(held["_target"], held["_mask"], strict=True) if m] == trained
+    n = len(held["_input"])
+    assert held["_input"] == batch["input_ids"][0][:n].tolist()
+    assert tok.encode("<|im_end|>")[0] in trained
