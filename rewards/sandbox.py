@@ -34,6 +34,12 @@ CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.
 CLOSE_S = 5.0  # how long a killed child's pipes may take to close before they are dropped
 
 
+# The shared child's lifetime CPU budget in calls' worth of cpu_s: RLIMIT_CPU counts a
+# process's whole life, so each call gets cpu_s more and the child retires (answering
+# "retire") before a call could find less left.
+SHARED_CHILD_CALLS = 100
+
+
 @dataclasses.dataclass(frozen=True)
 class SandboxLimits:
     """Per-call limits of a tool's child process."""
@@ -50,9 +56,13 @@ class SandboxLimits:
             if getattr(self, name) <= 0:
                 raise ValueError(f"sandbox limit {name} must be > 0, got {getattr(self, name)}")
 
-    def child_json(self) -> str:
-        return json.dumps({"cpu_s": self.cpu_s, "memory_mb": self.memory_mb,
-                           "file_bytes": self.file_bytes, "netns": self.netns})
+    def child_json(self, shared: bool = False) -> str:
+        """The child's limits; a ``shared`` child (many calls) may spend ``cpu_s`` on each of
+        ``SHARED_CHILD_CALLS`` calls before it retires, a fresh one ``cpu_s`` on its one."""
+        lifetime = self.cpu_s * (SHARED_CHILD_CALLS if shared else 1)
+        return json.dumps({"cpu_s": self.cpu_s, "lifetime_cpu_s": lifetime,
+                           "memory_mb": self.memory_mb, "file_bytes": self.file_bytes,
+                           "netns": self.netns})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +107,7 @@ class _Child:
         await self.proc.wait()
 
 
-async def _start(limits: SandboxLimits) -> _Child:
+async def _start(limits: SandboxLimits, shared: bool = False) -> _Child:
     workdir = tempfile.mkdtemp(prefix="meshrl-tool-")
     read_fd, write_fd = os.pipe()
     try:
@@ -119,7 +129,7 @@ async def _start(limits: SandboxLimits) -> _Child:
                                  os.fdopen(read_fd, "rb"))
     child = _Child(proc, answers, workdir)
     assert proc.stdin is not None
-    proc.stdin.write((limits.child_json() + "\n").encode())
+    proc.stdin.write((limits.child_json(shared) + "\n").encode())
     return child
 
 
@@ -242,7 +252,7 @@ class ToolSandbox:
             if self._shared is None or self._shared.proc.returncode is not None:
                 if self._shared is not None:
                     await self._shared.close()
-                self._shared = await _start(self.limits)
+                self._shared = await _start(self.limits, shared=True)
                 self._live[:] = [self._shared]
             child = self._shared
             assert child.proc.stdin is not None
@@ -257,6 +267,8 @@ class ToolSandbox:
             if line is None:
                 await self._drop_shared()
                 return ToolOutput(False, "error: the tool process died", "crashed")
+            if line.get("retire"):
+                await self._drop_shared()
             text = line["output"][:self.limits.output_bytes]
             return ToolOutput(bool(line["ok"]), text if line["ok"] else f"error: {text}",
                               "" if line["ok"] else "tool_error")

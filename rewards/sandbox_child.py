@@ -6,8 +6,8 @@ first argument names). Before it reads anything it locks itself down, in this or
 parent, ``rewards/sandbox.py``, adds the wall clock, the output cap, killing the process group
 and removing the temporary directory):
 
-1. ``setrlimit``: address space (``memory_mb``), CPU seconds, file size (``file_bytes``), no core
-   files, open files; for non-root users also ``RLIMIT_NPROC`` = 0 (no new process). The kernel
+1. ``setrlimit``: address space (``memory_mb``), CPU seconds (``cpu_s`` a call, within the
+   child's ``lifetime_cpu_s``), file size (``file_bytes``), no core files, open files; for non-root users also ``RLIMIT_NPROC`` = 0 (no new process). The kernel
    enforces these whatever the code does, native code included.
 2. ``unshare(CLONE_NEWUSER | CLONE_NEWNET)`` where the kernel allows it: a network namespace
    with no interfaces, so nothing is reachable even from native code. Where it is refused the
@@ -35,6 +35,7 @@ from __future__ import annotations
 import ctypes
 import io
 import json
+import math
 import os
 import resource
 import struct
@@ -66,15 +67,36 @@ _PR_SET_NO_NEW_PRIVS = 38
 
 
 def set_limits(limits: dict) -> None:
+    """Soft and hard limits alike, but CPU: the soft limit is one call's ``cpu_s``, the hard one
+    the child's lifetime budget ``lifetime_cpu_s`` (a shared child serves many calls; a child
+    of one call has ``lifetime_cpu_s = cpu_s``)."""
     mib = 1 << 20
-    caps = {resource.RLIMIT_CORE: 0, resource.RLIMIT_CPU: int(limits["cpu_s"]),
-            resource.RLIMIT_FSIZE: int(limits["file_bytes"]), resource.RLIMIT_NOFILE: 64}
+    caps = {resource.RLIMIT_CORE: 0, resource.RLIMIT_FSIZE: int(limits["file_bytes"]),
+            resource.RLIMIT_NOFILE: 64}
     if limits["memory_mb"] > 0:
         caps[resource.RLIMIT_AS] = int(limits["memory_mb"]) * mib
     if os.getuid() != 0:  # the kernel does not apply RLIMIT_NPROC to root
         caps[resource.RLIMIT_NPROC] = 0
     for what, value in caps.items():
         resource.setrlimit(what, (value, value))
+    cpu = int(limits["cpu_s"])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, max(cpu, int(limits.get("lifetime_cpu_s", cpu)))))
+
+
+def cpu_used() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def next_call_budget(cpu_s: int) -> bool:
+    """Give the next call ``cpu_s`` CPU seconds from now (the soft limit); False when the
+    lifetime budget (the hard limit) has less than that left: the child should retire."""
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    soft = math.ceil(cpu_used()) + cpu_s
+    if soft > hard:
+        return False
+    resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+    return True
 
 
 def isolate_network() -> bool:
@@ -211,6 +233,7 @@ def serve(result: io.TextIOBase) -> None:
     result.flush()
     for line in sys.stdin:
         request = json.loads(line)
+        next_call_budget(int(limits["cpu_s"]))
         try:
             if request["tool"] == "calculator":
                 answer = {"ok": True, "output": calculator(request["arguments"], arith)}
@@ -221,6 +244,9 @@ def serve(result: io.TextIOBase) -> None:
         except BaseException as e:  # noqa: BLE001  (every failure is the tool's answer)
             tail = traceback.format_exception_only(type(e), e)[-1].strip()
             answer = {"ok": False, "output": tail}
+        # The parent starts another child before a call this one could not give cpu_s.
+        answer["retire"] = math.ceil(cpu_used()) + int(limits["cpu_s"]) > resource.getrlimit(
+            resource.RLIMIT_CPU)[1]
         # Written in pieces by the parent's reader, which stops at its output cap.
         result.write(json.dumps(answer) + "\n")
         result.flush()

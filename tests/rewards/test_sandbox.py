@@ -232,3 +232,43 @@ def test_a_child_whose_pipes_never_close_is_dropped_after_the_close_bound(tool_t
     with pytest.raises(ProcessLookupError):
         os.killpg(child.proc.pid, 0)
     assert_clean(tool_tmp)
+
+
+BURN_CPU = ("import time\nt = time.process_time()\nwhile time.process_time() - t < {s}:\n"
+            "    pass\n")
+
+
+def _shared_calls(codes: list[str], limits: SandboxLimits) -> tuple[list, list[int]]:
+    """Each code run on the sandbox's shared child; (the outputs, the child's pid per call)."""
+    async def go():
+        sandbox = ToolSandbox(limits)
+        outs, pids = [], []
+        try:
+            for code in codes:
+                outs.append(await sandbox.arun("python", {"code": code}, fresh=False))
+                pids.append(sandbox._shared.proc.pid if sandbox._shared else -1)
+        finally:
+            await sandbox.aclose()
+        return outs, pids
+    return asyncio.run(go())
+
+
+def test_the_shared_child_gives_every_call_its_own_cpu_budget(monkeypatch):
+    # RLIMIT_CPU counts a process's whole life: calls that each stay under cpu_s must not be
+    # killed because earlier ones on the same child used it up. With a lifetime of two calls'
+    # worth the child retires before a call could find less than cpu_s left.
+    monkeypatch.setattr(sandbox_lib, "SHARED_CHILD_CALLS", 2)
+    limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=256)
+
+    outs, pids = _shared_calls([BURN_CPU.format(s=0.7)] * 3, limits)
+
+    assert [o.ok for o in outs] == [True] * 3, outs
+    assert -1 in pids  # a child retired (after the first or second call, by startup CPU)
+
+
+def test_a_call_past_cpu_s_on_the_shared_child_is_still_killed():
+    limits = SandboxLimits(wall_s=5.0, cpu_s=1, memory_mb=256)
+
+    outs, _ = _shared_calls([BURN_CPU.format(s=0.2), BURN_CPU.format(s=3)], limits)
+
+    assert outs[0].ok and (outs[1].ok, outs[1].error) == (False, "crashed")
