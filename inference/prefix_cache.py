@@ -30,37 +30,46 @@ class PrefixCache:
     def match(self, prompt: Sequence[int], most: int, shard: int = 0) -> list[int]:
         """Pages of ``shard`` holding the longest cached prefix of ``prompt``, at most ``most``
         of them."""
-        pages: list[int] = []
+        keys: list[tuple[int, tuple[int, ...]]] = []
         for i in range(most):
             key = (shard, tuple(prompt[:(i + 1) * self.page_size]))
-            page = self.entries.get(key)
-            if page is None:
+            if key not in self.entries:
                 break
+            keys.append(key)
+        self._touch(keys)
+        return [self.entries[k] for k in keys]
+
+    def _touch(self, keys: Sequence[tuple[int, tuple[int, ...]]]) -> None:
+        """Mark a prompt's entries used, its first page the most recently: a prefix matches
+        from page 0 on, so a page outliving the pages before it could never match again."""
+        for key in reversed(keys):
             self.entries.move_to_end(key)
-            pages.append(page)
-        return pages
 
     def insert(self, prompt: Sequence[int], pages: Sequence[int]) -> None:
         """Keep the pages holding only ``prompt``'s tokens (``pages``: its page-table row)."""
+        keys = []
         for i in range(len(prompt) // self.page_size):
             if pages[i] < 0:
                 continue
             key = (self.alloc.shard_of_page(pages[i]), tuple(prompt[:(i + 1) * self.page_size]))
-            if key in self.entries:
-                self.entries.move_to_end(key)
-            else:
+            if key not in self.entries:
                 self.entries[key] = int(pages[i])
                 self.alloc.hold(int(pages[i]))
+            keys.append(key)
+        self._touch(keys)
         while len(self.entries) > self.capacity:
             self.alloc.drop(self.entries.popitem(last=False)[1])
 
     def evict(self, pages: int, shard: int = 0) -> None:
-        """Drop least recently used entries of ``shard`` until it has ``pages`` free pages (or
-        none of its entries is left)."""
-        while self.alloc.free_in(shard) < pages:
-            key = next((k for k in self.entries if k[0] == shard), None)
-            if key is None:
-                return
+        """Drop least recently used entries of ``shard`` until it has ``pages`` free pages;
+        none when dropping every entry would not get there (a request that waits anyway keeps
+        the cache), and never an entry whose page a sequence still holds (it frees nothing)."""
+        alone = [k for k, page in self.entries.items()
+                 if k[0] == shard and self.alloc.refs[page] == 1]
+        short = pages - self.alloc.free_in(shard)
+        if short <= 0 or short > len(alone):
+            return
+        for key in alone[:short]:
             self.alloc.drop(self.entries.pop(key))
 
     def clear(self) -> None:
