@@ -35,7 +35,7 @@ Figures (medians over the rounds, ``<name>_spread`` [min, max]):
   the slots live; prefill_calls and decode_calls of each schedule.
 Floor check: a continuous run faster than its first-come-first-served ideal by more than 5% is
 a broken measurement (``"valid": false``, exit 1).
-Last line: one JSON object (``figures.emit``).
+Last line: one JSON object (``figures.emit``); its "estimates" names the model's figures.
 """
 
 from __future__ import annotations
@@ -48,7 +48,15 @@ from functools import partial
 import jax
 import numpy as np
 
-from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
+from meshrl.benchmarks.figures import (
+    MIN_ROUNDS,
+    Floors,
+    emit,
+    estimates,
+    interleave,
+    paired_ratios,
+    spread,
+)
 from meshrl.benchmarks.sampler import (
     CFG,
     MIN_LENGTH_MATCH,
@@ -225,8 +233,9 @@ def main() -> None:
                            "static": sum(c[0] == "decode" for c in static_calls)},
           "prefill_calls": {"continuous": sum(c[0] == "prefill" for c in cont_calls),
                             "static": sum(c[0] == "prefill" for c in static_calls)},
-          "rounds": args.rounds, "quick": args.quick, "platform": jax.devices()[0].platform},
-         floors)
+          "rounds": args.rounds, "quick": args.quick, "platform": jax.devices()[0].platform,
+          **estimates("cb_speedup_ideal", "cb_speedup_fifo_ideal", "of_ideal", "of_fifo_ideal",
+                      "call_ms", "row_step_us", "entry_ns", "fit_error")}, floors)
 
 
 if __name__ == "__main__":

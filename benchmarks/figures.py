@@ -14,6 +14,7 @@ and floors that a real path cannot beat.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -82,12 +83,31 @@ class Floors:
             self.problems.append(f"{what}: real {real_s:.4g}s is faster than its floor "
                                  f"{floor_s:.4g}s by more than {FLOOR_SLACK:.0%}")
 
+    def check_ratio(self, what: str, real_over_floor: float) -> None:
+        """A headline ratio of real over floor seconds (the median of paired ratios) below 1 by
+        more than ``FLOOR_SLACK``: the run's own headline says the floor was beaten."""
+        if real_over_floor < 1.0 - FLOOR_SLACK:
+            self.problems.append(f"{what}: real / floor = {real_over_floor:.4g} is below 1 by "
+                                 f"more than {FLOOR_SLACK:.0%}")
+
     def agree(self, what: str, measured: float, expected: float, rtol: float) -> None:
         """``measured`` and the ``expected`` it must equal, apart by more than ``rtol`` of
         ``expected``: the measurement or the formula is wrong."""
         if abs(measured - expected) > rtol * abs(expected):
             self.problems.append(f"{what}: measured {measured:.6g} and expected {expected:.6g} "
                                  f"differ by more than {rtol:.0%}")
+
+
+def cpu_threads() -> int:
+    """Cores this process may use: what XLA's CPU client sizes its thread pool by (torch's
+    default is the physical cores, which differ on an SMT host)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def estimates(*keys: str) -> dict[str, list[str]]:
+    """The JSON entry naming which of a result's figures are estimates (a compiler's memory
+    analysis, a fitted cost model), not measurements."""
+    return {"estimates": list(keys)}
 
 
 def emit(result: dict[str, Any], floors: Floors | None = None) -> None:

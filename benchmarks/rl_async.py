@@ -50,7 +50,8 @@ Last line: {"benchmark": "rl_async", "ratio", "ratio_spread", "async_trained_tok
 "sync_trained_tokens_s", "async_generated_tokens_s", "sync_generated_tokens_s",
 "async_trained_share", "sync_trained_share", "samples_ratio", "async_samples_s",
 "sync_samples_s", ..., "sync_cpu_cores", "async_cpu_cores", "ratio_cpu_bound", "target",
-"target_met", "valid"} (per-mode figures are medians over the rounds, each with its
+"target_met" (null for fewer than 3 rounds, as ``--quick``), "quick", "estimates"
+(``["ratio_cpu_bound"]``), "valid"} (per-mode figures are medians over the rounds, each with its
 ``_spread``). ``*_cpu_cores`` is the job's process CPU time over its step time in the measured
 steps (reward worker processes not included); ``ratio_cpu_bound = cores / sync_cpu_cores`` is
 the ratio an async run would reach doing sync's work with every core busy. On a small CPU host
@@ -293,17 +294,20 @@ def main() -> None:
     # Each run drops its own warm-up steps, so no untimed round is needed.
     figures.interleave({"sync": side(0), "async": side(2)}, repeats, warmup=0, verbose=False)
     result = summarize(runs)
-    cores = len(os.sched_getaffinity(0))
+    cores = figures.cpu_threads()
     sync_cores = median(r["cpu_cores"] for r in runs[0])
     figures.emit({"benchmark": "rl_async", **result, "target": TARGET,
-                  "target_met": result["ratio"] >= TARGET, "cores": cores,
+                  # one round (--quick) is a smoke check, not a headline
+                  "target_met": (result["ratio"] >= TARGET if repeats >= figures.MIN_ROUNDS
+                                 else None), "quick": args.quick, "cores": cores,
                   # Async overlaps the work sync does one phase at a time; on a CPU host,
                   # doing the same work, it gains about the cores sync leaves idle.
                   "ratio_cpu_bound": round(cores / sync_cores, 3),
                   "max_staleness_seen": max(r["staleness_seen"] for r in runs[2]),
                   "placement": args.placement, "repeats": repeats, "steps": steps,
                   "warmup_steps": args.warmup, "reward_latency_ms": args.reward_latency_ms,
-                  "reward_workers": args.reward_workers})
+                  "reward_workers": args.reward_workers,
+                  **figures.estimates("ratio_cpu_bound")})
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@
   python benchmarks/sampler.py --quick    # 64 requests, budget 128, median 24, 3 rounds
 
 The same random weights go into meshrl (save_hf_checkpoint -> load_hf_checkpoint) and into
-transformers (from_pretrained of that directory), float32 on both sides, each with its default
-threads. Every side of a comparison gets one untimed warm-up pass, then ``--rounds`` (>= 3)
+transformers (from_pretrained of that directory), float32 on both sides, torch on as many
+threads as XLA's CPU client (``figures.cpu_threads``). Every side of a comparison gets one untimed warm-up pass, then ``--rounds`` (>= 3)
 rounds in which every side runs once, the order rotating (``benchmarks/figures.py``). A figure
 is the median over the rounds, ratios paired round by round, with ``<name>_spread`` [min, max].
 
@@ -46,10 +46,12 @@ Figures (targets in brackets):
 * *_tok_s: tokens (fixed) or useful tokens (long tail) per second of each side, medians.
 * first_call_s: seconds from building the max_len-1024 sampler to the fixed workload's
   completions (compiling on first use, no warm-up call; greedy, so greedy programs: sampling
-  levels, docs/sampler.md), one cold measurement;
+  levels, docs/sampler.md), the median of ``--rounds`` fresh processes (one cold start each;
+  JAX's caches would warm a second start in one process) [<= 5];
   compiled_programs: the programs that sampler compiled over the whole benchmark (the greedy
   ones of the fixed workload and those the long tail's sampled requests compile again);
   compiles_while_timed: those compiled during timed rounds (0: warm-up covered every variant).
+  [compiled_programs <= 6]
 * grpo_paged_speedup: the GRPO workload (``sampler_vs_commit.grpo_requests``: 32 prompts of
   512 tokens sampled G = 8 times each, submitted together, temperature 1.0, a seed per sample,
   up to 256 new tokens ending on any of a few stop ids, so lengths are unknown; ``--quick``: 8
@@ -67,14 +69,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
 
-from meshrl.benchmarks.figures import MIN_ROUNDS, Floors, emit, interleave, paired_ratios, spread
+from meshrl.benchmarks.figures import (
+    MIN_ROUNDS,
+    Floors,
+    cpu_threads,
+    emit,
+    interleave,
+    paired_ratios,
+    spread,
+)
+from meshrl.benchmarks.sampler_hf import generate_seconds, long_tail_run
 from meshrl.benchmarks.sampler_vs_commit import FULL as GRPO_FULL
 from meshrl.benchmarks.sampler_vs_commit import QUICK as GRPO_QUICK
 from meshrl.benchmarks.sampler_vs_commit import grpo_requests, prompt_pages
@@ -179,53 +193,6 @@ def _chunks(items: list, size: int) -> list[list]:
     return [items[lo:lo + size] for lo in range(0, len(items), size)]
 
 
-def _hf_stop_at(prompt_len: int, lengths_B: Sequence[int]):
-    """A per-row ``StoppingCriteria``: row b is done once it generated ``lengths_B[b]``
-    tokens (``generate`` keeps running a batch until every row is done)."""
-    import torch
-    from transformers import StoppingCriteria
-
-    class StopAtLength(StoppingCriteria):
-        def __init__(self) -> None:
-            self.lengths_B = torch.tensor(list(lengths_B))
-
-        def __call__(self, input_ids, scores, **kwargs) -> torch.BoolTensor:
-            return self.lengths_B <= input_ids.shape[1] - prompt_len
-
-    return StopAtLength()
-
-
-def _hf_generate(model, prompts_BxP: np.ndarray, new_tokens: int,
-                 lengths_B: Sequence[int] | None = None) -> float:
-    """Seconds of one transformers ``generate``: greedy for exactly ``new_tokens``, or with
-    ``lengths_B``, sampled at temperature 1.0 with each row stopping at its length."""
-    import torch
-    from transformers import StoppingCriteriaList
-
-    ids = torch.from_numpy(prompts_BxP.astype(np.int64))
-    if lengths_B is None:
-        kw = dict(do_sample=False, min_new_tokens=new_tokens)
-    else:
-        kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, stopping_criteria=
-                  StoppingCriteriaList([_hf_stop_at(ids.shape[1], lengths_B)]))
-    t = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             pad_token_id=0, eos_token_id=None, **kw)
-    dt = time.perf_counter() - t
-    want = new_tokens if lengths_B is None else max(lengths_B)
-    assert out.shape[1] == ids.shape[1] + want, (out.shape, want)
-    return dt
-
-
-def _hf_long_tail(model, tail: LongTail, max_new: int) -> Callable[[], float]:
-    def run() -> float:
-        return sum(_hf_generate(model, tail.prompts_NxP[lo:lo + SLOTS], max_new,
-                                tail.lengths[lo:lo + SLOTS])
-                   for lo in range(0, len(tail.lengths), SLOTS))
-    return run
-
-
 def _per_second(name: str, tokens: Sequence[float], seconds: Sequence[float]) -> dict:
     return spread(name, [n / s for n, s in zip(tokens, seconds, strict=True)], 1)
 
@@ -237,7 +204,7 @@ def _fixed(small: Sampler, big: Sampler, hf, prompts_BxP: np.ndarray, new: int, 
     expected = [new] * len(reqs)
     mesh_sides = [MeshrlSide(s, [reqs], expected, True) for s in (small, big)]
     t = interleave({"meshrl (max_len 192)": mesh_sides[0], "meshrl (max_len 1024)":
-                    mesh_sides[1], "transformers": lambda: _hf_generate(hf, prompts_BxP, new)},
+                    mesh_sides[1], "transformers": lambda: generate_seconds(hf, prompts_BxP, new)},
                    rounds)
     assert all(m == 1.0 for side in mesh_sides for m in side.match), "a fixed row stopped early"
     ours, ours_big, theirs = t.values()
@@ -261,7 +228,7 @@ def _long_tail_figures(big: Sampler, other: Sampler, hf, tail: LongTail, max_new
             MeshrlSide(other, [tail.by_stop], tail.lengths, False),
         "meshrl static, arrival order":
             MeshrlSide(big, _chunks(tail.by_stop, SLOTS), tail.lengths, False),
-        "transformers static, arrival order": _hf_long_tail(hf, tail, max_new),
+        "transformers static, arrival order": long_tail_run(hf, tail.prompts_NxP, tail.lengths, max_new, SLOTS),
         "meshrl continuous, known lengths, longest first":
             MeshrlSide(big, [tail.by_budget], tail.lengths, True),
         "meshrl static, known lengths, sorted":
@@ -334,6 +301,36 @@ def _grpo_figures(params, work: dict, rounds: int) -> dict:
             "grpo_requests": len(reqs), **{f"grpo_{k}": v for k, v in work.items()}}
 
 
+def _fixed_prompts(n_fixed_new: int) -> tuple[np.random.Generator, list[Request]]:
+    """The seeded generator after drawing the fixed workload, and that workload's requests."""
+    rng = np.random.default_rng(0)
+    fixed_prompts_BxP = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
+    return rng, [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts_BxP]
+
+
+def _first_call_only(args: argparse.Namespace) -> None:
+    jax.config.update("jax_enable_compilation_cache", args.compile_cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_hf_checkpoint(create_model(CFG, seed=0), tmp)
+        params = split_model(load_hf_checkpoint(tmp))[1]
+    _, first = _fixed_prompts(32 if args.quick else 128)
+    s, seconds = _sampler(params, 1024, first)
+    print(json.dumps({"first_call_s": seconds, "programs": s.compile_count()}), flush=True)
+
+
+def _cold_first_calls(args: argparse.Namespace) -> list[float]:
+    """``first_call_s`` of ``--rounds`` fresh processes (a start-up is paid once a process:
+    a second sampler in this one would find JAX's in-memory caches warm)."""
+    cmd = [sys.executable, "-m", "meshrl.benchmarks.sampler", "--first_call_only",
+           *(["--quick"] if args.quick else []),
+           *(["--compile_cache"] if args.compile_cache else [])]
+    out = []
+    for _ in range(args.rounds):
+        done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        out.append(json.loads(done.stdout.strip().splitlines()[-1])["first_call_s"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true",
@@ -344,15 +341,23 @@ def main() -> None:
     ap.add_argument("--compile_cache", action="store_true",
                     help="keep JAX's persistent compilation cache on (as configured by "
                          "JAX_COMPILATION_CACHE_DIR): first_call_s of a warm cache")
+    ap.add_argument("--first_call_only", action="store_true",
+                    help="(internal) one cold first call in this fresh process: prints its JSON")
     args = ap.parse_args()
     if args.rounds < MIN_ROUNDS:
         ap.error(f"--rounds must be >= {MIN_ROUNDS}, got {args.rounds}")
+    if args.first_call_only:
+        _first_call_only(args)
+        return
     import torch
     from transformers import AutoModelForCausalLM
 
+    torch.set_num_threads(cpu_threads())  # as many as XLA's CPU client
+
     n_fixed_new = 32 if args.quick else 128
     n_requests, max_new, median = (64, 128, 24.0) if args.quick else (256, 512, 48.0)
-    rng = np.random.default_rng(0)
+    rng, first = _fixed_prompts(n_fixed_new)
+    fixed_prompts_BxP = np.array([r.prompt_ids for r in first])
     torch.manual_seed(0)
     grpo_work = GRPO_QUICK if args.quick else GRPO_FULL
 
@@ -365,14 +370,12 @@ def main() -> None:
         emit({"benchmark": "sampler", **_grpo_figures(params, grpo_work, args.rounds),
               "quick": args.quick}, Floors())
         return
-    fixed_prompts_BxP = rng.integers(3, CFG.vocab_size, size=(SLOTS, PROMPT))
-    first = [Request(p.tolist(), max_new_tokens=n_fixed_new) for p in fixed_prompts_BxP]
     print(f"fixed: batch {SLOTS}, prompt {PROMPT}, {n_fixed_new} new tokens", flush=True)
     # JAX's persistent compilation cache would turn the first call into a load: off here, so
     # first_call_s is the cold start (BUILD_NOTES.md reports the warm one separately).
     jax.config.update("jax_enable_compilation_cache", args.compile_cache)
     small, _ = _sampler(params, 192, first)
-    big, first_call_s = _sampler(params, 1024, first)
+    big, _ = _sampler(params, 1024, first)
     result: dict = {"benchmark": "sampler"}
     result |= _fixed(small, big, hf, fixed_prompts_BxP, n_fixed_new, args.rounds)
 
@@ -383,7 +386,9 @@ def main() -> None:
     floors = Floors()
     result |= _long_tail_figures(big, other, hf, tail, max_new, args.rounds, floors)
     result |= _grpo_figures(params, grpo_work, args.rounds)
-    result |= {"first_call_s": round(first_call_s, 2), "compiled_programs": big.compile_count(),
+    first_calls = _cold_first_calls(args)
+    result |= {**spread("first_call_s", first_calls, 2),
+               "compiled_programs": big.compile_count(),
                "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
                "quick": args.quick, "platform": jax.devices()[0].platform,
                "readback": "lagged" if lagged else "immediate",

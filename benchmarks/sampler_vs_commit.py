@@ -61,7 +61,8 @@ def grpo_requests(prompts: int, prompt_len: int, group: int, max_new: int, seed:
 
 
 def _serve(kv_cache: str, work: dict, paged_decode: str) -> None:
-    """Worker: build, warm up (timed: first_call_s), then one timed run per stdin line."""
+    """Worker: build, warm up (timed: first_call_s), then one timed run per "run" line; "share"
+    (after the timed rounds: its extra run is no one's warm-up) answers the prompt page share."""
     import jax
 
     from meshrl.configs.schema import MeshConfig, ModelConfig, SamplerConfig
@@ -83,10 +84,12 @@ def _serve(kv_cache: str, work: dict, paged_decode: str) -> None:
     t = time.perf_counter()
     sampler = Sampler(CFG, cfg, mesh, params)
     sampler.generate(reqs, longest_first=False)
-    info = {"first_call_s": round(time.perf_counter() - t, 2),
-            "prompt_kv_per_group": _prompt_share(sampler, reqs) if paged else 1.0}
-    print(json.dumps(info), flush=True)
+    print(json.dumps({"first_call_s": round(time.perf_counter() - t, 2)}), flush=True)
     for line in sys.stdin:
+        if line.strip() == "share":
+            share = _prompt_share(sampler, reqs) if paged else 1.0
+            print(json.dumps({"prompt_kv_per_group": share}), flush=True)
+            continue
         if line.strip() != "run":
             break
         t = time.perf_counter()
@@ -155,8 +158,8 @@ class Worker:
             raise RuntimeError(f"worker {self.proc.args} exited with {self.proc.wait()}")
         return json.loads(line)
 
-    def run(self) -> dict:
-        self.proc.stdin.write("run\n")
+    def run(self, what: str = "run") -> dict:
+        self.proc.stdin.write(what + "\n")
         self.proc.stdin.flush()
         return self._reply()
 
@@ -195,6 +198,7 @@ def main() -> None:
             for name in list(sides)[i % 2:] + list(sides)[:i % 2]:
                 runs[name].append(sides[name].run())
                 print(f"  round {i} {name}: {runs[name][-1]}", flush=True)
+        share = sides["this"].run("share")["prompt_kv_per_group"]
         for w in sides.values():
             w.close()
     tok_s = {k: [r["tokens"] / r["s"] for r in v] for k, v in runs.items()}
@@ -202,7 +206,7 @@ def main() -> None:
           "paged_decode": args.paged_decode, "base_kv_cache": args.base_kv_cache,
           **spread("speedup", paired_ratios(tok_s["this"], tok_s["base"]), 3),
           **spread("base_tok_s", tok_s["base"], 1), **spread("this_tok_s", tok_s["this"], 1),
-          "prompt_kv_per_group": sides["this"].info["prompt_kv_per_group"],
+          "prompt_kv_per_group": share,
           **{f"{k}_first_call_s": w.info["first_call_s"] for k, w in sides.items()},
           **{f"{k}_compiled_programs": runs[k][-1]["compiled_programs"] for k in sides},
           "rounds": args.rounds, "quick": args.quick})

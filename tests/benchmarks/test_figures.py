@@ -60,3 +60,27 @@ def test_emit_within_slack_is_valid(capsys):
     figures.emit({"benchmark": "x"}, floors)
 
     assert json.loads(capsys.readouterr().out.strip())["valid"] is True
+
+
+def test_rl_step_headline_ratios_below_their_floor_make_the_run_invalid():
+    # Medians of each side can pass while the paired per-step headline is below the floor.
+    from meshrl.benchmarks import rl_step
+
+    steps = [2, 3, 4]
+    rows = {s: {"step": st, "generate": 0.3, "reward": 0.0, "batch_build": 0.0, "train": tr,
+                "handoff": 0.01, "other": 0.0}
+            for s, st, tr in zip(steps, [1.0, 0.9, 2.0], [0.72, 0.63, 1.40], strict=True)}
+    floor_rows = {s: {"generate_floor": 0.3, "train_floor": tf, "handoff_floor": 0.01}
+                  for s, tf in zip(steps, [0.79, 0.69, 0.69], strict=True)}
+
+    out, floors = rl_step.summarize(rows, floor_rows, steps)
+
+    assert out["overhead_ratio"] < 0.95 and out["train_ratio"] < 0.95
+    assert [p.split(":")[0] for p in floors.problems] == ["overhead_ratio", "train_ratio"]
+
+
+def test_check_ratio_flags_only_a_headline_below_one_by_more_than_the_slack():
+    floors = figures.Floors()
+    floors.check_ratio("within", 0.96)
+    floors.check_ratio("beaten", 0.94)
+    assert [p.split(":")[0] for p in floors.problems] == ["beaten"]
