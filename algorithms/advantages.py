@@ -24,13 +24,23 @@ get = _ADVANTAGES.get
 names = _ADVANTAGES.names
 
 
+def _centered(rewards: jax.Array, axis: int | None) -> jax.Array:
+    """``rewards`` minus their mean over ``axis``, exactly 0 where those rewards are all equal:
+    a float32 mean of equal non-dyadic rewards (7 x 0.7) can be one ulp off, and a division by
+    a std of one ulp would turn that into a large advantage shared by the whole group."""
+    keep = axis is not None
+    spread = rewards.max(axis, keepdims=keep) > rewards.min(axis, keepdims=keep)
+    return (rewards - rewards.mean(axis, keepdims=keep)) * spread
+
+
 @register("grpo")
 def grpo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
-    """GRPO: standardise within each group (population std, as in DeepSeekMath)."""
+    """GRPO: standardise within each group (population std, as in DeepSeekMath; verl and TRL
+    divide by the sample std, sqrt(N / (N - 1)) times smaller advantages); a group whose rewards
+    are all equal gets exactly 0."""
     rewards_GxN = rewards_GxN.astype(jnp.float32)
-    mean_Gx1 = rewards_GxN.mean(-1, keepdims=True)
     std_Gx1 = rewards_GxN.std(-1, keepdims=True)
-    return (rewards_GxN - mean_Gx1) / (std_Gx1 + eps)
+    return _centered(rewards_GxN, -1) / (std_Gx1 + eps)
 
 
 @register("drgrpo")
@@ -38,8 +48,7 @@ def drgrpo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     """Dr. GRPO: subtract the group mean only; dividing by the std biases towards easy/hard
     prompts (Liu et al. 2025). ``eps`` is accepted for a uniform signature and unused."""
     del eps
-    rewards_GxN = rewards_GxN.astype(jnp.float32)
-    return rewards_GxN - rewards_GxN.mean(-1, keepdims=True)
+    return _centered(rewards_GxN.astype(jnp.float32), -1)
 
 
 @register("rloo")
@@ -51,7 +60,7 @@ def rloo(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     n = rewards_GxN.shape[-1]
     if n == 1:
         return rewards_GxN * 0.0
-    return (rewards_GxN - rewards_GxN.mean(-1, keepdims=True)) * (n / (n - 1))
+    return _centered(rewards_GxN, -1) * (n / (n - 1))
 
 
 @register("reinforce_pp")
@@ -59,7 +68,7 @@ def reinforce_pp(rewards_GxN: jax.Array, *, eps: float = 1e-6) -> jax.Array:
     """REINFORCE++ (Hu 2025): no critic and no per-group baseline; rewards are normalised over
     the whole batch, which keeps the scale stable without the group-std bias."""
     rewards_GxN = rewards_GxN.astype(jnp.float32)
-    return (rewards_GxN - rewards_GxN.mean()) / (rewards_GxN.std() + eps)
+    return _centered(rewards_GxN, None) / (rewards_GxN.std() + eps)
 
 
 def compute(name: str, rewards_B: jax.Array, group_size: int, *, eps: float = 1e-6) -> jax.Array:

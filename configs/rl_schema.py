@@ -21,7 +21,8 @@ from meshrl.configs.fields import (
 class RLConfig(Section):
     _section = "rl"
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = field(
-        "grpo", "Advantage estimator: grpo (group mean/std), drgrpo (group mean only), rloo "
+        "grpo", "Advantage estimator: grpo (group mean / population std; a group of equal "
+                "rewards gets 0), drgrpo (group mean only), rloo "
                 "(leave-one-out baseline), reinforce_pp (REINFORCE++: whole-batch normalised).")
     policy_loss: Literal["ppo", "decoupled_ppo", "gspo"] = field(
         "decoupled_ppo", "Policy loss: ppo (ratio vs behaviour), decoupled_ppo (AReaL: ratio vs "

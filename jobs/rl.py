@@ -40,13 +40,28 @@ from meshrl.workflows.setup import routing_shape
 log = log_lib.get_logger("rl")
 
 
-def build(config: Config, workdir: paths.PathLike) -> RLLoop:
-    """The RL loop of ``config``, its engine restored or started (after the warm start)."""
-    n = jax.process_count()
+def check_process_split(config: Config, n: int) -> None:
+    """What ``n`` processes, each building its own share of the step's batch, cannot run."""
     if config.rollout.prompts_per_step % n:
         raise ConfigError(f"rollout.prompts_per_step = {config.rollout.prompts_per_step}: "
                           f"must be divisible by the {n} processes (each process samples "
                           f"prompts_per_step / {n} groups per step)")
+    rl = config.rl
+    if n > 1 and rl.advantage == "reinforce_pp" and not (rl.kl_coef > 0
+                                                         and rl.kl_where == "reward"):
+        # The host computes advantages from this process's groups only; with the KL in the
+        # reward they are recomputed on the device over the whole batch.
+        raise ConfigError(f"rl.advantage = 'reinforce_pp' with {n} processes: its whole-batch "
+                          f"normalisation would run over each process's share of the batch; "
+                          f"use one process, a per-group estimator (grpo, drgrpo, rloo), or "
+                          f"rl.kl_where = 'reward' with rl.kl_coef > 0 (advantages computed on "
+                          f"the device over the whole batch)")
+
+
+def build(config: Config, workdir: paths.PathLike) -> RLLoop:
+    """The RL loop of ``config``, its engine restored or started (after the warm start)."""
+    n = jax.process_count()
+    check_process_split(config, n)
     workdir, t = paths.as_path(workdir), config.trainer
     mesh, sampler_mesh = create_meshes(config)
     trainee, model_cfg, tokenizer = load_trainee(config, mesh)

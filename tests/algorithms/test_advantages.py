@@ -69,6 +69,18 @@ def test_constant_rewards_give_zero_finite_advantages(name):
     np.testing.assert_allclose(adv, 0.0, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["grpo", "drgrpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("value, group_size", [(0.7, 7), (0.1, 7), (100.3, 3), (100.3, 6)])
+@pytest.mark.parametrize("on", ["numpy", "jax"])
+def test_equal_non_dyadic_rewards_give_exactly_zero(name, value, group_size, on):
+    # A float32 mean of 7 x 0.7 is one ulp off: divided by a std of one ulp, GRPO gave the
+    # whole group +0.056 (100.3 x 3: 0.88).
+    rewards = np.full((2, group_size), value, np.float32)
+    adv = advantages.get(name)(rewards if on == "numpy" else jnp.asarray(rewards))
+
+    np.testing.assert_array_equal(np.asarray(adv), 0.0)
+
+
 def test_compute_on_flat_rewards_matches_group_layout():
     r_B = jnp.arange(6, dtype=jnp.float32) ** 2
 

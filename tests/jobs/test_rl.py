@@ -255,3 +255,19 @@ def test_warm_start_sft_config_runs_adamw_at_rl_warm_start_lr():
     assert sft.lora.rank == 0  # the warm start trains the whole model; RL trains the adapters
     np.testing.assert_allclose(float(schedule(0)), 3e-4, rtol=1e-6, atol=0)
     assert (sft.model, sft.data, sft.mesh) == (config.model, config.data, config.mesh)
+
+
+def test_reinforce_pp_across_processes_is_refused_unless_the_device_recomputes_it():
+    from meshrl.configs.fields import ConfigError
+    from meshrl.jobs.rl import check_process_split
+    from meshrl.tests.trainer.tiny import tiny_rl_config
+
+    batch_wide = tiny_rl_config(**{"rl.advantage": "reinforce_pp", "rollout.prompts_per_step": 4})
+    with pytest.raises(ConfigError, match=r"rl.advantage = 'reinforce_pp' with 2 processes"):
+        check_process_split(batch_wide, 2)
+    check_process_split(batch_wide, 1)
+    check_process_split(tiny_rl_config(**{"rl.advantage": "grpo",
+                                           "rollout.prompts_per_step": 4}), 2)
+    check_process_split(tiny_rl_config(**{"rl.advantage": "reinforce_pp", "rl.kl_coef": 0.1,
+                                           "rl.kl_where": "reward",
+                                           "rollout.prompts_per_step": 4}), 2)
