@@ -240,6 +240,11 @@ def _mean(pair: tuple[jax.Array, jax.Array]) -> jax.Array:
     return pair[0] / jnp.maximum(pair[1], 1.0)
 
 
+# Losses whose ratio is taken against the behaviour (sampler's) policy: the rollout correction's
+# weight rho = pi_old / pi_behav is inside it already (``RLConfig`` refuses tis_* with them).
+BEHAVIOUR_RATIO = ("ppo", "gspo")
+
+
 def corrected_terms(name: str, inputs: PolicyInputs, params: LossParams
                     ) -> tuple[PolicyTerms, rc.Correction | None]:
     """The registered loss's terms with ``params.correction`` applied: its weight multiplies
@@ -250,7 +255,11 @@ def corrected_terms(name: str, inputs: PolicyInputs, params: LossParams
     ids_BxL, num = sequence_ids(inputs.segment_ids_BxL, inputs.loss_mask_BxL.shape)
     corr = rc.compute(params.correction, inputs.proximal_logprobs_BxL,
                       inputs.behaviour_logprobs_BxL, inputs.loss_mask_BxL, ids_BxL, num)
-    return PolicyTerms(corr.weight_BxL * terms.loss_BxL, terms.mask_BxL * corr.keep_BxL,
+    weight_BxL = corr.weight_BxL
+    if name in BEHAVIOUR_RATIO:
+        # Their ratio already carries rho: the correction only filters (its band's zeros).
+        weight_BxL = (weight_BxL > 0).astype(terms.loss_BxL.dtype)
+    return PolicyTerms(weight_BxL * terms.loss_BxL, terms.mask_BxL * corr.keep_BxL,
                        {**terms.stats, **corr.stats}), corr
 
 

@@ -57,7 +57,9 @@ class RLConfig(Section):
                 "[rl.correction_low, rl.correction_high], tokens / sequences outside rejected "
                 "(out of the loss and its normaliser; verl rollout_rs); icepop: rho inside the "
                 "band, 0 outside, still counted in the normaliser. With decoupled_ppo it "
-                "replaces the built-in behaviour weight (and rl.behav_weight_cap).")
+                "replaces the built-in behaviour weight (and rl.behav_weight_cap); with ppo "
+                "and gspo (ratio already against the behaviour policy) mis_* and icepop only "
+                "filter on the band and tis_* is refused.")
     correction_cap: float = field(2.0, "tis_*: truncation C of the rollout-correction weight "
                                        "(verl rollout_is_threshold); must be >= 1.", at_least(1.0))
     correction_low: float = field(0.5, "mis_* / icepop: lower end of the kept band of rho (IcePop "
@@ -160,6 +162,12 @@ class RLConfig(Section):
         if 0.0 < self.behav_weight_cap < 1.0:
             raise ConfigError(f"rl.behav_weight_cap = {self.behav_weight_cap}: must be 0 (off) "
                               f"or >= 1 (a cap below 1 masks on-policy tokens)")
+        if self.rollout_correction.startswith("tis") and self.policy_loss in ("ppo", "gspo"):
+            raise ConfigError(f"rl.rollout_correction = {self.rollout_correction!r} with "
+                              f"rl.policy_loss = {self.policy_loss!r}: that loss's ratio is "
+                              f"already against the behaviour policy, so a truncated IS weight "
+                              f"would apply rho twice; use decoupled_ppo, or mis_token, mis_seq "
+                              f"or icepop (there a filter on the band)")
         if self.correction_low > 1.0:
             raise ConfigError(f"rl.correction_low = {self.correction_low}: must be <= 1 (a band "
                               f"above 1 rejects on-policy tokens, rho = 1)")

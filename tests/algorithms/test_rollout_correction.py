@@ -85,6 +85,8 @@ def loss_and_grad(name: str, inputs: pl.PolicyInputs, p: pl.LossParams, aggregat
 def test_correction_matches_the_numpy_reference_on_packed_rows(mode, name):
     inputs = make_inputs()
     weight, keep, _ = np_correction(mode, inputs)
+    if name == "ppo":  # its ratio carries rho already: the correction only filters
+        weight = (weight > 0).astype(np.float32)
     token_loss = np_token_loss(name, inputs)
 
     loss, grad = loss_and_grad(name, inputs, params(mode), "token_mean")
@@ -126,9 +128,9 @@ def test_hand_computed_sequence_weights_of_the_packed_rows():
 def test_rows_as_sequences_when_there_are_no_segment_ids():
     inputs = make_inputs(packed=False)
     weight, keep, _ = np_correction("tis_seq", inputs)
-    want = (weight * np_token_loss("ppo", inputs) * keep).sum() / keep.sum()
+    want = (weight * np_token_loss("decoupled_ppo", inputs) * keep).sum() / keep.sum()
 
-    loss, _ = loss_and_grad("ppo", inputs, params("tis_seq"), "token_mean")
+    loss, _ = loss_and_grad("decoupled_ppo", inputs, params("tis_seq"), "token_mean")
 
     np.testing.assert_allclose(loss, want, rtol=RTOL, atol=ATOL)
 
@@ -219,3 +221,29 @@ def test_correction_params_take_the_config_values():
 
     assert p == rc.CorrectionParams("icepop", 3.0, 0.25, 4.0) and p.on
     assert not rc.CorrectionParams.from_config(RLConfig()).on
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+@pytest.mark.parametrize("mode", ["tis_token", "tis_seq"])
+def test_truncated_is_with_a_ratio_against_the_behaviour_policy_is_refused(loss, mode):
+    from meshrl.configs.fields import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"rl.rollout_correction = '{mode}' with "
+                                          rf"rl.policy_loss = '{loss}'.*apply rho twice"):
+        RLConfig(rollout_correction=mode, policy_loss=loss)
+
+
+@pytest.mark.parametrize("loss", ["ppo", "gspo"])
+def test_a_band_correction_keeps_an_in_band_tokens_gradient_of_a_behaviour_ratio_loss(loss):
+    # rho = e^0.4 = 1.49, inside [0.5, 5]: kept, and not weighted again by rho.
+    logp, behav = jnp.array([[-1.0]]), jnp.array([[-1.4]])
+    adv, mask = jnp.array([[1.0]]), jnp.array([[1.0]])
+
+    def grad(mode: str) -> float:
+        p = params(mode)
+        f = lambda lp: pl.policy_loss(loss, pl.PolicyInputs(  # noqa: E731
+            lp, jax.lax.stop_gradient(lp), behav, adv, mask), p)[0]
+        return float(jax.grad(f)(logp)[0, 0])
+
+    np.testing.assert_allclose(grad("mis_token"), grad("none"), rtol=1e-6)
+    np.testing.assert_allclose(grad("icepop"), grad("none"), rtol=1e-6)
