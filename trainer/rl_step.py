@@ -11,8 +11,9 @@ so that it reports ``logprob_mismatch``. Otherwise, inside the one jitted step:
    are before the batch's first update: these are decoupled PPO's ``proximal_logprobs`` (unless
    the batch brings its own) and the trainer side of ``logprob_mismatch``;
 2. the loss weight (tokens or sequences) of the *whole* batch is computed once and divides every
-   minibatch's loss and gradient (AReaL): the minibatch losses of an epoch sum to the batch's
-   loss as one update would define it;
+   minibatch's loss and gradient: the minibatch losses of an epoch sum to the batch's loss as
+   one update would define it (AReaL and verl divide by each minibatch's own weight instead:
+   docs/rl.md);
 3. ``lax.scan`` over ``ppo_epochs`` passes of a ``lax.scan`` over ``ppo_minibatches`` strided
    minibatches (row i in minibatch i % K, like the microbatch split, so each minibatch keeps
    the batch's data sharding), one optimizer update each, with ``trainer.microbatches``
