@@ -122,7 +122,8 @@ class _TokenizeAt:
         return self.tokenize(self.examples[index])
 
 
-def _mix_seed(seed: int, shuffle_seed: int) -> int:
+def mix_seed(seed: int, shuffle_seed: int) -> int:
+    """The shuffle's seed: ``trainer.seed`` mixed with ``data.shuffle_seed``."""
     return int(np.random.SeedSequence([seed & 0xFFFFFFFF, shuffle_seed & 0xFFFFFFFF])
                .generate_state(1)[0])
 
@@ -157,7 +158,7 @@ class _StreamIterator:
         self._source_stats: dict[str, int] = {}
         examples = sources.load_train(data, self._source_stats)
         self._num_examples = len(examples)
-        self._seed = _mix_seed(seed, data.shuffle_seed)
+        self._seed = mix_seed(seed, data.shuffle_seed)
         self.rows = batch_size
         self.local_batch_size = batch_size // process_count
         self.process_index, self.process_count = process_index, process_count

@@ -99,14 +99,19 @@ def synthetic_pairs(data: DataConfig, stream: int, count: int, start: int = 0) -
 
 class TokenizePair:
     """grain map: pair -> ``{"rows": [(input, target, mask) chosen, rejected]}``, or
-    ``{"_drop": reason}`` when a row is longer than ``seq_len``."""
+    ``{"_drop": reason}`` when its prompt is longer than ``max_prompt_len`` or a row longer
+    than ``seq_len``."""
 
-    def __init__(self, tokenizer: Tokenizer, seq_len: int) -> None:
-        self.tokenizer, self.seq_len = tokenizer, seq_len
+    def __init__(self, tokenizer: Tokenizer, seq_len: int, max_prompt_len: int | None = None
+                 ) -> None:
+        self.tokenizer, self.seq_len, self.max_prompt_len = tokenizer, seq_len, max_prompt_len
 
     def __call__(self, pair: dict) -> dict:
         text = prompt_text(pair, self.tokenizer)
         ids = encode_prompt(text, self.tokenizer)
+        if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:
+            return {"_drop": f"{pair['origin']}: prompt has {len(ids)} tokens > "
+                             f"data.max_prompt_len = {self.max_prompt_len}"}
         rows = []
         for key in ("chosen", "rejected"):
             full = ids + response_ids({"messages": pair["messages"], "answer": pair[key]}, text,
@@ -123,15 +128,15 @@ class TokenizePair:
         return {"rows": rows}
 
 
-def tokenize_pairs(pairs: list[dict], tokenizer: Tokenizer, seq_len: int, on_overlong: str
-                   ) -> list[dict]:
-    """Every pair tokenized through a grain map; over-long pairs dropped and counted (or
-    raised with ``data.on_overlong = "raise"``)."""
-    ds = grain.MapDataset.source(pairs).map(TokenizePair(tokenizer, seq_len))
+def tokenize_pairs(pairs: list[dict], tokenizer: Tokenizer, seq_len: int, on_overlong: str,
+                   max_prompt_len: int | None = None) -> list[dict]:
+    """Every pair tokenized through a grain map; pairs over ``max_prompt_len`` prompt tokens or
+    ``seq_len`` positions dropped and counted (or raised with ``data.on_overlong = "raise"``)."""
+    ds = grain.MapDataset.source(pairs).map(TokenizePair(tokenizer, seq_len, max_prompt_len))
     out = [ds[i] for i in range(len(pairs))]
     drops = [ex["_drop"] for ex in out if "_drop" in ex]
     if drops and on_overlong == "raise":
-        raise DatasetError(f"{drops[0]}: raise trainer.seq_len, or set data.on_overlong = "
+        raise DatasetError(f"{drops[0]}: shorten it, raise the limit, or set data.on_overlong = "
                            f"'drop'")
     if drops:
         log.warning("preference data: dropped %d over-long pairs of %d (first: %s)",
@@ -139,7 +144,7 @@ def tokenize_pairs(pairs: list[dict], tokenizer: Tokenizer, seq_len: int, on_ove
     kept = [ex for ex in out if "_drop" not in ex]
     if not kept:
         raise DatasetError(f"preference data: every pair is over-long ({drops[0]}): raise "
-                           f"trainer.seq_len")
+                           f"the limit it names")
     return kept
 
 

@@ -16,6 +16,7 @@ import jax
 from meshrl.algorithms.preference import NEEDS_REFERENCE
 from meshrl.configs.schema import Config
 from meshrl.datasets import PreferenceIterator, eval_pair_batches, load_pairs, tokenize_pairs
+from meshrl.datasets.pipeline import mix_seed
 from meshrl.mesh import create_mesh
 from meshrl.models import load, param_count
 from meshrl.models.load import with_weights
@@ -34,7 +35,20 @@ def _pairs(config: Config, tokenizer: Any, held_out: bool) -> list[dict]:
     pairs = load_pairs(config.dpo, config.data, held_out)
     if not pairs:
         return []
-    return tokenize_pairs(pairs, tokenizer, config.trainer.seq_len, config.data.on_overlong)
+    return tokenize_pairs(pairs, tokenizer, config.trainer.seq_len, config.data.on_overlong,
+                          config.data.max_prompt_len)
+
+
+def training_pairs(config: Config, tokenizer: Any) -> PreferenceIterator:
+    """This process's stream of training pairs, shuffled by ``trainer.seed`` mixed with
+    ``data.shuffle_seed`` (as the SFT pipeline shuffles)."""
+    t = config.trainer
+    return PreferenceIterator(_pairs(config, tokenizer, held_out=False),
+                              pairs_per_step=t.batch_size // 2, seq_len=t.seq_len,
+                              pad_id=tokenizer.pad_id,
+                              seed=mix_seed(t.seed, config.data.shuffle_seed),
+                              process_index=jax.process_index(),
+                              process_count=jax.process_count())
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:
@@ -45,11 +59,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     # The tokenizer and the data first: a bad file fails before any weights are read.
     skeleton = load(config, mesh, "train", abstract=True)
     tokenizer = skeleton.tokenizer
-    data = PreferenceIterator(_pairs(config, tokenizer, held_out=False),
-                              pairs_per_step=t.batch_size // 2, seq_len=t.seq_len,
-                              pad_id=tokenizer.pad_id, seed=t.seed,
-                              process_index=jax.process_index(),
-                              process_count=jax.process_count())
+    data = training_pairs(config, tokenizer)
     held_out = eval_pair_batches(_pairs(config, tokenizer, held_out=True), t.batch_size,
                                  t.seq_len, tokenizer.pad_id)
     trainee = Trainee.of(with_weights(skeleton, t.seed), config)

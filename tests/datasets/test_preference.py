@@ -95,9 +95,19 @@ def test_overlong_pair_is_dropped_or_raised():
     with pytest.raises(DatasetError, match=r"f:1: prompt \+ chosen has \d+ positions > "
                                            r"trainer.seq_len = 40"):
         tokenize_pairs([pair, short], TOK, 40, "raise")
-    with pytest.raises(DatasetError, match=r"every pair is over-long \(f:1: .*raise "
-                                           r"trainer.seq_len"):
+    with pytest.raises(DatasetError, match=r"every pair is over-long \(f:1: .*trainer.seq_len "
+                                           r"= 40\): raise the limit it names"):
         tokenize_pairs([pair], TOK, 40, "drop")
+
+
+def test_a_pair_whose_prompt_passes_data_max_prompt_len_is_dropped_or_raised():
+    short = {**GOOD, "rejected": "5", "origin": "f:2"}
+    long_prompt = {**short, "messages": [{"role": "user", "content": "1+" * 20 + "1="}],
+                   "origin": "f:1"}
+    assert len(tokenize_pairs([long_prompt, short], TOK, 200, "drop", max_prompt_len=40)) == 1
+    with pytest.raises(DatasetError, match=r"f:1: prompt has \d+ tokens > data.max_prompt_len "
+                                           r"= 40"):
+        tokenize_pairs([long_prompt, short], TOK, 200, "raise", max_prompt_len=40)
 
 
 def test_synthetic_pairs_prefer_the_correct_sum_over_a_wrong_number_of_as_many_digits():

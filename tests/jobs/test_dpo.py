@@ -141,3 +141,20 @@ def test_missing_preference_file_fails_before_training_naming_the_field(tmp_path
     with pytest.raises(DatasetError, match=r"dpo.path = '.*nope.jsonl': no such file"):
         job.run(config, str(tmp_path / "w"))
     assert not (tmp_path / "w" / "summary.json").exists()
+
+
+def test_data_shuffle_seed_reorders_the_pairs_of_a_file(tmp_path):
+    from meshrl.models.tokenizer import CharTokenizer
+
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"{i}+1="}],
+                                        "chosen": str(i + 1), "rejected": str(i + 2)}) + "\n"
+                            for i in range(64)))
+
+    def first_batch(shuffle_seed: int):
+        config = _config(**{"data.shuffle_seed": shuffle_seed, "dpo.path": str(path),
+                            "trainer.seq_len": 48})
+        return next(job.training_pairs(config, CharTokenizer()))["input_ids"]
+
+    same, other = first_batch(0), first_batch(7)
+    assert (first_batch(0) == same).all() and not (other == same).all()
