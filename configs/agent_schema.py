@@ -81,6 +81,10 @@ def check_agent(config: Any) -> None:
         raise ConfigError(f"data.source = {config.data.source!r}: agent.sft_traces writes "
                           f"calculator traces of the synthetic arithmetic task: set "
                           f"data.source = 'arithmetic' or agent.sft_traces = False")
+    if not a.env and r.max_turns > 1:
+        raise ConfigError(f"rollout.max_turns = {r.max_turns}: later turns need an environment "
+                          f"to answer the model (agent.env is empty): set agent.env, or "
+                          f"rollout.max_turns = 1")
     if not a.env or r.max_turns == 1:
         return
     need = min(config.trainer.seq_len, s.max_len) - 1

@@ -188,8 +188,8 @@ class RolloutConfig(Section):
     max_staleness: int = field(1, "Oldest allowed weight-version lag; 0 is synchronous RL.",
                                at_least(0))
     filter_equal_groups: bool = field(True, "Drop groups whose rewards are all equal (counted).")
-    max_turns: int = field(1, "Model turns per episode; > 1 runs a multi-turn environment.",
-                           at_least(1))
+    max_turns: int = field(1, "Model turns per episode; > 1 runs the multi-turn environment "
+                              "agent.env (refused without one).", at_least(1))
     max_failed_groups: int = field(64, "Groups in a row (as they finish) that raise, none "
                                        "succeeding in between, before the run stops with the last "
                                        "error; fast failures outpace slow successes, so keep it "

@@ -24,6 +24,7 @@ def test_rl_overrides_reach_the_typed_config():
     cfg.rl.advantage = "rloo"
     cfg.rl.dual_clip_c = 3
     cfg.rollout.max_turns = 3
+    cfg.agent.env = "tools"
 
     config = from_config_dict(cfg)
 
@@ -131,3 +132,12 @@ def test_warm_start_defaults_keep_the_previous_behaviour():
 
     # -1: as many SFT steps as trainer.steps, at the former constant peak rate 1e-3.
     assert (rl.warm_start_steps, rl.warm_start_lr) == (-1, 1e-3)
+
+
+def test_several_turns_without_an_environment_are_refused():
+    cfg = base_config("rl")
+    cfg.rollout.max_turns = 3
+
+    with pytest.raises(ConfigError, match=r"rollout.max_turns = 3: later turns need an "
+                                          r"environment .*agent.env is empty"):
+        from_config_dict(cfg)

@@ -28,9 +28,9 @@ def config(**agent):
     cfg.sampler.max_len = 32
     cfg.trainer.seq_len = 32
     cfg.data.max_prompt_len = 16
-    cfg.rollout.max_turns = 2
     for k, v in agent.items():
         cfg.agent[k] = v
+    cfg.rollout.max_turns = 2 if cfg.agent.env else 1
     return from_config_dict(cfg)
 
 
@@ -82,7 +82,7 @@ def test_agent_spec_applies_every_field(tmp_path):
     assert spec.max_staleness == c.rollout.max_staleness
     assert agent_spec(config(env="tools", episodes_log=False), CharTokenizer(),
                       workdir=tmp_path).log is None
-    assert agent_spec(config(), CharTokenizer()) is None
+    assert agent_spec(config(env=""), CharTokenizer()) is None
 
 
 def test_turn_stop_of_several_tokens_is_a_config_error():
