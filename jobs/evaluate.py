@@ -30,6 +30,7 @@ Contract:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from typing import Any
@@ -49,6 +50,7 @@ from meshrl.rewards import RewardPool
 from meshrl.trainer.curves import read_metrics
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.rl_loop import publishes_at
+from meshrl.trainer.wandb_sink import wandb_sink
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
@@ -106,8 +108,16 @@ def _summary(config: Config, done: dict[int, dict[str, float]], reason: str,
             "not_evaluated": sorted(set(rl_versions(config)) - set(done)), "wall_s": wall}
 
 
+def _eval_run_named(config: Config, root: Any) -> Config:
+    """``config`` with the W&B run name of the evaluator beside the run it evaluates."""
+    name = f"{config.logging.wandb_run_name or root.name}-eval"
+    return dataclasses.replace(config, logging=dataclasses.replace(config.logging,
+                                                                   wandb_run_name=name))
+
+
 def run(config: Config, workdir: str) -> dict[str, Any]:
-    """Evaluate the RL run's published versions until its final one; ``summary.json``."""
+    """Evaluate the RL run's published versions until its final one; ``summary.json``; with
+    ``logging.wandb_project``, a W&B run of its own named ``<run>-eval``."""
     if jax.process_count() > 1:
         # TODO(meshrl): a multi-host evaluator must agree on the versions it lists first.
         raise NotImplementedError("the evaluate job runs on one process in this build")
@@ -122,7 +132,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     ev = _evaluator(config, root)
     writer = MetricsWriter(eval_dir, tensorboard=config.logging.tensorboard,
                            process_index=jax.process_index(),
-                           resume_step=max(done) if done else None)
+                           resume_step=max(done) if done else None,
+                           wandb=wandb_sink(_eval_run_named(config, root), eval_dir))
     try:
         log.info("watching %s for weight versions up to %s (trainer.steps)", root / "weights",
                  final_version(config))

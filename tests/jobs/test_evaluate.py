@@ -254,3 +254,32 @@ def test_evaluate_job_beside_a_running_rl_job_evaluates_every_version_it_publish
     for v in versions:
         for key in ("eval/greedy_accuracy", "eval/completion_len"):
             assert metrics[v][key] == rl_metrics[v][key], (v, key)
+
+
+def test_wandb_project_logs_the_evaluated_versions_to_a_run_of_their_own(workdir, monkeypatch):
+    import importlib.machinery
+    import types
+
+    runs: list[dict] = []
+
+    class Run:
+        def __init__(self, **kwargs) -> None:
+            self.kwargs, self.steps = kwargs, []
+            runs.append(self.__dict__)
+
+        def log(self, scalars: dict, step: int) -> None:
+            self.steps.append(step)
+
+        def finish(self) -> None:
+            pass
+
+    fake = types.ModuleType("wandb")  # a recording stand-in: no network, no wandb needed
+    fake.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    fake.errors = types.SimpleNamespace(Error=RuntimeError)
+    fake.init = lambda **kwargs: Run(**kwargs)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+
+    evaluate.run(_eval_config(**{"logging.wandb_project": "p"}), str(workdir))
+
+    assert len(runs) == 1 and runs[0]["kwargs"]["name"] == "run-eval"
+    assert sorted(set(runs[0]["steps"])) == [2, 4]
