@@ -29,6 +29,7 @@ class AsyncSampler:
         self.sampler = sampler
         self._cv = threading.Condition()
         self._inbox: collections.deque[Request] = collections.deque()
+        self._withdrawn: list[Any] = []  # cancelled requests to drop from the sampler's queue
         self._futures: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
         self._paused = self._stepping = self._shutdown = self._released = False
@@ -51,10 +52,27 @@ class AsyncSampler:
             self._futures[request.id] = (loop, fut)
             self._inbox.append(request)
             self._cv.notify_all()
-        out: Completion = await fut
+        try:
+            out: Completion = await fut
+        except asyncio.CancelledError:
+            self._withdraw(request.id)
+            raise
         # Hand the caller back the request it passed in (its own id).
         return dataclasses.replace(out, request=dataclasses.replace(out.request,
                                                                     id=request.id[2]))
+
+    def _withdraw(self, request_id: Any) -> None:
+        """A cancelled caller's request: out of the inbox, or out of the sampler's queue at
+        the loop thread's next turn (the event loop never waits for a decode chunk); one
+        already decoding runs to its end, its result dropped."""
+        with self._cv:
+            self._futures.pop(request_id, None)
+            kept = [r for r in self._inbox if r.id != request_id]
+            if len(kept) < len(self._inbox):
+                self._inbox = collections.deque(kept)
+            else:
+                self._withdrawn.append(request_id)
+                self._cv.notify_all()
 
     def pause(self) -> None:
         """Stop after the current chunk; returns when no chunk is running."""
@@ -122,6 +140,8 @@ class AsyncSampler:
                     and bool(self._inbox or self.sampler.has_work())))
                 if self._shutdown:
                     return
+                while self._withdrawn:
+                    self.sampler.withdraw(self._withdrawn.pop())
                 while self._inbox:
                     self.sampler.submit(self._inbox.popleft())
                 self._stepping = True

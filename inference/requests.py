@@ -85,6 +85,15 @@ class RequestQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def remove(self, request_id: Any) -> bool:
+        """Drop the waiting request with ``request_id``; False when none waits."""
+        kept = [e for e in self._heap if e[2].id != request_id]
+        if len(kept) == len(self._heap):
+            return False
+        self._heap = kept
+        heapq.heapify(self._heap)
+        return True
+
 
 @dataclasses.dataclass
 class Round:

@@ -210,6 +210,12 @@ class Sampler:
         """Raise ValueError for a request this sampler cannot serve."""
         validate_request(request, self.cfg, self.prompt_buckets)
 
+    def withdraw(self, request_id: Any) -> bool:
+        """Drop a queued request (its caller gave up on it) before it takes a slot; False when
+        it is not waiting (already admitted: it runs to its end, or unknown)."""
+        with self._lock:
+            return self._queue.remove(request_id)
+
     def has_work(self) -> bool:
         return bool(self._queue) or self._inflight is not None or self.slots.busy()
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -56,3 +56,17 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     if "error" in state:
         raise state["error"]
     return state["result"]
+
+
+async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather`` of ``aws``, except that when one raises, the others are cancelled and
+    awaited before the exception propagates (plain ``gather`` leaves them running, unowned:
+    episodes of a failed group would go on generating)."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from meshrl.utils.aio import gather_or_cancel
 from meshrl.workflows.agent import AgentSpec
 from meshrl.workflows.episode import EpisodeSettings, SamplerClient
 from meshrl.workflows.evaluate import EvalVersionError
@@ -46,7 +47,7 @@ async def aevaluate_agent(engine: SamplerClient, reward_pool: Any, examples: Seq
     # below (an error), not end as a rejected, wrong answer.
     spec = dataclasses.replace(spec, max_staleness=None)
     verifier = _Verifier(reward_pool)
-    trajs = await asyncio.gather(*(
+    trajs = await gather_or_cancel(*(
         spec.arun(engine, ex, reward_pool=verifier, decode=decode, settings=greedy,
                   group_id=-1 - i) for i, ex in enumerate(examples)))
     bad = sorted({v for t in trajs if t is not None
@@ -78,7 +79,7 @@ async def agenerate_episodes(engine: SamplerClient, examples: Sequence[dict], *,
                              ) -> list[dict[str, Any]]:
     """One sampled agent episode per example (the generate job): each episode's record (the
     ``episodes.jsonl`` line, written by ``spec.log``), seeded by its index in the file."""
-    trajs = await asyncio.gather(*(
+    trajs = await gather_or_cancel(*(
         spec.arun(engine, ex, reward_pool=_Unscored(), decode=decode, settings=settings,
                   group_id=first_index + i) for i, ex in enumerate(examples)))
     return [t.metadata["episode"] for t in trajs if t is not None]

@@ -8,13 +8,13 @@ hundreds of episodes in flight while the sampler batches them continuously.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from meshrl.inference.sampler import Completion, Request
+from meshrl.utils.aio import gather_or_cancel
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 
@@ -182,7 +182,7 @@ async def arun_group(engine: SamplerClient, item: dict, *, group_size: int, grou
     such a group has zero advantage everywhere and only dilutes the batch, DAPO dynamic
     sampling)."""
     counters = counters if counters is not None else collections.Counter()
-    trajs = await asyncio.gather(*(
+    trajs = await gather_or_cancel(*(
         arun_episode(engine, item, group_id=group_id, sample_index=i, **episode_kwargs)
         for i in range(group_size)))
     if any(t is None for t in trajs):

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from meshrl.inference.sampler import Completion, Request
+from meshrl.utils.aio import gather_or_cancel
 from meshrl.workflows.episode import reward_fields
 
 
@@ -71,14 +72,14 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
         return Request(list(ex["prompt_ids"]), max_new_tokens=max_new_tokens, temperature=temp,
                        stop_ids=stop_ids, seed=seed * 1_000_003 + i, id=("eval", i))
 
-    greedy = await asyncio.gather(*(engine.agenerate(request(ex, i, 0.0))
+    greedy = await gather_or_cancel(*(engine.agenerate(request(ex, i, 0.0))
                                     for i, ex in enumerate(examples)))
     check_versions(greedy, version)
     right = await _correct(reward_pool, examples, greedy, decode, 1)
     out = {"eval/greedy_accuracy": float(right.mean()), "eval/examples": float(len(examples)),
            "eval/completion_len": float(np.mean([len(o.tokens) for o in greedy]))}
     if n > 1:
-        sampled = await asyncio.gather(*(
+        sampled = await gather_or_cancel(*(
             engine.agenerate(request(ex, i * n + j, temperature))
             for i, ex in enumerate(examples) for j in range(n)))
         check_versions(sampled, version)

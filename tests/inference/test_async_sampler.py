@@ -109,3 +109,42 @@ def test_decoding_goes_on_while_an_update_waits_for_its_weights(tiny_params, mon
 
     assert before >= 4 and chunks[:before] == [0] * before
     assert out.versions[0] == 0 and out.versions[-1] == 1
+
+
+def test_a_cancelled_request_still_waiting_for_a_slot_is_withdrawn(tiny_params):
+    _, params = tiny_params
+    sampler = make_sampler(params, slots=1, max_len=64)
+    finished: list[object] = []
+    step = sampler.step
+
+    def recording_step():
+        out = step()
+        finished.extend(c.request.id for c in out)
+        return out
+
+    sampler.step = recording_step
+    engine = AsyncSampler(sampler)
+
+    async def main():
+        long = asyncio.create_task(engine.agenerate(Request([5, 9], max_new_tokens=40)))
+        waiting = [asyncio.create_task(engine.agenerate(Request(p, max_new_tokens=40)))
+                   for p in PROMPTS[:3]]
+        await asyncio.sleep(0.05)  # the first holds the one slot, the others queue
+        for t in waiting:
+            t.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+        done = await long  # a request already decoding runs to its end
+        for _ in range(200):  # the loop thread drops the withdrawn ones at its next turn
+            if not engine.sampler.has_work():
+                break
+            await asyncio.sleep(0.01)
+        return done
+
+    try:
+        done = asyncio.run(main())
+        left = len(engine.sampler._queue)
+    finally:
+        engine.shutdown()
+
+    assert len(done.tokens) == 40 and left == 0 and not engine._futures
+    assert len(finished) == 1  # only the request that was decoding: none withdrawn ran

@@ -98,6 +98,29 @@ def test_environment_reject_returns_none_and_the_group_counts_it():
     assert counters == {"rejected_groups": 1}
 
 
+def test_a_failing_episode_cancels_its_groups_other_episodes_before_the_error_propagates():
+    class Engine(FakeEngine):
+        running = 0
+
+        async def agenerate(self, request):
+            if request.id[1] == 0:  # sample 0 of the group fails at once
+                await asyncio.sleep(0.01)
+                raise RuntimeError("episode 0 fails")
+            Engine.running += 1
+            try:
+                return await super().agenerate(request)
+            finally:
+                Engine.running -= 1
+
+    async def main():
+        with pytest.raises(RuntimeError, match="episode 0 fails"):
+            await arun_group(Engine(tokens=200, token_s=0.01), prompts(1)[0], group_size=4,
+                             group_id=0, reward_pool=FakeRewards(), decode=decode)
+        return Engine.running  # no sibling left generating, unowned
+
+    assert run(main()) == 0
+
+
 def test_group_with_distinct_rewards_is_kept_with_one_sample_index_each():
     counters: collections.Counter[str] = collections.Counter()
 
