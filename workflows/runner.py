@@ -267,7 +267,8 @@ class RolloutRunner:
         ticker = asyncio.get_running_loop().create_task(self._report_waiting(version, out))
         try:
             groups = await self._gather(out)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, PromptsExhaustedError):
+            # Not trained: a partial batch at the end of the prompts is not consumed either.
             self._hand_back(out)
             raise
         finally:
