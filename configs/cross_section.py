@@ -170,11 +170,24 @@ def _context(config: ConfigSections) -> None:
                           f"{need} (model.context_balance = {config.model.context_balance})")
 
 
+def check_pair_rows(trainer: Any) -> None:
+    """Preference training keeps each (chosen, rejected) pair in two adjacent rows of one
+    step's batch."""
+    if trainer.batch_size % 2:
+        raise ConfigError(f"trainer.batch_size = {trainer.batch_size}: job = 'dpo' needs an "
+                          f"even batch size (each pair is two rows)")
+    if trainer.microbatches != 1:
+        raise ConfigError(f"trainer.microbatches = {trainer.microbatches}: job = 'dpo' needs 1 "
+                          f"(strided microbatches would split the (chosen, rejected) row pairs)")
+
+
 def validate_config(config: ConfigSections) -> None:
     """Raise ``ConfigError`` on the first cross-section rule ``config`` breaks."""
     _unused_mesh_axes(config)
     _context(config)
     job = getattr(config.job, "value", config.job)  # a Job, or its string before coercion
+    if job == "dpo":
+        check_pair_rows(config.trainer)
     _microbatches(config, job)
     if job == "rl":
         _rl(config)

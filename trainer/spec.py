@@ -96,13 +96,7 @@ def dpo_spec(config: Config, mesh: Mesh) -> StepSpec:
     ``trainer.seq_len``, with ``ref_logprobs`` when ``dpo.loss`` reads the reference; the loss
     of ``dpo.loss`` averaged over pairs. Strided microbatches would split the pairs, so the
     step takes the whole batch (``trainer.microbatches`` must be 1)."""
-    t, d = config.trainer, config.dpo
-    if t.batch_size % 2:
-        raise ConfigError(f"trainer.batch_size = {t.batch_size}: job = 'dpo' needs an even "
-                          f"batch size (each pair is two rows)")
-    if t.microbatches != 1:
-        raise ConfigError(f"trainer.microbatches = {t.microbatches}: job = 'dpo' needs 1 "
-                          f"(strided microbatches would split the (chosen, rejected) row pairs)")
+    t, d = config.trainer, config.dpo  # an even batch, no microbatches: configs/cross_section.py
     optional = ("ref_logprobs",) if d.loss in NEEDS_REFERENCE else ()
     return StepSpec(
         loss_fn=make_preference_loss_fn(d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
