@@ -103,6 +103,11 @@ class SamplerConfig(Section):
             raise ConfigError(f"sampler.decode_split_weights_pass = "
                               f"{self.decode_split_weights_pass}: must be finite (0: measured)")
         costs = self.decode_call_costs
+        if costs and self.decode_split_weights_pass:
+            raise ConfigError(f"sampler.decode_split_weights_pass = "
+                              f"{self.decode_split_weights_pass}: deprecated, and "
+                              f"sampler.decode_call_costs = {costs} is set too: keep only "
+                              f"decode_call_costs")
         if costs and (len(costs) != 2 or not all(0 <= c < float("inf") for c in costs)):
             raise ConfigError(f"sampler.decode_call_costs = {costs}: must be () (measured) or "
                               f"(call, row), two finite numbers >= 0")

@@ -210,3 +210,9 @@ def test_weights_pass_share_outside_zero_and_finite_is_rejected(value):
 def test_call_costs_other_than_two_finite_non_negative_numbers_are_rejected(value):
     with pytest.raises(ValueError, match=r"sampler.decode_call_costs = .*: must be \(\)"):
         SamplerConfig(decode_call_costs=value)
+
+
+def test_the_deprecated_weights_pass_beside_decode_call_costs_is_refused():
+    with pytest.raises(ValueError, match=r"decode_split_weights_pass = 0.25: deprecated, and "
+                                         r"sampler.decode_call_costs = \(1.0, 2.0\) is set"):
+        SamplerConfig(decode_split_weights_pass=0.25, decode_call_costs=(1.0, 2.0))
