@@ -17,6 +17,7 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config, ModelConfig
 from meshrl.mesh.rules import Role, Rules, rules_for
 from meshrl.models.build import build_model, resolve_model_config
@@ -78,12 +79,25 @@ def load(config: Config, mesh: Mesh, role: Role, *, model: ModelConfig | None = 
     model = config.model if model is None else model
     rules = role_rules(config, role, fsdp)
     arch = resolve_model_config(model)  # the one read of config.json
+    check_positions(config, arch, role)
     tokenizer = tokenizer_for(model, arch.vocab_size)
     graphdef, params, shardings = abstract_params(arch, mesh, rules)
     skeleton = LoadedModel(graphdef=graphdef, params=params, arch=arch, model=model,
                            tokenizer=tokenizer, shardings=shardings, mesh=mesh, rules=rules,
                            role=role, abstract=True)
     return skeleton if abstract else with_weights(skeleton, config.trainer.seed)
+
+
+def check_positions(config: Config, arch: ModelConfig, role: Role) -> None:
+    """The sequences ``role`` runs fit the model's ``max_position_embeddings`` (a checkpoint's
+    config.json, or ``model.*``): positions past it were never trained."""
+    field, length = (("trainer.seq_len", config.trainer.seq_len) if role == "train"
+                     else ("sampler.max_len", config.sampler.max_len))
+    if length > arch.max_position_embeddings:
+        fix = ("its checkpoint was not trained past it" if arch.hf_path
+               else "or raise model.max_position_embeddings")
+        raise ConfigError(f"{field} = {length}: longer than the model's max_position_embeddings"
+                          f" = {arch.max_position_embeddings}: lower {field} ({fix})")
 
 
 def with_weights(skeleton: LoadedModel, seed: int) -> LoadedModel:

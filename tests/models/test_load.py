@@ -119,3 +119,15 @@ def test_load_of_hf_path_without_config_json_names_the_file(tmp_path):
 
     with pytest.raises(MissingFileError, match=rf"{tmp_path}/config.json: not found"):
         load(config, create_mesh(config.mesh, jax.devices()[:1]), "sample", abstract=True)
+
+
+@pytest.mark.parametrize("role, field", [("train", "trainer.seq_len"),
+                                         ("sample", "sampler.max_len")])
+def test_sequences_past_max_position_embeddings_are_a_config_error(role, field):
+    from meshrl.configs.fields import ConfigError
+
+    config = _config(max_position_embeddings=8)  # the default seq_len and max_len are longer
+
+    with pytest.raises(ConfigError, match=rf"{field} = \d+: longer than the model's "
+                                          rf"max_position_embeddings = 8"):
+        load(config, create_mesh(config.mesh, jax.devices()[:1]), role, abstract=True)
