@@ -39,7 +39,8 @@ class ModelConfig(Section):
     rope_high_freq_factor: float = field(4.0, "llama3 RoPE high-frequency factor.", at_least(0.0))
     rope_original_max_position: int = field(8192, "llama3 RoPE original context length.",
                                             at_least(1))
-    max_position_embeddings: int = field(2048, "Longest supported position.", at_least(1))
+    max_position_embeddings: int = field(2048, "Longest supported position: trainer.seq_len and "
+                                               "sampler.max_len must fit it.", at_least(1))
     rms_norm_eps: float = field(1e-6, "RMSNorm epsilon.", at_least(0.0))
     tie_embeddings: bool = field(False, "Share the input embedding with the output head.")
     attention_bias: bool = field(False, "Bias on q/k/v projections (Qwen2).")
