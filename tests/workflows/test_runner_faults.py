@@ -13,7 +13,6 @@ from meshrl.rewards import RewardPool, RewardPoolError
 from meshrl.tests.workflows.fakes import FakeEngine, FakeRewards, decode, prompts
 from meshrl.utils.errors import UserError
 from meshrl.workflows import (
-    PromptsExhaustedError,
     RolloutFailedError,
     RolloutRunner,
     StalenessController,
@@ -76,26 +75,3 @@ def test_broken_reward_pool_stops_the_runner_at_once_with_the_pools_error():
     finally:
         pool.close()
 
-
-def test_a_partial_batch_at_the_end_of_the_prompts_is_not_counted_as_consumed():
-    async def main():
-        controller = StalenessController(batch_size=2, max_staleness=0)
-        engine = FakeEngine()
-        fn = group_episode_fn(engine, group_size=2, filter_equal=False,
-                              reward_pool=FakeRewards(), decode=decode)
-        runner = RolloutRunner(fn, iter(prompts(3)), controller)
-        runner.start()
-        try:
-            handed = len(await runner.get_batch(0))
-            engine.version = 1
-            with pytest.raises(PromptsExhaustedError, match="with 1 of 2 groups"):
-                await runner.get_batch(1)
-        finally:
-            await runner.stop()
-        return handed, controller, runner.rollout_state()
-
-    handed, controller, state = asyncio.run(main())
-
-    assert controller.consumed == handed == 2
-    assert sum(controller.staleness_hist.values()) == 4  # the trained samples only
-    assert len(state["finished"]) == 1  # the untrained group stays in the rollout state

@@ -216,7 +216,7 @@ def test_restored_runner_continues_without_over_admission():
     assert [v for v, _ in consumed] == [4, 5, 6]
 
 
-def test_get_batch_raises_when_prompts_run_out():
+def test_get_batch_raises_when_prompts_run_out_and_hands_the_partial_batch_back():
     async def main():
         controller = StalenessController(batch_size=2, max_staleness=0)
         engine = FakeEngine()
@@ -229,9 +229,13 @@ def test_get_batch_raises_when_prompts_run_out():
         with pytest.raises(PromptsExhaustedError, match="1 of 2"):
             await runner.get_batch(1)
         await runner.stop()
-        return first
+        return first, controller, runner.rollout_state()
 
-    assert len(asyncio.run(main())) == 2
+    first, controller, state = asyncio.run(main())
+
+    assert len(first) == controller.consumed == 2  # the partial batch is not consumed
+    assert sum(controller.staleness_hist.values()) == 4  # the trained samples only
+    assert len(state["finished"]) == 1  # the untrained group stays in the rollout state
 
 
 def test_a_group_dropped_as_stale_after_the_prompts_ran_out_is_generated_again():
