@@ -13,8 +13,8 @@ with a constant rate 20x lower than the warm start's. Writes tensorboard events,
 published weight versions, ``rl_curves.png`` and ``summary.json`` (accuracy before/after RL)
 under the workdir; a rerun of the same command resumes.
 
-Measured on 2 CPU cores (2026-12-05; BUILD_NOTES.md, "Current figures"): held-out greedy
-accuracy 0.35 after the warm start, 0.79 after 300 RL steps. Why these settings (tuning runs of 2026-12-01 to 2026-12-04): at T = 1 the
+Held-out greedy accuracy on 2 CPU cores: BUILD_NOTES.md, "Current figures" (about 0.4 after the
+warm start, about 0.8 after 300 RL steps). Why these settings (tuning runs on that CPU): at T = 1 the
 model's sampled accuracy stays near 0.2 and RL gains ~7 points in 500 steps; RL rates of 1e-4
 and above first lower the greedy accuracy of this 0.1M-param model by 10-35 points; a shorter
 warm start (250-450 steps) leaves 0.04-0.51 and RL then gains only 0.03-0.18; an RL rate of
