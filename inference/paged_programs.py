@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshrl.inference.programs import SlotState, first_token, in_passes, pass_rows
+from meshrl.inference.programs import (
+    SlotState,
+    first_token,
+    in_passes,
+    pass_rows,
+    real_tokens,
+)
 from meshrl.inference.programs import make_decode as make_dense_decode
 from meshrl.models import KVCache
 from meshrl.models.cascade_attention import CascadeWindow, SharedPrefix
@@ -76,7 +82,8 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
         def one_pass(carry: tuple[PagedKVCache, SlotState], rows: tuple) -> tuple[tuple, tuple]:
             cache, st = carry
             tokens_RxL, pos_RxL, lens_R, slots_R, settings_R = rows
-            hidden_RxLxD, cache = forward(graphdef, params, tokens_RxL, pos_RxL, None,
+            hidden_RxLxD, cache = forward(graphdef, params, tokens_RxL, pos_RxL,
+                                          real_tokens(graphdef, params, pos_RxL >= 0),
                                           rows_view(cache, slots_R), return_hidden=True)
             last_R = jnp.clip(lens_R - 1 - pos_RxL[:, 0], 0, tokens_RxL.shape[1] - 1)
             last_RxD = jnp.take_along_axis(hidden_RxLxD, last_R[:, None, None], axis=1)[:, 0]
@@ -107,7 +114,8 @@ def make_tail(graphdef: nnx.GraphDef, max_tokens: int) -> Callable:
 
         def one_pass(cache: PagedKVCache, rows: tuple) -> tuple[PagedKVCache, tuple]:
             tokens_RxL, pos_RxL, slots_R = rows
-            _, cache = forward(graphdef, params, tokens_RxL, pos_RxL, None,
+            _, cache = forward(graphdef, params, tokens_RxL, pos_RxL,
+                               real_tokens(graphdef, params, pos_RxL >= 0),
                                rows_view(cache, slots_R), return_hidden=True)
             return cache.replace(page_table=table, slot_rows=True), ()
 

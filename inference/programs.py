@@ -73,6 +73,15 @@ def finish(st: SlotState, emit_B: jax.Array, tok_B: jax.Array, new_pos_B: jax.Ar
                       active_B=st.active_B & ~done_B, reason_B=reason_B, n_gen_B=n_gen_B)
 
 
+def real_tokens(graphdef: nnx.GraphDef, params: nnx.State, real_BxL: jax.Array
+                ) -> jax.Array | None:
+    """Segment ids for a cached forward: 1 on real tokens, 0 on padding, so that padding takes
+    no MoE expert capacity (a cached forward's attention never reads them); None where no
+    capacity is kept (dense, or dropless routing): the forward's default, every token real."""
+    m = model_config(graphdef, params)
+    return real_BxL.astype(jnp.int32) if m.num_experts and m.capacity_factor else None
+
+
 def sampler_model_config(model_cfg: ModelConfig, cfg: SamplerConfig) -> ModelConfig:
     """The model as the sampler runs it: params and compute in ``sampler.dtype``, no remat."""
     return dataclasses.replace(model_cfg, param_dtype=cfg.dtype, compute_dtype=cfg.dtype,
@@ -107,7 +116,9 @@ def make_prefill(graphdef: nnx.GraphDef, cfg: ModelConfig, max_len: int, *,
         # The prompt's cache in the sampler's key layout: put_slots then copies, not transposes.
         tmp = KVCache.init(cfg, N, P, cfg.compute_dtype,
                            getattr(cache, "key_layout", KVCache.key_layout))
-        out_NxPxX, tmp, *rout = forward(graphdef, params, tokens_NxP, pos_NxP, None, tmp,
+        real_NxP = (pos_NxP < lens_N[:, None]) & (slots_N < st.pos_B.shape[0])[:, None]
+        out_NxPxX, tmp, *rout = forward(graphdef, params, tokens_NxP, pos_NxP,
+                                        real_tokens(graphdef, params, real_NxP), tmp,
                                         return_hidden=not all_positions, return_routing=routing)
         # Padding rows use slot index S: every scatter below drops them.
         cache = cache.put_slots(tmp, slots_N)
@@ -228,8 +239,10 @@ def make_decode(graphdef: nnx.GraphDef, max_len: int, chunk: int,
         def step(i: jax.Array, carry: tuple) -> tuple:
             win, st, (tok_BxC, lp_BxC, raw_BxC, kept_BxC), rout = carry
             logits_Bx1xV, win, *layers = forward(graphdef, params, st.token_B[:, None],
-                                                 st.pos_B[:, None], None, win,
-                                                 return_routing=routing)
+                                                 st.pos_B[:, None],
+                                                 real_tokens(graphdef, params,
+                                                             st.active_B[:, None]),
+                                                 win, return_routing=routing)
             if layers:  # [layers, B, 1, k] -> row i of [B, C, layers, k]
                 rout = (rout[0].at[:, i].set(layers[0][:, :, 0].swapaxes(0, 1)),)
             new_pos_B = st.pos_B + 1
