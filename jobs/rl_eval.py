@@ -11,8 +11,8 @@ from typing import Any
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Config
 from meshrl.datasets import eval_examples
+from meshrl.inference.published import published_versions, weights_dir
 from meshrl.inference.sampler import Request
-from meshrl.inference.weights import published_versions, weights_dir
 from meshrl.jobs import weights_source
 from meshrl.jobs.generate import make_sampler, resolve_source
 from meshrl.mesh import create_mesh

@@ -26,12 +26,8 @@ from jax.sharding import Mesh
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.lora_schema import LoraConfig
 from meshrl.configs.schema import Config, ModelConfig
-from meshrl.inference.weights import (
-    WeightMismatchError,
-    published_versions,
-    restore_weights,
-    weights_dir,
-)
+from meshrl.inference.published import published_versions, weights_dir
+from meshrl.inference.weights import WeightMismatchError, restore_weights
 from meshrl.jobs.lora_source import LoraBase, LoraWeights, base_of, load_lora
 from meshrl.mesh.rules import Role
 from meshrl.models.load import LoadedModel, load, with_weights

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from meshrl.algorithms.batch import TrainBatch
 from meshrl.configs.schema import Config
-from meshrl.inference.weights import publish_version, retire_versions_after
+from meshrl.inference.published import publish_version, retire_versions_after
 from meshrl.models import LoadedModel, flops_per_token
 from meshrl.models.lora import AdapterUpdate, LoraSetup
 from meshrl.trainer.checkpoint import Checkpointer, Restored

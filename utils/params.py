@@ -38,6 +38,18 @@ def flat_params(params: Any) -> dict[str, Any]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
+def nested(flat: dict[str, Any]) -> dict[str, Any]:
+    """Nested dict with string keys (the layout Orbax stores)."""
+    root: dict[str, Any] = {}
+    for name, leaf in flat.items():
+        node = root
+        *parents, last = name.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[last] = leaf
+    return root
+
+
 def _identity(tree: Any) -> Any:
     return tree
 

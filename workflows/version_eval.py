@@ -20,7 +20,8 @@ from etils import epath
 
 from meshrl.configs.schema import Config
 from meshrl.inference.async_sampler import AsyncSampler
-from meshrl.inference.weights import WeightMismatchError, published_versions, version_stamp
+from meshrl.inference.published import published_versions, version_stamp
+from meshrl.inference.weights import WeightMismatchError
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.errors import UserError

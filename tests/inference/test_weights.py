@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from meshrl.configs.schema import MeshConfig, SamplerConfig
+from meshrl.inference.published import publish_weights
 from meshrl.inference.sampler import Request, Sampler
-from meshrl.inference.weights import WeightMismatchError, publish_weights
+from meshrl.inference.weights import WeightMismatchError
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler

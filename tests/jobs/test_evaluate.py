@@ -19,7 +19,7 @@ import pytest
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import Job
-from meshrl.inference.weights import published_versions
+from meshrl.inference.published import published_versions
 from meshrl.jobs import evaluate
 from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.tests.xla import cpu_env

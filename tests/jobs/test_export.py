@@ -15,8 +15,8 @@ from meshrl.configs.fields import ConfigError
 from meshrl.configs.loader import base_config, from_config_dict
 from meshrl.configs.schema import SamplerConfig
 from meshrl.datasets import make_sft_iterator
+from meshrl.inference.published import publish_weights
 from meshrl.inference.sampler import Sampler
-from meshrl.inference.weights import publish_weights
 from meshrl.jobs import dispatch
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import build_model, forward, split_model

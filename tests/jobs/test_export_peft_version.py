@@ -9,7 +9,7 @@ import pytest
 
 from meshrl.configs import base_config, from_config_dict
 from meshrl.configs.fields import ConfigError
-from meshrl.inference.weights import publish_weights
+from meshrl.inference.published import publish_weights
 from meshrl.jobs import export
 from meshrl.models import create_model, split_model
 

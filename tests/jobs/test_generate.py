@@ -19,8 +19,8 @@ from meshrl.configs.loader import from_config_dict
 from meshrl.configs.schema import MeshConfig
 from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.datasets.sources import DatasetError
+from meshrl.inference.published import publish_weights
 from meshrl.inference.sampler import Request, Sampler
-from meshrl.inference.weights import publish_weights
 from meshrl.jobs import generate as job
 from meshrl.jobs.rl_eval import sample_versions
 from meshrl.mesh import create_mesh, rules_for

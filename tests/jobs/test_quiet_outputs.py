@@ -19,7 +19,7 @@ import pytest
 from meshrl.configs import from_config_dict
 from meshrl.configs import generate as generate_config
 from meshrl.configs import sft_chat as sft_chat_config
-from meshrl.inference.weights import publish_weights
+from meshrl.inference.published import publish_weights
 from meshrl.jobs import dispatch
 from meshrl.jobs import generate as generate_job
 from meshrl.mesh import create_mesh, rules_for

@@ -13,7 +13,7 @@ import pytest
 
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import CheckpointConfig
-from meshrl.inference.weights import publish_weights
+from meshrl.inference.published import publish_weights
 from meshrl.jobs import weights_source as ws
 from meshrl.mesh import create_mesh
 from meshrl.models import create_model, forward, split_model

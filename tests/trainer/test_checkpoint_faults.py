@@ -17,14 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from meshrl.inference import weights
-from meshrl.inference.weights import (
+from meshrl.inference.published import (
     RETIRED,
     WeightVersionGoneError,
     publish_version,
     published_versions,
-    restore_weights,
 )
+from meshrl.inference.weights import restore_weights
 from meshrl.tests.trainer.tiny import make_loop, tiny_config
 from meshrl.tests.xla import cpu_env
 from meshrl.trainer import engine as engine_lib
@@ -218,4 +217,4 @@ def test_reading_a_version_retired_mid_read_is_a_clear_error(tmp_path, monkeypat
     monkeypatch.setattr(ocp.StandardCheckpointer, "metadata", real)
     again = restore_weights(tmp_path, 3, flat_params(params), {"w": sharding})
     np.testing.assert_array_equal(np.asarray(again["w"]), np.arange(8, dtype=np.float32))
-    assert weights.published_versions(tmp_path) == [3]
+    assert published_versions(tmp_path) == [3]
