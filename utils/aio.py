@@ -61,7 +61,8 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
 async def gather_or_cancel(*aws: Awaitable[T]) -> list[T]:
     """``asyncio.gather`` of ``aws``, except that when one raises, the others are cancelled and
     awaited before the exception propagates (plain ``gather`` leaves them running, unowned:
-    episodes of a failed group would go on generating)."""
+    episodes of a failed group would go on generating). Not asyncio.TaskGroup: it raises an
+    ExceptionGroup, and callers branch on the error's own type (a UserError ends a run)."""
     tasks = [asyncio.ensure_future(a) for a in aws]
     try:
         return list(await asyncio.gather(*tasks))
