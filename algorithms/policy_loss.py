@@ -33,7 +33,6 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms import rollout_correction as rc
 from meshrl.algorithms import truncation as trunc
@@ -273,24 +272,6 @@ def policy_loss(name: str, inputs: PolicyInputs, params: LossParams, *,
     metrics = {k: _mean(aggregate(v, inputs.loss_mask_BxL, aggregation, seg))
                for k, v in terms.stats.items()}
     return loss, metrics
-
-
-def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_BxL: jax.Array,
-                         ref_logprobs_BxL: jax.Array, loss_mask_BxL: jax.Array,
-                         group_size: int, sample_ids_BxL: jax.Array | None = None) -> jax.Array:
-    """Advantages for ``rl.kl_where == "reward"``: subtract ``rl.kl_coef`` times each sequence's
-    summed KL(behaviour || reference) from its reward, then rerun ``rl.advantage``. Run it once
-    per batch before the train step (it needs whole groups; the step's microbatches are strided
-    rows, not groups) and put the result in the batch's ``advantages``. Token arrays may be
-    packed rows: ``sample_ids_BxL`` then names each token's sample (index into ``rewards_B``)."""
-    rewards_B = rewards_B.astype(jnp.float32)
-    if rl.kl_coef > 0.0 and rl.kl_where == "reward":
-        mask_BxL = loss_mask_BxL.astype(jnp.float32)
-        rewards_B = kl_lib.kl_in_reward(
-            rewards_B, jnp.where(mask_BxL > 0, behaviour_logprobs_BxL, 0.0),
-            jnp.where(mask_BxL > 0, ref_logprobs_BxL, 0.0), mask_BxL, coef=rl.kl_coef,
-            estimator=rl.kl_estimator, sample_ids_BxL=sample_ids_BxL)
-    return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
 
 
 def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0, kept_cap: int = 0) -> LossFn:

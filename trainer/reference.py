@@ -42,8 +42,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from meshrl.algorithms import kl as kl_lib
 from meshrl.algorithms.batch import RLTrainBatch, TrainBatch
 from meshrl.algorithms.distill import distill_advantages, reverse_kl
+from meshrl.algorithms.kl import kl_reward_advantages
 from meshrl.algorithms.losses import check_temperature, token_logprobs
-from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import DistillConfig, RLConfig
 from meshrl.trainer.step import ForwardFn, merge_rows, split_rows
 

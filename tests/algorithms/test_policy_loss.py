@@ -298,13 +298,13 @@ def test_kl_reward_advantages_subtract_the_sequence_kl_before_the_estimator():
     rl_off = RLConfig(advantage="drgrpo", kl_coef=0.0)
     rl_on = RLConfig(advantage="drgrpo", kl_coef=0.5, kl_where="reward", kl_estimator="k1")
 
-    off = pl.kl_reward_advantages(rl_off, rewards, behav, ref, mask, group_size=2)
-    on = pl.kl_reward_advantages(rl_on, rewards, behav, ref, mask, group_size=2)
+    off = kl.kl_reward_advantages(rl_off, rewards, behav, ref, mask, group_size=2)
+    on = kl.kl_reward_advantages(rl_on, rewards, behav, ref, mask, group_size=2)
 
     np.testing.assert_allclose(off, [0.5, -0.5, 0.0, 0.0], rtol=RTOL, atol=ATOL)
     # rows 0-1 each lose 0.5 * 1.0 (KL 1 on the first token; the masked third token is ignored)
     np.testing.assert_allclose(on, [0.5, -0.5, 0.0, 0.0], rtol=RTOL, atol=ATOL)
-    shifted = pl.kl_reward_advantages(rl_on, rewards, behav, ref.at[0, 0].set(-1.0), mask, 2)
+    shifted = kl.kl_reward_advantages(rl_on, rewards, behav, ref.at[0, 0].set(-1.0), mask, 2)
     np.testing.assert_allclose(shifted, [0.75, -0.75, 0.0, 0.0], rtol=RTOL, atol=ATOL)
 
 

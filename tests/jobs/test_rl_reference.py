@@ -19,8 +19,8 @@ import pytest
 
 from meshrl.algorithms import advantages as adv_lib
 from meshrl.algorithms.batch import RLTrainBatch
+from meshrl.algorithms.kl import kl_reward_advantages
 from meshrl.algorithms.losses import token_logprobs
-from meshrl.algorithms.policy_loss import kl_reward_advantages
 from meshrl.configs.schema import Config
 from meshrl.tests.trainer.tiny import tiny_rl_config
 from meshrl.tests.trees import assert_trees_equal, unchanged_leaves

@@ -12,7 +12,8 @@ import optax
 import pytest
 
 from meshrl.algorithms.batch import RLTrainBatch, field_dtype
-from meshrl.algorithms.policy_loss import kl_reward_advantages, make_rl_loss_fn
+from meshrl.algorithms.kl import kl_reward_advantages
+from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import ModelConfig, RLConfig
 from meshrl.models import create_model, forward, split_model
 from meshrl.trainer.state import init_state
