@@ -57,6 +57,9 @@ def main(argv: list[str]) -> None:
             return
         from meshrl.utils.workdir import default_workdir
 
+        if _WORKDIR.value is not None and not _WORKDIR.value.strip():  # an unset $VAR
+            sys.exit(f"error: --workdir = {_WORKDIR.value!r}: empty; give a directory, or leave "
+                     f"the flag out for the default ({default_workdir()})")
         workdir = _WORKDIR.value or default_workdir()
         interrupt.install()
         jobs.run(config, workdir)

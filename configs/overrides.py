@@ -11,11 +11,12 @@ import dataclasses
 import importlib.util
 import os
 import pathlib
+import warnings
 from collections.abc import Sequence
 
 from meshrl.configs.fields import closest
 from meshrl.configs.renames import SECTIONS as RENAMED
-from meshrl.configs.schema import SECTIONS
+from meshrl.configs.schema import SECTIONS, Config
 
 
 def check_override_keys(argv: Sequence[str], flag: str = "config") -> str | None:
@@ -52,8 +53,8 @@ def _flag_value(argv: Sequence[str], flag: str) -> str | None:
 
 
 def check_config_file(argv: Sequence[str], flag: str = "config") -> str | None:
-    """Return an error message when the ``--config=path[:arg]`` file is missing or its
-    ``get_config(arg)`` rejects ``arg`` (a ``ValueError``), else None. ml_collections would
+    """Return an error message when the ``--config=path[:arg]`` file is missing, is no config
+    file, or its ``get_config(arg)`` rejects ``arg`` (a ``ValueError``), else None. ml_collections would
     report both inside flag parsing, with a traceback."""
     spec = _flag_value(argv, flag)
     if spec is None:
@@ -72,4 +73,33 @@ def check_config_file(argv: Sequence[str], flag: str = "config") -> str | None:
         module.get_config(*arg)
     except ValueError as e:  # config files reject unknown variants with ValueError
         return f"--{flag} = {spec!r}: {' '.join(str(e).split())}"
+    except Exception as e:  # not a config file (no get_config, another signature), or its bug
+        return (f"--{flag} = {spec!r}: loading it raised {type(e).__name__}: "
+                f"{' '.join(str(e).split())}: a config file defines get_config(arg) (arg: the "
+                f"text after ':', optional)")
     return None
+
+
+def config_from_argv(argv: Sequence[str], flag: str = "config") -> Config:
+    """The ``Config`` that ``main.py`` would run for ``argv`` (``--config path[:arg]`` and
+    ``--config.a.b=v`` overrides, deprecated keys renamed), parsed by the same ml_collections
+    flag; a value the flag or the schema rejects is a ``ValueError`` of one line."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    from meshrl.configs.loader import from_config_dict
+    from meshrl.configs.renames import rename_argv
+
+    args = ["main.py", *rename_argv(argv, flag)]
+    problem = check_config_file(args[1:], flag) or check_override_keys(args[1:], flag)
+    if problem:
+        raise ValueError(problem)
+    values = flags.FlagValues()
+    config_flags.DEFINE_config_file(flag, None, flag_values=values, sys_argv=args)
+    try:
+        with warnings.catch_warnings():  # ml_collections loads the file with load_module()
+            warnings.filterwarnings("ignore", "the load_module", DeprecationWarning)
+            values(args)
+    except flags.Error as e:  # a value of the wrong type: "flag --config.x=v: why"
+        raise ValueError(" ".join(str(e).split())) from None
+    return from_config_dict(getattr(values, flag))

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
     log_lib.setup("INFO")
     workdir = pathlib.Path(args.workdir).resolve()
-    stopped = 0
+    stopped, spec = 0, None
     previous = _catch_sigterm()
     try:
         spec = load_sweep(args.sweep_file)
@@ -130,6 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+    if spec is None:  # stopped while the sweep file loaded: nothing ran
+        print("sweep stopped before any trial started", file=sys.stderr)
+        return stopped
     rows = sweep_report.write_report(spec.trials, workdir)
     print(sweep_report.format_table(spec.trials, rows, workdir))
     if stopped:

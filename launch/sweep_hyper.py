@@ -31,9 +31,14 @@ def sweep(name: str, values: Sequence[Any]) -> list[Overrides]:
         raise SweepError(f"sweep({name!r}, ...): the name must be a 'section.field' string")
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
         raise SweepError(f"sweep({name!r}, {values!r:.60}): values must be a non-empty list")
+    return [{key_name(name): v} for v in values]
+
+
+def key_name(name: str) -> str:
+    """``section.field`` for ``config.section.field`` (the form that names the flag too)."""
     if name.startswith(_PREFIX) and "." in name[len(_PREFIX):]:
-        name = name[len(_PREFIX):]
-    return [{name: v} for v in values]
+        return name[len(_PREFIX):]
+    return name
 
 
 def fixed(name: str, value: Any) -> list[Overrides]:

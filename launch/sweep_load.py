@@ -9,9 +9,10 @@ A file defines its trials with one of
   runs ``main.py --config <file>[:<arg>]``.
 
 Each returns a non-empty list of override dicts. An optional ``FIXED`` dict holds overrides
-every trial gets (not in the trial names). Every key is checked against the config schema and
-the config file is loaded before anything runs; any mistake, an exception raised by the file
-included, is one ``SweepError`` naming the file and the rule.
+every trial gets (not in the trial names); keys may carry the ``config.`` prefix. Every trial's
+config is parsed and validated as ``main.py`` would (keys, value types, schema rules; the job
+must write a ``summary.json``: sft, rl or dpo) before anything runs; any mistake, an exception
+raised by the file included, is one ``SweepError`` naming the file and the rule.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from meshrl.configs.overrides import check_config_file, check_override_keys
+from meshrl.configs.overrides import check_config_file, check_override_keys, config_from_argv
 from meshrl.launch import sweep_hyper
 from meshrl.launch.sweep_hyper import SweepError
-from meshrl.launch.sweep_trials import ROOT, Sweep, Trial, trial_names
+from meshrl.launch.sweep_trials import ROOT, Sweep, Trial, override_args, trial_names
 
 _SCALARS = (bool, int, float, str)
 SWEEP_FUNCTIONS = ("sweep", "get_sweep", "get_hyper")
+SWEEP_JOBS = ("sft", "rl", "dpo")  # the jobs that write summary.json
 FORMS = ("a sweep file sets CONFIG = 'configs/<file>.py[:variant]' and defines sweep(); a config "
          "file defines get_config(arg) and get_sweep(hyper) or get_hyper(hyper); each returns "
          "a list of override dicts")
@@ -112,15 +114,32 @@ def _call(path: pathlib.Path, name: str, function: Callable[..., Any]) -> list[A
     if not isinstance(overrides, list) or not overrides:
         raise SweepError(f"{path}: {call} returned {type(overrides).__name__} "
                          f"{overrides!r:.80}: it must return a non-empty list of dicts")
-    for i, o in enumerate(overrides):
-        _check_dict(f"{path}: {call} item {i}", o)
-    return overrides
+    return [_keys(f"{path}: {call} item {i}", o) for i, o in enumerate(overrides)]
 
 
-def _check_dict(where: str, overrides: Any) -> None:
+def _keys(where: str, overrides: Any) -> dict[str, Any]:
+    """``overrides`` with ``config.section.field`` keys as ``section.field``."""
     if not isinstance(overrides, Mapping) or not all(isinstance(k, str) for k in overrides):
         raise SweepError(f"{where}: {overrides!r:.80} is not a dict of 'section.field' "
                          f"overrides")
+    out = {sweep_hyper.key_name(k): v for k, v in overrides.items()}
+    if len(out) < len(overrides):
+        raise SweepError(f"{where}: {overrides!r:.80} names a key twice (with and without "
+                         f"'config.')")
+    return out
+
+
+def _check_runs(where: str, config: str, overrides: Mapping[str, Any]) -> None:
+    """The trial's config as ``main.py`` parses and validates it: a value of the wrong type or
+    out of range fails here, before any trial starts; so does a job that writes no
+    ``summary.json`` (the mark of a finished trial)."""
+    try:
+        job = config_from_argv(["--config", config, *override_args(overrides)]).job
+    except ValueError as e:
+        raise SweepError(f"{where}: {' '.join(str(e).split())}") from None
+    if job.value not in SWEEP_JOBS:
+        raise SweepError(f"{where}: job = {job.value!r}: a sweep runs {', '.join(SWEEP_JOBS)} "
+                         f"(their summary.json marks a trial finished)")
 
 
 def _check_overrides(where: str, overrides: Mapping[str, Any]) -> None:
@@ -136,22 +155,22 @@ def _check_overrides(where: str, overrides: Mapping[str, Any]) -> None:
 
 def load_sweep(file: str | pathlib.Path) -> Sweep:
     """Import the sweep or config file (``path[:arg]``, the arg for a config file's
-    ``get_config``), build its trials and check every key; raises ``SweepError``."""
+    ``get_config``), build its trials and check each one's config; raises ``SweepError``."""
     name, sep, arg = str(file).partition(":")
     path = pathlib.Path(name)
     module = _import(path)
     function_name, function = _sweep_function(path, module)
     config = _config_of(path, module, sep, arg)
-    fixed = getattr(module, "FIXED", {})
-    _check_dict(f"{path}: FIXED", fixed)
+    fixed = _keys(f"{path}: FIXED", getattr(module, "FIXED", {}))
     _check_overrides(f"{path}: FIXED", fixed)
     overrides = _call(path, function_name, function)
     names = trial_names(overrides)
     for i, (trial, o) in enumerate(zip(names, overrides)):
         _check_overrides(f"{path}: trial {trial}", o)
-        if o in overrides[:i]:
+        if o in overrides[:i] or trial in names[:i]:
             raise SweepError(f"{path}: trial {trial}: the same overrides as an earlier trial")
         both = sorted(set(o) & set(fixed))
         if both:
             raise SweepError(f"{path}: trial {trial}: key {both[0]!r} is in FIXED too")
+        _check_runs(f"{path}: trial {trial}", config, {**fixed, **o})
     return Sweep(path, config, dict(fixed), [Trial(n, dict(o)) for n, o in zip(names, overrides)])

@@ -1,8 +1,8 @@
 """A sweep's results: ``W/results.csv``, the table on stdout, ``W/sweep_curves.png``.
 
-Contract: one row per trial, in sweep order: ``trial``, ``status`` (``done`` when its
-summary.json holds a whole JSON object, ``not started`` without a trial directory (a stopped
-sweep), else ``failed``), its overrides (one column per dotted
+Contract: one row per trial, in sweep order: ``trial``, ``status`` (``done`` when it is
+finished: a whole summary.json and exit code 0; ``not started`` without a trial directory (a
+stopped sweep), else ``failed``), its overrides (one column per dotted
 key), every scalar of its summary.json (nested dicts flattened to ``outer.inner``; lists left
 out) and, for a failed trial, ``error``: the last line of its ``sweep.log``. The table shows the
 overrides and the headline numbers of the job (RL: accuracy and reward; SFT: loss); the CSV has
@@ -21,7 +21,14 @@ import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from meshrl.launch.sweep_trials import LOG, Trial, format_value, log_tail, read_summary
+from meshrl.launch.sweep_trials import (
+    LOG,
+    Trial,
+    format_value,
+    is_finished,
+    log_tail,
+    read_summary,
+)
 from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 
@@ -49,11 +56,13 @@ def flatten(summary: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def trial_row(trial: Trial, workdir: pathlib.Path) -> dict[str, Any]:
     row: dict[str, Any] = {"trial": trial.name}
     summary = read_summary(workdir, trial)
-    row["status"] = "done" if summary is not None else "failed"
+    row["status"] = "done" if is_finished(workdir, trial) else "failed"
     row.update(trial.overrides)
-    if summary is not None:
+    if summary is not None:  # a failed trial's too: what it wrote before it failed
         row.update(flatten(summary))
-    elif not (workdir / trial.name).is_dir():  # the sweep stopped before it
+    if row["status"] == "done":
+        return row
+    if not (workdir / trial.name).is_dir():  # the sweep stopped before it
         row["status"], row["error"] = "not started", "not started"
     else:
         tail = log_tail(workdir / trial.name / LOG, 1)

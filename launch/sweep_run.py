@@ -1,8 +1,10 @@
 """Running a sweep's trials: local subprocesses, or an XManager experiment.
 
 Both launchers start the same command line per trial (``sweep_trials.trial_command``) and leave the
-verdict to the trial's workdir: a trial is finished when its ``summary.json`` exists, so a
-rerun of the sweep starts only the others (``main.py`` resumes them from their checkpoints).
+verdict to the trial's workdir: a trial is finished when its ``summary.json`` exists and it
+exited with 0, so a rerun of the sweep starts only the others (``main.py`` resumes them from
+their checkpoints). A trial that started with other settings than the sweep gives it now is
+refused, finished or not: its results, or its checkpoint, would pass for this sweep's.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from meshrl.launch.sweep_trials import (
     Trial,
     is_finished,
     log_tail,
+    record_exit,
     record_settings,
     settings_change,
     trial_command,
@@ -41,12 +44,14 @@ XMANAGER_MISSING = ("--launcher xmanager needs the xmanager package, which is no
 
 def run_pending(spec: Sweep, workdir: pathlib.Path, parallel: int,
                 runner: Callable[[Sweep, Sequence[Trial], pathlib.Path, int], None]) -> None:
-    """Run, with ``runner``, the trials of ``spec`` that have no summary.json yet. A finished
-    trial whose recorded settings differ from the sweep's now is a ``SweepError``."""
+    """Run, with ``runner``, the trials of ``spec`` that are not finished. A trial whose
+    recorded settings differ from the sweep's now is a ``SweepError``."""
     for t in spec.trials:
-        if is_finished(workdir, t) and (change := settings_change(spec, t, workdir)):
-            raise SweepError(f"trial {t.name} finished with other settings ({change}) than "
-                             f"{spec.path} gives it now: its results would pass for this "
+        if change := settings_change(spec, t, workdir):
+            what, harm = (("finished", "its results") if is_finished(workdir, t)
+                          else ("started", "resuming its checkpoint, its results"))
+            raise SweepError(f"trial {t.name} {what} with other settings ({change}) than "
+                             f"{spec.path} gives it now: {harm} would pass for this "
                              f"sweep's; use another --workdir, or remove {workdir / t.name}")
     todo = [t for t in spec.trials if not is_finished(workdir, t)]
     log.info("sweep %s: %d trials, %d finished, %d to run (up to %d at once) under %s",
@@ -63,6 +68,7 @@ def _prepare(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> None:
     # which a umask of 002 would give.
     (workdir / trial.name).mkdir(mode=0o700, exist_ok=True)
     record_settings(spec, trial, workdir)
+    record_exit(workdir, trial, None)
 
 
 class _Running:
@@ -104,6 +110,7 @@ def _run_one(spec: Sweep, trial: Trial, workdir: pathlib.Path, running: _Running
         with running.lock:
             running.procs.discard(proc)
     wall = time.perf_counter() - t0
+    record_exit(workdir, trial, rc)
     if rc == 0 and is_finished(workdir, trial):
         log.info("trial %s: finished in %.0f s", trial.name, wall)
     else:
@@ -181,6 +188,7 @@ async def _run_experiment(spec: Sweep, trials: Sequence[Trial], workdir: pathlib
             [executable] = experiment.package([python_packageable()])
             jobs = xmanager_jobs(spec, trials, workdir, executable)
             slots = asyncio.Semaphore(parallel)
+            trial_of = {t.name: t for t in trials}
 
             async def one(job: Any) -> None:
                 async with slots:
@@ -189,8 +197,10 @@ async def _run_experiment(spec: Sweep, trials: Sequence[Trial], workdir: pathlib
                              unit.work_unit_id)
                     try:
                         await unit.wait_until_complete()
+                        record_exit(workdir, trial_of[job.name], 0)
                         log.info("trial %s: exited with code 0", job.name)
                     except xm.ExperimentUnitError as e:
+                        record_exit(workdir, trial_of[job.name], 1)  # its code is not given
                         failed.append(job.name)
                         log.error("trial %s: failed: %s", job.name, e)
 
@@ -198,7 +208,7 @@ async def _run_experiment(spec: Sweep, trials: Sequence[Trial], workdir: pathlib
             done = True
     except RuntimeError:
         # Leaving the experiment re-raises the exit code of a failed job, already reported
-        # above; the trials' summary.json files give the verdict.
+        # above; the trials' summary.json and exit records give the verdict.
         if not (done and failed):
             raise
 

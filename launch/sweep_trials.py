@@ -3,7 +3,8 @@ and summary. The sweep modules import this one; it imports none of them back.
 
 A trial ``t`` of a sweep in workdir ``W`` runs ``<python> main.py --config CONFIG --workdir
 W/<t> --config.<k>=<v> ...``, logs to ``W/<t>/sweep.log`` and is finished when
-``W/<t>/summary.json`` holds a whole JSON object.
+``W/<t>/summary.json`` holds a whole JSON object and its last exit code (``W/<t>/sweep_exit.json``)
+was 0.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ MAIN = ROOT / "main.py"
 SUMMARY = "summary.json"
 LOG = "sweep.log"
 SETTINGS = "sweep_settings.json"  # the config and overrides the trial last started with
+EXIT = "sweep_exit.json"  # the trial's last exit code
 _MAX_NAME = 150  # well under the 255 bytes a file name may have
 
 
@@ -66,10 +68,11 @@ def format_value(value: Any) -> str:
 
 
 def _safe(name: str) -> str:
-    name = re.sub(r"[^A-Za-z0-9._,=+-]", "_", name)
-    if len(name) > _MAX_NAME:
-        name = f"{name[:_MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
-    return name
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    safe = re.sub(r"[^A-Za-z0-9._,=+-]", "_", name)
+    if len(safe) > _MAX_NAME:
+        safe = f"{safe[:_MAX_NAME - 9]}-{digest}"
+    return safe
 
 
 def _name_value(value: Any) -> str:
@@ -98,14 +101,19 @@ def _label(key: str) -> str:
     return short if _field_owners().get(short, key) == key else key
 
 
+def trial_name(overrides: Overrides) -> str:
+    """``label=value,...`` (``_label``); ``base`` for no overrides. A name with characters a
+    file name should not have gets them replaced and a digest of the whole name, so two
+    trials never share a directory and a trial's name depends on its overrides alone."""
+    name = ",".join(f"{_label(k)}={_name_value(v)}" for k, v in overrides.items()) or "base"
+    safe = _safe(name)
+    if safe != name and len(name) <= _MAX_NAME:  # _safe digests a name it shortens itself
+        safe = f"{safe}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return safe
+
+
 def trial_names(trials: Sequence[Overrides]) -> list[str]:
-    """``label=value,...`` per trial (``_label``); ``base`` for no overrides. Names that still
-    clash (values equal once made filesystem-safe) get a digest of their overrides."""
-    names = [_safe(",".join(f"{_label(k)}={_name_value(v)}" for k, v in t.items()) or "base")
-             for t in trials]
-    clashes = {n for n in names if names.count(n) > 1}
-    return [f"{n}-{hashlib.sha1(repr(sorted(t.items())).encode()).hexdigest()[:8]}"
-            if n in clashes else n for n, t in zip(names, trials)]
+    return [trial_name(t) for t in trials]
 
 
 def override_args(overrides: Mapping[str, Any]) -> list[str]:
@@ -141,7 +149,9 @@ def settings_change(spec: Sweep, trial: Trial, workdir: pathlib.Path) -> str | N
     except (OSError, ValueError):
         return None
     new = trial_settings(spec, trial)
-    if old == new:
+    # Main.py applies overrides of distinct keys in any order alike.
+    if old.get("config") == new["config"] and sorted(old.get("overrides", [])) == sorted(
+            new["overrides"]):
         return None
     if old.get("config") != new["config"]:
         return f"config {old.get('config')!r} -> {new['config']!r}"
@@ -159,8 +169,27 @@ def read_summary(workdir: pathlib.Path, trial: Trial) -> dict[str, Any] | None:
     return summary if isinstance(summary, dict) else None
 
 
+def record_exit(workdir: pathlib.Path, trial: Trial, code: int | None) -> None:
+    """The trial's last exit code, None while it runs (``EXIT``)."""
+    paths.write_text_atomic(paths.as_path(workdir / trial.name / EXIT),
+                            json.dumps({"exit_code": code}))
+
+
+def exit_code(workdir: pathlib.Path, trial: Trial) -> int | None:
+    """The trial's recorded exit code; 0 when none was recorded (a directory no launcher of
+    this version started), None while it runs or when its launcher died with it."""
+    try:
+        return json.loads((workdir / trial.name / EXIT).read_text())["exit_code"]
+    except FileNotFoundError:
+        return 0
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def is_finished(workdir: pathlib.Path, trial: Trial) -> bool:
-    return read_summary(workdir, trial) is not None
+    """A whole ``summary.json`` and exit code 0: a trial that wrote its summary and then
+    crashed is not finished."""
+    return read_summary(workdir, trial) is not None and exit_code(workdir, trial) == 0
 
 
 def log_tail(path: pathlib.Path, lines: int = 8) -> list[str]:

@@ -65,3 +65,25 @@ def test_deprecated_sample_job_and_section_still_run_with_one_warning_each():
     assert "job = generate" in out.stdout and "generate.source = 'random'" in out.stdout
     assert "job = sample is deprecated" in out.stderr
     assert "sample.source is deprecated" in out.stderr and "use generate.source" in out.stderr
+
+
+def test_an_empty_workdir_exits_with_one_error_line_not_the_default_workdir():
+    out = _main("--workdir=")  # an unset $VAR in a script
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1].startswith("error: --workdir = '': empty")
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("body, arg, expected", [
+    ("def sweep():\n    return []\n", "", "AttributeError"),  # a sweep file given as --config
+    ("def get_config():\n    return {}\n", ":smoke", "TypeError"),
+])
+def test_a_file_that_is_no_config_file_exits_with_one_error_line(tmp_path, body, arg, expected):
+    path = tmp_path / "not_a_config.py"
+    path.write_text(body)
+    out = subprocess.run([sys.executable, str(ROOT / "main.py"), "--config", f"{path}{arg}"],
+                         capture_output=True, text=True, env=ENV, timeout=300)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --config = '{path}{arg}': loading it raised {expected}")
+    assert "defines get_config(arg)" in last and "Traceback" not in out.stderr

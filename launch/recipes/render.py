@@ -35,10 +35,13 @@ def parse_pairs(flag: str, text: str | None, value: Callable[[str], object] = st
         try:
             if not sep or not key.strip():
                 raise ValueError
-            out[key.strip()] = value(raw.strip())
+            parsed = value(raw.strip())
         except ValueError:
             raise RecipeError(f"--{flag} {text!r}: {item!r} must look like key=value"
                               f"{' with an integer value' if value is int else ''}") from None
+        if key.strip() in out:
+            raise RecipeError(f"--{flag} {text!r}: {key.strip()!r} is given twice")
+        out[key.strip()] = parsed
     return out
 
 

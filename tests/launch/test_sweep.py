@@ -151,13 +151,15 @@ def test_numpy_floats_name_and_pass_as_plain_floats():
     assert sweep.format_value((np.float64(0.5), 2)) == "(0.5, 2)"
 
 
-def test_trial_names_are_filesystem_safe_unique_and_bounded():
+def test_trial_names_are_filesystem_safe_unique_bounded_and_their_own():
     trials = [{"data.path": "/a/b"}, {"data.path": "_a_b"}, {"data.path": "x" * 400},
               {"reward.names": ("math", "format")}, {"rl.flag": True}]
 
     names = sweep.trial_names(trials)
 
-    assert names[0].startswith("path=_a_b-") and names[1].startswith("path=_a_b-")
+    assert names[0].startswith("path=_a_b-") and names[1] == "path=_a_b"
+    # A trial's name follows from its overrides alone: adding a trial renames none.
+    assert [sweep.trial_names([t])[0] for t in trials] == names
     assert len(set(names)) == len(names)
     assert all("/" not in n and " " not in n and len(n) <= 150 for n in names)
     assert names[3] == "names=math+format" and names[4] == "flag=true"
