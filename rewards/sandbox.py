@@ -212,7 +212,7 @@ class ToolSandbox:
             answers = await _read_capped(child.answers, 6 * self.limits.output_bytes + 4096)
             if answers is None:
                 return None, []
-            lines = [json.loads(x) for x in answers.splitlines() if x]
+            lines = [a for x in answers.splitlines() if (a := _answer_line(x)) is not None]
             await child.proc.wait()
             return text, lines
         try:
@@ -224,7 +224,9 @@ class ToolSandbox:
             return ToolOutput(False, f"error: the tool printed more than "
                                      f"{self.limits.output_bytes} bytes and was stopped",
                               "output_limit")
-        answer = next((x for x in lines if "ok" in x), None)
+        # The child writes its answer after the tool's code has run: the last one is the child's
+        # (a line the tool wrote itself before is only more of its own output).
+        answer = lines[-1] if lines else None
         printed_text = text.decode("utf-8", errors="replace")
         if answer is None:
             return ToolOutput(False, f"error: the tool process {_death(child.proc)}"
@@ -275,8 +277,7 @@ class ToolSandbox:
 
     async def _answer(self, child: _Child) -> dict | None:
         while raw := await child.answers.readline():
-            line = json.loads(raw)
-            if "ok" in line:
+            if (line := _answer_line(raw)) is not None:
                 return line
         return None
 
@@ -290,3 +291,17 @@ class ToolSandbox:
         self._bind()
         async with self._lock:
             await self._drop_shared()
+
+
+def _answer_line(raw: bytes | str) -> dict | None:
+    """A line of the result pipe as the child's answer (``ok``: bool, ``output``: str), or None
+    for anything else: the pipe is the tool's to write too, and what it writes must not raise
+    into the episode."""
+    try:
+        line = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(line, dict) and isinstance(line.get("ok"), bool) and isinstance(
+            line.get("output"), str):
+        return line
+    return None

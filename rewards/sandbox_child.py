@@ -18,7 +18,8 @@ and removing the temporary directory):
    that a child whose parent died removes its own).
 4. A ``sys.addaudithook`` hook (it cannot be removed once added) that refuses sockets, process
    creation (fork, exec, spawn, ``subprocess``, ``os.system``), signals to other processes,
-   ``ctypes`` and the modules that bypass the hook (``_posixsubprocess``, ``_ctypes``), and any
+   ``ctypes`` and the modules that bypass the hook (``_posixsubprocess``, ``_ctypes``), changing
+   the working directory, setting another process's limits (``prlimit``), and any
    file-system access outside the working directory (the per-call temporary directory) except
    reads of the Python installation (imports); no directory outside it is opened (its
    descriptor would let ``dir_fd`` paths past the check), and a write through a descriptor is
@@ -43,10 +44,12 @@ import sys
 import traceback
 
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+# ``os.chdir`` (``fchdir`` too): the path check resolves relative paths against the working
+# directory, and a ``dir_fd`` path against a directory above a changed one would get past it.
 _BLOCKED_EVENTS = ("socket.", "subprocess.", "ctypes.", "os.fork", "os.forkpty", "os.exec",
                    "os.posix_spawn", "os.spawn", "os.system", "os.kill", "os.killpg",
                    "os.startfile", "signal.pthread_kill", "pty.", "webbrowser.", "urllib.",
-                   "http.", "ftplib.", "smtplib.", "winreg.")
+                   "http.", "ftplib.", "smtplib.", "winreg.", "os.chdir", "os.chroot")
 _BLOCKED_MODULES = frozenset({"_posixsubprocess", "_ctypes", "ctypes", "_socket", "socket",
                               "mmap", "_multiprocessing", "multiprocessing", "resource"})
 _PATH_EVENTS = frozenset({"open", "os.listdir", "os.scandir", "os.remove", "os.rename",
@@ -162,6 +165,8 @@ def make_hook(workdir: str):
     def hook(event: str, args: tuple) -> None:
         if event.startswith(_BLOCKED_EVENTS):
             raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "resource.prlimit" and args and args[0] not in (0, os.getpid()):
+            raise PermissionError("sandbox: limits of another process are not the tool's")
         if event == "import" and args and args[0].split(".")[0] in _BLOCKED_MODULES:
             raise PermissionError(f"sandbox: import of {args[0]} is not allowed")
         if event in _PATH_EVENTS and args:

@@ -65,13 +65,22 @@ def test_python_tool_prints_its_answer_and_may_use_its_own_directory(tool_tmp):
      "os.chmod outside the tool's directory"),
     ("import os\nos.setxattr('..', 'user.x', b'1')", "tool_error",
      "os.setxattr outside the tool's directory"),
+    # Relative paths are checked against the working directory: it never changes, so a
+    # dir_fd above a deeper one cannot resolve a path the check read as inside.
+    ("import os\nroot = os.open('.', os.O_RDONLY)\nos.makedirs('a/b')\nos.chdir('a/b')\n"
+     "os.open('../../../escape.txt', os.O_RDONLY, dir_fd=root)", "tool_error",
+     "os.chdir is not allowed"),
+    ("import os, sys\nr = sys.modules['__main__'].resource\n"
+     "r.prlimit(os.getppid(), r.RLIMIT_NOFILE, (16, 16))", "tool_error",
+     "limits of another process"),
     ("raise ValueError('A' * 200_000)", "output_limit", "more than 2000 bytes"),
     ("import sys, os\nos.write(int(sys.argv[1]), b'{\"ok\": true, \"output\": \"' "
      "+ b'B' * 200_000 + b'\"}\\n')", "output_limit", "more than 2000 bytes"),
 ])
 def test_hostile_python_ends_as_an_error_output_and_leaves_nothing(tool_tmp, code, error,
                                                                    needle):
-    before = resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_CPU)
+    kinds = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NOFILE)
+    before = [resource.getrlimit(k) for k in kinds]
     out, took, metrics = run_python(code)
     assert not out.ok and out.error == error, out
     assert needle in out.text and out.text.startswith("error: ")
@@ -80,8 +89,16 @@ def test_hostile_python_ends_as_an_error_output_and_leaves_nothing(tool_tmp, cod
     assert_clean(tool_tmp)
     assert not (tool_tmp.parent / "escape.txt").exists()
     # the calling process keeps its own limits
-    assert (resource.getrlimit(resource.RLIMIT_AS), resource.getrlimit(resource.RLIMIT_CPU)) \
-        == before
+    assert [resource.getrlimit(k) for k in kinds] == before
+
+
+@pytest.mark.parametrize("written", [b"not json", b'{"ok": true}', b'["ok"]'])
+def test_a_line_the_tool_writes_on_the_result_pipe_is_not_taken_for_the_answer(tool_tmp,
+                                                                                 written):
+    out, _, _ = run_python(f"import os, sys\nos.write(int(sys.argv[1]), {written!r} + b'\\n')\n"
+                           f"print('the tool ran')")
+    assert out.ok and out.text == "the tool ran\n", out
+    assert_clean(tool_tmp)
 
 
 def test_sleeping_tool_is_stopped_at_its_wall_clock_and_its_process_group_is_gone(
