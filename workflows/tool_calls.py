@@ -3,12 +3,13 @@
 Two formats, chosen by name (``PARSERS``):
 
 * ``hermes`` (Hermes, Qwen2.5/Qwen3): each call is
-  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``; the text around the calls is the
-  turn's content.
+  ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (a ``</tool_call>`` inside a JSON
+  string does not close it); the text around the calls is the turn's content.
 * ``llama3`` (Llama 3.1-3.3 JSON tool calling): the turn, optionally after ``<|python_tag|>``,
   is one JSON object ``{"name": ..., "parameters": {...}}`` or several separated by ``;``; a turn
   that does not start with ``{`` (after the tag) is plain content. Llama 3.2's pythonic form
-  ``[fn(a=1, b="x"), ...]`` is accepted too, literal arguments only (never evaluated).
+  ``[fn(a=1, b="x"), ...]`` is accepted too, literal arguments only (never evaluated); other
+  bracketed text (``[2, 5)``, ``[1, 2]``) is content.
 
 A call that cannot be parsed (bad JSON, no name, arguments not an object, an unclosed tag) is
 not dropped: it becomes a ``ToolCallError`` the episode answers with an error observation, so
@@ -67,21 +68,42 @@ def _call_from_json(raw: str, args_key: str) -> ToolCall | ToolCallError:
     return ToolCall(obj["name"], args)
 
 
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+
+
+def _hermes_close(text: str, body_start: int) -> int:
+    """Where the call opened at ``body_start`` closes (-1: never): after its JSON when the
+    body reads as JSON up to a ``</tool_call>`` (a string in it may hold one), else the first
+    ``</tool_call>``."""
+    offset = len(text) - len(text[body_start:].lstrip())
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, offset)
+    except (ValueError, RecursionError):
+        return text.find(_CLOSE, body_start)
+    after = len(text) - len(text[end:].lstrip())
+    return after if text.startswith(_CLOSE, after) else text.find(_CLOSE, body_start)
 
 
 def parse_hermes(text: str) -> ParsedTurn:
-    calls: list[ToolCall | ToolCallError] = [_call_from_json(m.strip(), "arguments")
-                                             for m in _HERMES.findall(text)]
-    rest = _HERMES.sub("", text)
-    if "<tool_call>" in rest:
-        tail = rest[rest.index("<tool_call>"):]
-        calls.append(ToolCallError("<tool_call> is not closed by </tool_call>", tail))
-        rest = rest[:rest.index("<tool_call>")]
-    return ParsedTurn(rest.strip(), tuple(_capped(calls)))
+    calls: list[ToolCall | ToolCallError] = []
+    content, pos = [], 0
+    while (start := text.find(_OPEN, pos)) >= 0:
+        content.append(text[pos:start])
+        close = _hermes_close(text, start + len(_OPEN))
+        if close < 0:
+            calls.append(ToolCallError(f"{_OPEN} is not closed by {_CLOSE}", text[start:]))
+            pos = len(text)
+            break
+        calls.append(_call_from_json(text[start + len(_OPEN):close].strip(), "arguments"))
+        pos = close + len(_CLOSE)
+    content.append(text[pos:])
+    return ParsedTurn("".join(content).strip(), tuple(_capped(calls)))
 
 
 _PYTHON_TAG = "<|python_tag|>"
+# A pythonic call list opens with ``[name(``: other bracketed text (an interval ``[2, 5)``, a
+# list answer) is content, as in vLLM's pythonic parser.
+_PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_]\w*\(")
 
 
 def _split_json_objects(text: str) -> list[str]:
@@ -151,7 +173,7 @@ def parse_llama3(text: str) -> ParsedTurn:
     if body.startswith("{"):
         return ParsedTurn("", tuple(_capped([_call_from_json(p, "parameters")
                                              for p in _split_json_objects(body)])))
-    if body.startswith("[") and body.endswith("]") and "(" in body:
+    if _PYTHONIC_START.match(body) and body.endswith("]"):
         return ParsedTurn("", tuple(_capped(_pythonic(body))))
     if tagged:
         return ParsedTurn("", (ToolCallError("<|python_tag|> must be followed by a JSON call",

@@ -27,6 +27,21 @@ QWEN_TOOL_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
+# Qwen3's assistant turns: the last one carries an (empty) <think> block, dropped once another
+# message follows; tool results as in Qwen2.5 (one per user turn here).
+QWEN3_THINK_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message.content + "
+    "'\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\n<think>\n\n</think>\n\n' + message.content + "
+    "'<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
 # Rewrites every assistant turn but the last (as Qwen3 drops earlier <think> parts).
 DRIFTING_TEMPLATE = (
     "{%- for message in messages %}"

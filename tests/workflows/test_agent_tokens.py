@@ -16,6 +16,7 @@ from meshrl.models.tokenizer import CharTokenizer
 from meshrl.rewards.tools import Tools
 from meshrl.tests.workflows.agent_fakes import (
     DRIFTING_TEMPLATE,
+    QWEN3_THINK_TEMPLATE,
     ConstRewards,
     ScriptedSampler,
     qwen_tokenizer,
@@ -184,6 +185,20 @@ def test_a_template_that_rewrites_earlier_turns_is_refused_with_the_reason(tmp_p
     drifting = qwen_tokenizer(tmp_path / "drift", DRIFTING_TEMPLATE)
     with pytest.raises(TemplateDriftError, match="renders earlier turns differently"):
         TurnRenderer(drifting)  # at construction: before a job samples anything
+
+
+def test_a_template_that_rewrites_the_assistant_turn_before_its_content_renders_turn_by_turn(
+        tmp_path):
+    # Qwen3: the last assistant turn opens with an empty <think> block, an earlier one without:
+    # the observation is what follows the model's own turn either way.
+    qwen3 = qwen_tokenizer(tmp_path / "qwen3", QWEN3_THINK_TEMPLATE)
+
+    ids = TurnRenderer(qwen3).observation_ids([{"role": "tool", "content": "42"}],
+                                              stopped_on_eos=True)
+
+    want = qwen3.encode("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response>"
+                        "<|im_end|>\n<|im_start|>assistant\n")
+    assert want[0] == qwen3.eos_id and ids == want[1:]
 
 
 def test_plain_tokenizer_keeps_its_eos_between_turns_and_masks_tool_responses():

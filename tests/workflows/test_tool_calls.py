@@ -96,3 +96,26 @@ def test_model_text_a_parser_cannot_take_is_a_call_error_not_an_exception(parse,
 
     assert len(turn.calls) == 1 and isinstance(turn.calls[0], ToolCallError), turn.calls
     assert needle in turn.calls[0].message
+
+
+def test_a_hermes_call_whose_json_string_holds_the_closing_tag_is_one_whole_call():
+    code = "print('</tool_call>')"
+    text = ('Run it.<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}'
+            '\n</tool_call> done')
+
+    turn = parse_hermes(text)
+
+    assert turn.calls == (ToolCall("python", {"code": code}),)
+    assert turn.content == "Run it. done"
+
+
+@pytest.mark.parametrize("answer", ["[2, 5) U (6, 8]", "[1, 2, 3]", "[x (the root), 4]"])
+def test_llama3_bracketed_text_that_is_no_call_list_is_content(answer):
+    turn = parse_llama3(answer)
+
+    assert turn.calls == () and turn.content == answer
+
+
+def test_llama3_a_call_list_with_a_typo_is_still_a_call_error():
+    (err,) = parse_llama3('[calculator(expression="2+2"]').calls
+    assert isinstance(err, ToolCallError) and "not a list of calls" in err.message
