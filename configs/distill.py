@@ -1,13 +1,13 @@
-"""On-policy distillation, all local: the run first trains a wider teacher with SFT on the
-default job's synthetic task (two-digit sums), then a tiny student with a short SFT warm start
-distils from it on-policy: the student samples, the teacher scores the student's tokens, and
+"""On-policy distillation, all local: after a tiny student's short SFT warm start, the run
+trains a wider teacher with SFT on the default job's synthetic task (two-digit sums), and the
+student distils from it on-policy: the student samples, the teacher scores the student's tokens, and
 each token's advantage is log p_teacher - log p_student (docs/distill.md).
 
   python main.py --config configs/distill.py --workdir /tmp/meshrl_distill
   python main.py --config configs/distill.py:smoke --workdir /tmp/meshrl_distill_smoke
 
-Phases, each resumable: ``<workdir>/teacher`` (``distill.teacher_steps`` SFT steps of the
-teacher), ``<workdir>/sft`` (the student's ``rl.warm_start_steps``), then the RL job's loop with
+Phases, each resumable: ``<workdir>/sft`` (the student's ``rl.warm_start_steps``),
+``<workdir>/teacher`` (``distill.teacher_steps`` SFT steps of the teacher), then the RL job's loop with
 the teacher in the KL reference's place. ``summary.json``'s ``distill`` entry has the teacher's,
 the student's before and the student's after held-out greedy accuracy. To distil from an
 existing teacher instead, set ``--config.distill.teacher=DIR`` (a Hugging Face checkpoint or a

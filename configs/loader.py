@@ -54,7 +54,16 @@ def from_config_dict(cfg: ml_collections.ConfigDict | dict[str, Any]) -> Config:
         if not isinstance(section, dict):
             raise ConfigError(f"{name} = {section!r}: must be a section (a dict of fields)")
         sections[name] = cls.from_mapping(section)
-    return Config(job=job, **sections)
+    config = Config(job=job, **sections)
+    if config.distill.enabled and job != Job.RL:
+        # Checked here, for the config a user wrote: the SFT warm-start configs the RL job
+        # derives keep the section.
+        d = config.distill
+        what = f"distill.teacher = {d.teacher!r}" if d.teacher else (
+            f"distill.teacher_steps = {d.teacher_steps}")
+        raise ConfigError(f"{what}: only job = rl distils (job = {job.value}): clear distill.* "
+                          f"or set job = rl")
+    return config
 
 
 def render(config: Config, *, replace: Mapping[str, Any] | None = None,

@@ -24,12 +24,13 @@ from meshrl.jobs import weights_source
 from meshrl.jobs.weights_source import WeightSource, Wording
 from meshrl.mesh import rules_for
 from meshrl.models.load import LoadedModel
+from meshrl.models.tokenizer import Tokenizer, vocabulary_digest
 from meshrl.trainer.checkpoint_reader import CheckpointReader
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.utils.params import process_local_copy
-from meshrl.workflows.evaluate import aevaluate
+from meshrl.workflows.setup import aevaluate_held_out
 
 log = log_lib.get_logger("rl")
 
@@ -47,13 +48,13 @@ def teacher_source(config: Config) -> WeightSource:
         raise ConfigError(f"distill.teacher = {where!r}: no such directory: point it at a "
                           f"Hugging Face checkpoint directory or a meshrl run's workdir")
     if (path / "config.json").is_file():
-        model = dataclasses.replace(config.model, hf_path=str(path))
-        if not (path / "tokenizer.json").is_file():
-            # It scores the student's ids: without a tokenizer of its own, the student's.
-            m = config.model
-            model = dataclasses.replace(model, tokenizer=(
-                m.tokenizer if m.tokenizer != "auto" else m.hf_path or "char"))
-        return WeightSource("hf_path", model)
+        m = config.model
+        # Its own tokenizer when it ships one (checked against the student's: check_vocab);
+        # without, it scores the student's ids with the student's.
+        tokenizer = ("auto" if (path / "tokenizer.json").is_file()
+                     else m.tokenizer if m.tokenizer != "auto" else m.hf_path or "char")
+        return WeightSource("hf_path", dataclasses.replace(m, hf_path=str(path),
+                                                            tokenizer=tokenizer))
     if not (path / "checkpoints").is_dir():
         raise ConfigError(f"distill.teacher = {where!r}: neither a Hugging Face checkpoint "
                           f"(no config.json) nor a meshrl run (no checkpoints/ directory): "
@@ -70,49 +71,63 @@ def teacher_source(config: Config) -> WeightSource:
     return weights_source.resolve(config, path, "checkpoint", _WORDS)
 
 
-def load_teacher(config: Config, mesh: Mesh, student_tokens: int) -> LoadedModel:
-    """The teacher of ``distill.teacher`` on ``mesh`` for the train role, its weights read;
-    a tokenizer other than the student's (``student_tokens`` tokens) is a ``ConfigError``
-    (``check_vocab``), raised before the weights are read."""
+def check_teacher(config: Config, mesh: Mesh, student_tokenizer: Tokenizer,
+                  student_rows: int) -> tuple[WeightSource, Any]:
+    """The teacher of ``distill.teacher`` (``teacher_source``) and its skeleton (config and
+    tokenizer, no weights read), checked against the student (``check_vocab``)."""
     source = teacher_source(config)
     skeleton = weights_source.skeleton(config, source, mesh, "train")
-    check_vocab(config, skeleton.arch.vocab_size, skeleton.tokenizer.vocab_size, student_tokens)
+    check_vocab(config, skeleton.arch.vocab_size, skeleton.tokenizer, student_tokenizer,
+                student_rows)
+    return source, skeleton
+
+
+def load_teacher(config: Config, mesh: Mesh, student_tokenizer: Tokenizer, student_rows: int
+                 ) -> LoadedModel:
+    """The teacher of ``distill.teacher`` on ``mesh`` for the train role, its weights read
+    after ``check_teacher``."""
+    source, skeleton = check_teacher(config, mesh, student_tokenizer, student_rows)
     loaded, _ = weights_source.fill(config, config.distill.teacher, source, skeleton)
     log.info("distillation teacher: %s (%d layers, hidden %d)", config.distill.teacher,
              loaded.arch.num_layers, loaded.arch.hidden_size)
     return loaded
 
 
-def check_vocab(config: Config, teacher_vocab: int, teacher_tokens: int, student_tokens: int
-                ) -> None:
-    """The teacher scores the student's token ids: its tokenizer must have as many tokens as
-    the student's (``teacher_tokens``, ``student_tokens``) and its model a row for each
-    (``teacher_vocab``; a padded vocabulary may be larger, as within a model family)."""
+def check_vocab(config: Config, teacher_rows: int, teacher_tokenizer: Tokenizer,
+                student_tokenizer: Tokenizer, student_rows: int) -> None:
+    """The teacher scores the student's token ids: its tokenizer must give every id the token
+    the student's gives it (``vocabulary_digest``), and its model needs a row for every id the
+    student's model can sample (``student_rows``; a padded vocabulary may be larger)."""
     what = config.distill.teacher or "<workdir>/teacher"
+    teacher_tokens, student_tokens = teacher_tokenizer.vocab_size, student_tokenizer.vocab_size
     if teacher_tokens != student_tokens:
         raise ConfigError(f"distill.teacher = {what!r}: its tokenizer has {teacher_tokens} "
                           f"tokens, the student's {student_tokens}: distillation scores the "
                           f"student's token ids, so both need one tokenizer (pick a teacher of "
                           f"the student's family)")
-    if teacher_vocab < student_tokens:
-        raise ConfigError(f"distill.teacher = {what!r}: its model has {teacher_vocab} "
-                          f"vocabulary rows, fewer than the student tokenizer's "
-                          f"{student_tokens} tokens: pick a teacher of the student's family")
+    if vocabulary_digest(teacher_tokenizer) != vocabulary_digest(student_tokenizer):
+        raise ConfigError(f"distill.teacher = {what!r}: its tokenizer has the student's "
+                          f"{student_tokens} tokens but gives ids other tokens: distillation "
+                          f"scores the student's token ids, so both need one tokenizer (pick a "
+                          f"teacher of the student's family)")
+    if teacher_rows < student_rows:
+        raise ConfigError(f"distill.teacher = {what!r}: its model has {teacher_rows} "
+                          f"vocabulary rows, fewer than the student model's {student_rows} "
+                          f"(the student may sample any of them): pick a teacher of the "
+                          f"student's family")
 
 
 async def aevaluate_teacher(config: Config, teacher: Any, sampler_mesh: Mesh, loop: Any
                             ) -> dict[str, float]:
-    """The teacher's held-out metrics, measured as the RL loop measures the student: the same
-    examples, reward pool, sampler settings and seed, on a sampler of its own."""
-    c = config
-    sampler = AsyncSampler(Sampler(teacher.arch, c.sampler, sampler_mesh,
+    """The teacher's held-out metrics, measured as the RL loop measures the student
+    (``aevaluate_held_out``: agent episodes with ``agent.env``): the same examples, reward
+    pool, sampler settings and seed, on a sampler of its own."""
+    sampler = AsyncSampler(Sampler(teacher.arch, config.sampler, sampler_mesh,
                                    process_local_copy(teacher.params), version=0,
                                    rules=rules_for("sample")))
     try:
-        return await aevaluate(sampler, loop.reward_pool, loop.parts.examples, version=0,
-                               decode=loop.tokenizer.decode, stop_ids=loop.tokenizer.stop_ids,
-                               max_new_tokens=c.sampler.max_new_tokens, n=c.rollout.group_size,
-                               temperature=c.sampler.temperature, seed=c.trainer.seed)
+        return await aevaluate_held_out(config, sampler, loop.reward_pool, loop.parts.examples,
+                                        loop.tokenizer, version=0)
     finally:
         sampler.shutdown()
 

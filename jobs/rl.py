@@ -77,7 +77,8 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
     engine = TrainEngine(config, workdir, mesh, trainee,
                          rl_spec(config, mesh, routing_shape(config, model_cfg)))
     try:  # no orphaned Orbax threads or open metric files when anything below fails
-        reference, params, warm = reference_and_params(config, workdir, engine, tokenizer)
+        reference, params, warm = reference_and_params(config, workdir, engine, tokenizer,
+                                                       model_cfg.vocab_size)
         engine.start(params)
         del params
         start = engine.start_step

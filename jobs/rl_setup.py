@@ -13,7 +13,7 @@ from etils import epath
 from meshrl.configs.distill_schema import teacher_model
 from meshrl.configs.schema import Config, Job
 from meshrl.datasets import make_sft_iterator
-from meshrl.jobs.distill import check_vocab, load_teacher, teacher_source
+from meshrl.jobs.distill import check_teacher, check_vocab, load_teacher
 from meshrl.jobs.lora_source import finished_warm_start, warm_start_dir
 from meshrl.mesh import logical_to_sharding, rules_for
 from meshrl.models import load
@@ -93,16 +93,19 @@ def sample_offset(config: Config, mesh: Any) -> int:
 
 
 def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngine,
-                         tokenizer: Any) -> tuple[ReferencePolicy | None, Any, int]:
+                         tokenizer: Any, vocab_rows: int
+                         ) -> tuple[ReferencePolicy | None, Any, int]:
     """(the KL reference or None, the params RL starts from, the run's warm-start steps, a
     resumed run's included). A fresh run warm-starts when ``warm_start_steps`` says so. A
     resumed run whose warm start ran needs its result again when it is the KL reference or
     the frozen LoRA base: it reruns the finished warm start to its last checkpoint, which
     restores and trains nothing, whatever ``trainer.steps`` says now (with
-    ``rl.warm_start_steps = -1`` a longer run would otherwise train the reference further)."""
+    ``rl.warm_start_steps = -1`` a longer run would otherwise train the reference further).
+    ``vocab_rows``: the student model's vocabulary rows (a loaded teacher needs as many)."""
     kl, restored = config.rl.kl_coef > 0.0, engine.restored
     if config.distill.teacher:
-        teacher_source(config)  # a bad teacher path fails before the warm start trains
+        # A bad teacher path or another vocabulary fails before the warm start trains.
+        check_teacher(config, engine.mesh, tokenizer, vocab_rows)
     trainee = engine.trainee
     params = trainee.params
     sft_steps = warm_start_steps(config)
@@ -120,7 +123,8 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
         params = run_warm_start(config, workdir, engine.mesh, dataclasses.replace(trainee),
                                 tokenizer, sft_steps)
     if config.distill.enabled:
-        reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer)
+        reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer,
+                                                           vocab_rows)
     else:
         # With LoRA the reference is the adapter-disabled forward over the engine's frozen
         # base (the params the engine starts from): no second copy of the weights.
@@ -130,13 +134,19 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
                 trainee.forward), params, engine.params_sh if lora is None else lora.frozen_sh,
             engine.mesh, engine.batch_sh, samples=rl_batch_size(config),
             temperature=config.sampler.temperature, group_size=config.rollout.group_size,
-            microbatches=config.trainer.microbatches,
+            microbatches=forward_microbatches(config),
             base=None if lora is None else engine.frozen_base)
     return reference, params, sft_steps
 
 
-def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any
-                   ) -> ReferencePolicy:
+def forward_microbatches(config: Config) -> int:
+    """Microbatches of a reference or teacher forward over the batch: as many as the RL step's
+    proximal pass, so that no forward holds more rows than one update's microbatch."""
+    return config.trainer.microbatches * config.rl.ppo_minibatches
+
+
+def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any,
+                   vocab_rows: int) -> ReferencePolicy:
     """The distillation teacher on the trainer's mesh, in the reference's place: loaded from
     ``distill.teacher`` (``jobs.distill``), or trained in this run first with
     ``distill.teacher_steps`` SFT steps under ``<workdir>/teacher`` (a resumed run restores
@@ -147,17 +157,16 @@ def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tok
         # start config (SFT at rl.warm_start_lr) is the teacher's training.
         tcfg = dataclasses.replace(config, model=teacher_model(config.model, d))
         loaded = load(tcfg, engine.mesh, "train")
-        check_vocab(config, loaded.arch.vocab_size, loaded.tokenizer.vocab_size,
-                    tokenizer.vocab_size)
+        check_vocab(config, loaded.arch.vocab_size, loaded.tokenizer, tokenizer, vocab_rows)
         trainee = Trainee.of(loaded, tcfg)
         params = run_warm_start(tcfg, workdir, engine.mesh, trainee, tokenizer,
                                 d.teacher_steps, subdir="teacher")
     else:
-        loaded = load_teacher(config, engine.mesh, tokenizer.vocab_size)
+        loaded = load_teacher(config, engine.mesh, tokenizer, vocab_rows)
         trainee = Trainee.of(loaded, config)
         params = trainee.params
     return ReferencePolicy(
         config.rl, trainee.forward, params, trainee.params_shardings, engine.mesh,
         engine.batch_sh, samples=rl_batch_size(config), temperature=config.sampler.temperature,
-        group_size=config.rollout.group_size, microbatches=config.trainer.microbatches,
+        group_size=config.rollout.group_size, microbatches=forward_microbatches(config),
         distill=d, arch=loaded.arch)

@@ -7,6 +7,7 @@ prompt ids reach the trainer and the sampler.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -77,6 +78,14 @@ class CharTokenizer:
         return "".join(parts)
 
 
+def vocabulary_digest(tokenizer: Tokenizer) -> str:
+    """Which token each id names, as a short digest: two tokenizers with one digest give every
+    id the same token (a byte tokenizer: the byte values up to its size)."""
+    if isinstance(tokenizer, HFTokenizer):
+        return tokenizer.vocabulary_digest()
+    return f"bytes:{tokenizer.vocab_size}"
+
+
 def _token_content(value: Any) -> str | None:
     """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
     if value is None:
@@ -136,6 +145,11 @@ class HFTokenizer:
         # Models without a pad token (Llama) pad with EOS; padded positions are masked anyway.
         self.pad_id = eos_id if pad_id is None else pad_id
         self._compiled: Any = None
+
+    def vocabulary_digest(self) -> str:
+        """``vocabulary_digest``: a hash of the (id, token) pairs, added tokens included."""
+        pairs = sorted((i, t) for t, i in self._tok.get_vocab(with_added_tokens=True).items())
+        return hashlib.sha1(json.dumps(pairs).encode()).hexdigest()
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)

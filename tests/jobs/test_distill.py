@@ -85,11 +85,12 @@ def test_step_trains_on_teacher_minus_sampler_logprob_advantages(distilled):
 def test_teacher_loads_back_from_the_runs_workdir_at_its_own_width(distilled):
     from meshrl.jobs.distill import load_teacher
     from meshrl.mesh import create_mesh
+    from meshrl.models.tokenizer import CharTokenizer
 
     workdir, _, _ = distilled
     config = tiny_rl_config(**{"distill.teacher": str(workdir / "teacher")})
 
-    teacher = load_teacher(config, create_mesh(config.mesh), student_tokens=256)
+    teacher = load_teacher(config, create_mesh(config.mesh), CharTokenizer(256), 256)
 
     # The width comes from the model section the teacher's run saved, not from model.*.
     assert (teacher.arch.hidden_size, config.model.hidden_size) == (64, 32)

@@ -97,6 +97,7 @@ def test_missing_teacher_path_is_one_error_line_from_main_in_a_dry_run(tmp_path)
 def test_hugging_face_teacher_loads_at_its_own_width_with_the_students_tokenizer(tmp_path):
     from meshrl.models import create_model
     from meshrl.models.hf import save_hf_checkpoint
+    from meshrl.models.tokenizer import CharTokenizer
     from meshrl.tests.inference.tiny import TINY
 
     wide = dataclasses.replace(TINY, vocab_size=256, hidden_size=64, intermediate_size=128)
@@ -104,7 +105,7 @@ def test_hugging_face_teacher_loads_at_its_own_width_with_the_students_tokenizer
     config = tiny_rl_config(**{"distill.teacher": str(tmp_path / "hf")})
 
     source = teacher_source(config)
-    teacher = load_teacher(config, create_mesh(config.mesh), student_tokens=256)
+    teacher = load_teacher(config, create_mesh(config.mesh), CharTokenizer(256), 256)
 
     assert (source.kind, source.model.tokenizer) == ("hf_path", "char")
     assert (teacher.arch.hidden_size, teacher.arch.num_layers) == (64, 2)
@@ -140,16 +141,84 @@ def test_bad_teacher_path_fails_before_the_warm_start_trains(tmp_path):
     assert not (tmp_path / "run" / "sft").exists()
 
 
-def test_teacher_with_another_tokenizer_or_too_few_vocab_rows_is_rejected():
+def _swapped_tokenizer(src: pathlib.Path, out: pathlib.Path) -> None:
+    """``src``'s tokenizer with two ordinary tokens' ids exchanged: as many tokens, other ids."""
+    import json
+    import shutil
+
+    shutil.copytree(src, out)
+    data = json.loads((src / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = [t for t in vocab if t.isalpha() and len(t) > 2][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (out / "tokenizer.json").write_text(json.dumps(data))
+
+
+def test_teacher_with_another_tokenizer_or_too_few_vocab_rows_is_rejected(tmp_path):
+    from meshrl.models.tokenizer import CharTokenizer, HFTokenizer
+    from meshrl.tests.jobs import real_model
+
     config = tiny_rl_config(**{"distill.teacher": "/teacher"})
+    (tmp_path / "a").mkdir()
+    real_model.train_tokenizer(tmp_path / "a")
+    _swapped_tokenizer(tmp_path / "a", tmp_path / "b")
+    ours, swapped = HFTokenizer(str(tmp_path / "a")), HFTokenizer(str(tmp_path / "b"))
+    char = CharTokenizer(256)
 
     with pytest.raises(ConfigError, match=r"distill.teacher = '/teacher': its tokenizer has "
                                           r"512 tokens, the student's 256"):
-        check_vocab(config, 512, 512, 256)
-    with pytest.raises(ConfigError, match=r"its model has 200 vocabulary rows, fewer than the "
-                                          r"student tokenizer's 256 tokens"):
-        check_vocab(config, 200, 256, 256)
-    check_vocab(config, 320, 256, 256)  # a padded vocabulary, one tokenizer: fine
+        check_vocab(config, 512, CharTokenizer(512), char, 256)
+    with pytest.raises(ConfigError, match=rf"its tokenizer has the student's {ours.vocab_size} "
+                                          r"tokens but gives ids other tokens"):
+        check_vocab(config, 512, swapped, ours, 512)
+    with pytest.raises(ConfigError, match=r"its model has 256 vocabulary rows, fewer than the "
+                                          r"student model's 320 \(the student may sample"):
+        check_vocab(config, 256, char, char, 320)
+    check_vocab(config, 320, char, char, 256)  # a padded teacher vocabulary: fine
+    check_vocab(config, 512, HFTokenizer(str(tmp_path / "a")), ours, 512)  # one tokenizer
+
+
+def _hf_teacher(out: pathlib.Path, vocab_size: int, tokenizer: bool) -> None:
+    from meshrl.models import create_model
+    from meshrl.models.hf import save_hf_checkpoint
+    from meshrl.tests.inference.tiny import TINY
+    from meshrl.tests.jobs import real_model
+
+    wide = dataclasses.replace(TINY, vocab_size=vocab_size, hidden_size=64,
+                               intermediate_size=128)
+    save_hf_checkpoint(create_model(wide, seed=3), out)
+    if tokenizer:
+        real_model.train_tokenizer(out)
+
+
+def test_a_teacher_with_its_own_tokenizer_is_read_with_it_not_the_students(tmp_path):
+    _hf_teacher(tmp_path / "hf", 512, tokenizer=True)
+    (tmp_path / "student_tok").mkdir()
+    config = tiny_rl_config(**{"distill.teacher": str(tmp_path / "hf"),
+                               "model.tokenizer": str(tmp_path / "student_tok")})
+
+    assert teacher_source(config).model.tokenizer == "auto"  # model.hf_path's: its own
+
+
+def test_a_teacher_of_another_vocabulary_fails_before_the_warm_start_trains(tmp_path):
+    from meshrl.jobs import rl as rl_job
+
+    _hf_teacher(tmp_path / "hf", 512, tokenizer=True)
+    config = tiny_rl_config(**{"distill.teacher": str(tmp_path / "hf"),
+                               "rl.warm_start_steps": 2})
+
+    with pytest.raises(ConfigError, match=r"its tokenizer has \d+ tokens, the student's 256"):
+        rl_job.build(config, tmp_path / "run")
+
+    assert not (tmp_path / "run" / "sft").exists()
+
+
+def test_reference_and_teacher_forwards_split_as_finely_as_the_steps_proximal_pass():
+    from meshrl.jobs.rl_setup import forward_microbatches
+
+    config = tiny_rl_config(**{"trainer.microbatches": 3, "rl.ppo_minibatches": 2})
+
+    assert forward_microbatches(config) == 6
 
 
 def _host_batch(B: int, L: int, seed: int = 0) -> RLTrainBatch:
@@ -206,3 +275,43 @@ def test_wider_teacher_on_a_sharded_mesh_sets_advantages_to_teacher_minus_studen
                                (host.behaviour_logprobs - teacher_BxL)[on].mean(), **TOL)
     np.testing.assert_array_equal(np.asarray(out.behaviour_logprobs), host.behaviour_logprobs)
     assert policy.arch.hidden_size == 64
+
+
+@pytest.mark.parametrize("job", ["sft", "dpo"])
+def test_distill_on_a_job_that_does_not_distil_is_refused_where_the_config_is_read(job):
+    from meshrl.configs.loader import from_config_dict, to_config_dict
+
+    values = to_config_dict(tiny_rl_config(**{"distill.teacher": "/no/such/teacher"}))
+    values.job = job
+
+    with pytest.raises(ConfigError, match=rf"distill.teacher = '/no/such/teacher': only job = rl "
+                                          rf"distils \(job = {job}\)"):
+        from_config_dict(values)
+
+
+def test_the_teacher_is_evaluated_as_the_student_is(monkeypatch):
+    import asyncio
+
+    # With agent.env the student's held-out evaluation runs agent episodes: the teacher's must
+    # go through the same function, not a single-turn one.
+    from meshrl.jobs import distill
+    from meshrl.models import create_model, split_model
+    from meshrl.tests.inference.tiny import TINY
+
+    config = tiny_rl_config(**{"distill.teacher": "/teacher"})
+    calls = []
+
+    async def held_out(cfg, engine, reward_pool, examples, tokenizer, *, version):
+        calls.append((cfg, reward_pool, examples, tokenizer, version))
+        return {"eval/greedy_accuracy": 0.5}
+
+    monkeypatch.setattr(distill, "aevaluate_held_out", held_out)
+    teacher = dataclasses.make_dataclass("T", ["arch", "params"])(
+        TINY, split_model(create_model(TINY, seed=0))[1])
+    loop = dataclasses.make_dataclass("L", ["reward_pool", "parts", "tokenizer"])(
+        "pool", dataclasses.make_dataclass("P", ["examples"])("examples"), "tok")
+
+    ev = asyncio.run(distill.aevaluate_teacher(config, teacher, create_mesh(config.mesh), loop))
+
+    assert ev == {"eval/greedy_accuracy": 0.5}
+    assert calls == [(config, "pool", "examples", "tok", 0)]
