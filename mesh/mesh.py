@@ -10,12 +10,12 @@ Nothing here runs at import time: callers build the mesh explicitly and pass it 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh
+from jax.sharding import AxisType, Mesh, NamedSharding
 
 from meshrl.configs.schema import DCN_DATA_AXIS, MESH_AXES, MeshConfig
 from meshrl.utils.errors import UserError
@@ -45,26 +45,39 @@ def _num_granules(devices: Sequence[jax.Device]) -> int:
     return len({d.process_index for d in devices})
 
 
-def _fill(sizes: tuple[int, ...], total: int, cfg: MeshConfig, n: int) -> tuple[int, ...]:
+def _fill(sizes: tuple[int, ...], total: int, cfg: MeshConfig, what: str) -> tuple[int, ...]:
+    """``sizes`` with its -1 (if any) so that they multiply to ``total`` (``what``: its unit)."""
     known = math.prod(s for s in sizes if s != -1)
     if -1 not in sizes:
         return sizes
     if known == 0 or total % known:
-        raise MeshShapeError(f"mesh: cannot fill -1: {_describe(cfg)} does not divide "
-                             f"{n} devices: make the other sizes of that list divide {total}")
+        raise MeshShapeError(f"mesh: cannot fill -1: {_describe(cfg)}: the other sizes of that "
+                             f"list multiply to {known}, which does not divide {total} ({what})")
     return tuple(total // known if s == -1 else s for s in sizes)
+
+
+def _units(devices: Sequence[jax.Device]) -> str:
+    return "slices" if _multislice(devices) else "processes"
 
 
 def resolve_shapes(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[
         tuple[int, ...], tuple[int, ...]]:
     """Resolve -1 fills to concrete ``(ici_shape, dcn_shape)``; fail on a device-count mismatch."""
-    n = len(devices)
-    dcn = _fill(cfg.dcn_shape, _num_granules(devices), cfg, n)
+    n, units = len(devices), _num_granules(devices)
+    dcn = _fill(cfg.dcn_shape, units, cfg, f"the {units} {_units(devices)} DCN spans")
+    if units > 1 and math.prod(dcn) not in (1, units):
+        # Several hosts or slices: DCN axes must span exactly them, or the device array would
+        # put "DCN" neighbours inside one host (the blocks below are for one process only).
+        raise MeshShapeError(f"mesh: {_describe(cfg)}: the mesh.dcn_* sizes multiply to "
+                             f"{math.prod(dcn)}, but the devices span {units} "
+                             f"{_units(devices)}: make their product {units} (or 1), and size "
+                             f"what lies within one in the ICI sizes")
     if n % math.prod(dcn):
         raise MeshShapeError(f"mesh: {_describe(cfg)} needs a multiple of {math.prod(dcn)} "
                              f"devices across DCN, but {n} devices are available: make the "
                              f"product of the mesh.dcn_* sizes divide {n}")
-    ici = _fill(cfg.ici_shape, n // math.prod(dcn), cfg, n)
+    ici = _fill(cfg.ici_shape, n // math.prod(dcn), cfg,
+                f"the devices per DCN unit: {n} devices / {math.prod(dcn)}")
     if math.prod(ici) * math.prod(dcn) != n:
         want = math.prod(ici) * math.prod(dcn)
         hint = (f" (to rehearse it on a CPU, fake {want} devices: XLA_FLAGS="
@@ -112,3 +125,31 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
 
 def describe_mesh(mesh: Mesh) -> str:
     return ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
+def check_process_rows(sharding: NamedSharding, cfg: MeshConfig,
+                       process_of: Callable[[jax.Device], int] | None = None) -> None:
+    """Raise ``MeshShapeError`` unless ``sharding`` (a ``[batch, length]`` batch's) gives each
+    process its own contiguous block of whole rows, one as large as every other's: each
+    process loads its own rows (``jax.make_array_from_process_local_data``). A DCN axis the
+    batch is not split over (tensor, context across hosts) gives every process every row, or a
+    part of each."""
+    process_of = process_of or (lambda d: d.process_index)
+    devices = list(sharding.mesh.devices.flat)
+    n = len({process_of(d) for d in devices})
+    if n == 1:
+        return
+    side = len(devices) * n  # divisible by every split of the mesh
+    held: dict[int, tuple[set[int], set[int]]] = {}
+    for device, (rows, cols) in sharding.devices_indices_map((side, side)).items():
+        mine = held.setdefault(process_of(device), (set(), set()))
+        mine[0].update(range(*rows.indices(side)[:2]))
+        mine[1].update(range(*cols.indices(side)[:2]))
+    blocks = [(min(r), max(r) + 1, len(r), len(c)) for r, c in held.values()]
+    whole = all(hi - lo == k == side // n and cols == side for lo, hi, k, cols in blocks)
+    if not whole or len({lo for lo, *_ in blocks}) < n:
+        raise MeshShapeError(
+            f"mesh: {_describe(cfg)}: the batch's rows are not split across the {n} processes "
+            f"one block each (each process loads its own rows): across processes use only the "
+            f"axes that split the batch's rows (dcn_data, dcn_expert); size tensor and context "
+            f"within a host (the ICI sizes)")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from meshrl.models.attention_kernels import kv_repeats
 from meshrl.models.sharding import ShardingContext
 
 _SPLASH_ALIGN = 128  # splash blocks are multiples of the TPU lane width
@@ -58,8 +59,7 @@ def splash_attention(q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array, v_BxLxKxH: jax.
     shards = _axes_size(ctx, head_axes)
     # Each device must hold whole kv groups for its query heads: when K does not split over the
     # head shards, repeat every kv head r times (GQA with N // K / r groups) until it does.
-    r = next((r for r in range(1, N // K + 1) if (N // K) % r == 0 and (K * r) % shards == 0),
-             N // K)
+    r = kv_repeats(N, K, shards)
     if r > 1:
         k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
     qkv_spec = PartitionSpec(batch_axes, None, head_axes, None)

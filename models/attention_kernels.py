@@ -340,3 +340,11 @@ def _flash_bwd(plan: _Plan, res: tuple[jax.Array, ...],
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
+
+def kv_repeats(num_heads: int, num_kv_heads: int, shards: int) -> int:
+    """How many times to repeat each kv head so that the kv heads split over ``shards`` head
+    shards as the query heads do, each device holding whole GQA groups (1: they already do).
+    Repeating kv head j r times keeps it serving exactly its own query heads."""
+    groups = num_heads // num_kv_heads
+    return next((r for r in range(1, groups + 1)
+                 if groups % r == 0 and (num_kv_heads * r) % shards == 0), groups)

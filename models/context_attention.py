@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from meshrl.configs.fields import ConfigError
-from meshrl.models.attention_kernels import blockwise_attention_lse
+from meshrl.models.attention_kernels import blockwise_attention_lse, kv_repeats
 from meshrl.models.sharding import ShardingContext
 
 AXIS = "context"
@@ -75,9 +75,13 @@ def context_attention(strategy: str, q_BxLxNxH: jax.Array, k_BxLxKxH: jax.Array,
     q_spec = ctx.sharding(("batch", "length", "act_heads", "head_dim"), q_BxLxNxH.shape).spec
     k_spec = ctx.sharding(("batch", "length", "act_kv_heads", "head_dim"), k_BxLxKxH.shape).spec
     if q_spec[2] != k_spec[2]:
-        raise ConfigError(f"model.num_kv_heads = {K} with model.num_heads = {N}: context "
-                          f"parallel attention needs the query and kv heads sharded alike over "
-                          f"mesh.tensor = {ctx.mesh.shape['tensor']} (make it divide both)")
+        # The kv heads do not split over the query heads' shards (fewer kv heads than tensor):
+        # repeat each until they do, as the fused kernel does, so a device holds whole groups.
+        heads = q_spec[2]
+        names = () if heads is None else (heads,) if isinstance(heads, str) else tuple(heads)
+        r = kv_repeats(N, K, int(np.prod([ctx.mesh.shape[a] for a in names])))
+        k_BxLxKxH, v_BxLxKxH = (jnp.repeat(x, r, axis=2) for x in (k_BxLxKxH, v_BxLxKxH))
+        k_spec = P(k_spec[0], k_spec[1], heads, *k_spec[3:])
     row_spec = P(q_spec[0], q_spec[1])
     index_BxL = jnp.broadcast_to(jnp.asarray(order_L, jnp.int32), (B, L))
     natural = np.argsort(order_L).astype(np.int32)

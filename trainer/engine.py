@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from meshrl.algorithms.batch import TrainBatch
 from meshrl.configs.schema import Config
 from meshrl.inference.published import publish_version, retire_versions_after
+from meshrl.mesh import check_process_rows
 from meshrl.models import LoadedModel, flops_per_token
 from meshrl.models.lora import AdapterUpdate, LoraSetup
 from meshrl.trainer.checkpoint import Checkpointer, Restored
@@ -163,6 +164,7 @@ class TrainEngine:
         self.state_sh = state_shardings(
             self.params_sh if self.lora is None else self.lora.adapter_sh, self.tx, mesh, trained)
         self.batch_sh = spec.batch_sh
+        check_process_rows(self.batch_sh.input_ids, config.mesh)  # put_batch's contract
         # Armed during the restore (a hung read or collective), then from the loop to finish().
         d = config.distributed
         self.watchdog = Watchdog(d.step_timeout_s, d.first_step_timeout_s)

@@ -72,6 +72,28 @@ def test_fill_that_does_not_divide_is_an_error():
         create_mesh(MeshConfig(data=-1, tensor=3))
 
 
+def _two_hosts() -> list:
+    """Stand-ins for 8 devices on 2 processes (what ``resolve_shapes`` reads of a device)."""
+    import types
+
+    return [types.SimpleNamespace(id=i, process_index=i // 4, platform="cpu") for i in range(8)]
+
+
+def test_dcn_sizes_across_several_processes_must_span_exactly_them():
+    with pytest.raises(MeshShapeError, match=r"the mesh.dcn_\* sizes multiply to 4, but the "
+                                             r"devices span 2 processes: make their product 2"):
+        resolve_shapes(MeshConfig(data=2, dcn_data=4), _two_hosts())
+
+    assert resolve_shapes(MeshConfig(data=4, dcn_data=2), _two_hosts())[1] == (2, 1, 1, 1, 1)
+    assert resolve_shapes(MeshConfig(data=8), _two_hosts())[1] == (1, 1, 1, 1, 1)
+
+
+def test_a_dcn_fill_that_cannot_be_made_names_what_it_fills():
+    with pytest.raises(MeshShapeError, match=r"the other sizes of that list multiply to 4, which "
+                                             r"does not divide 2 \(the 2 processes DCN spans\)"):
+        resolve_shapes(MeshConfig(data=-1, dcn_data=4, dcn_tensor=-1), _two_hosts())
+
+
 def test_dcn_product_not_dividing_devices_is_an_error():
     with pytest.raises(MeshShapeError, match="needs a multiple of 3 devices across DCN"):
         create_mesh(MeshConfig(data=1, dcn_data=3))

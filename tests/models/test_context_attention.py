@@ -29,7 +29,9 @@ pytestmark = pytest.mark.distributed
 B, L, H = 2, 64, 8
 MESHES = {"context8": MeshConfig(data=1, context=8),
           "data2_context4": MeshConfig(data=2, context=4),
-          "tensor2_context4": MeshConfig(data=1, tensor=2, context=4)}
+          "tensor2_context4": MeshConfig(data=1, tensor=2, context=4),
+          # More tensor shards than kv heads (gqa): the kv heads are repeated to split.
+          "tensor4_context2": MeshConfig(data=1, tensor=4, context=2)}
 HEADS = {"gqa": (4, 2), "mha": (4, 4)}
 GRID = list(itertools.product(("all_gather", "ring"), sorted(MESHES), (True, False),
                               (False, True), sorted(HEADS)))
@@ -37,7 +39,8 @@ GRID = list(itertools.product(("all_gather", "ring"), sorted(MESHES), (True, Fal
 DEFAULT = {GRID[i] for i in range(0, len(GRID), 8)} | {
     ("ring", "data2_context4", True, True, "gqa"), ("all_gather", "tensor2_context4", True,
                                                      True, "gqa"),
-    ("ring", "context8", False, True, "mha")}
+    ("ring", "context8", False, True, "mha"), ("ring", "tensor4_context2", True, True, "gqa"),
+    ("all_gather", "tensor4_context2", False, False, "gqa")}
 CASES = [c if c in DEFAULT else pytest.param(*c, marks=pytest.mark.slow) for c in GRID]
 
 
