@@ -23,8 +23,9 @@ Contract:
   ``DatasetError``.
 * Output: ``<workdir>/samples.jsonl``; when one exists it is kept and the samples go to the first
   free ``samples-<n>.jsonl``, unless ``generate.overwrite``. One record per prompt: its row's
-  fields, ``prompt_text``, ``prompt_ids``, ``completion``, ``tokens``, ``logprobs``,
-  ``raw_logprobs``, ``versions``, ``finish_reason``.
+  fields (one named like a key below as ``row.<name>``; dates as ISO text, bytes as UTF-8,
+  other values JSON lacks as text), ``prompt_text``, ``prompt_ids``, ``completion``,
+  ``tokens``, ``logprobs``, ``raw_logprobs``, ``versions``, ``finish_reason``.
 * Several processes: each loads the weights onto a sampler mesh over its own devices
   (``mesh.tensor``/``expert``/``expert_tensor`` kept, ``data`` filling them), samples a
   contiguous block of the prompts with the seeds one process would use, and process 0 writes
@@ -92,11 +93,30 @@ def _sampling_mesh(config: Config) -> Mesh:
 
 def _record(ex: dict[str, Any], text: str, ids: list[int], out: Any, tokenizer: Tokenizer
             ) -> dict[str, Any]:
-    record = {k: v for k, v in ex.items() if paths.is_jsonable(v)}
-    record.update(prompt_text=text, prompt_ids=ids, completion=tokenizer.decode(out.tokens),
-                  tokens=out.tokens, logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
-                  versions=out.versions, finish_reason=out.finish_reason)
+    made = dict(prompt_text=text, prompt_ids=ids, completion=tokenizer.decode(out.tokens),
+                tokens=out.tokens, logprobs=out.logprobs, raw_logprobs=out.raw_logprobs,
+                versions=out.versions, finish_reason=out.finish_reason)
+    # The row's fields stay, a name the job writes too as ``row.<name>`` (a reference
+    # completion, or an earlier samples.jsonl read back as prompts).
+    record = {(f"row.{k}" if k in made else k): _jsonable(v) for k, v in ex.items()}
+    record.update(made)
     return record
+
+
+def _jsonable(value: Any) -> Any:
+    """``value`` as JSON can hold it: dates as ISO text, bytes as UTF-8 text, the rest that
+    JSON cannot encode as ``str`` (Parquet's decimals)."""
+    if paths.is_jsonable(value):
+        return value
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)
 
 
 def run(config: Config, workdir: str) -> None:

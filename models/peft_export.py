@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.lora_schema import LoraConfig
 from meshrl.configs.schema import ModelConfig
 from meshrl.models.hf_names import Stack, Tensor, entry_of, param_map
@@ -68,6 +69,23 @@ def peft_tensors(cfg: ModelConfig, targets: Sequence[Target],
     return tensors, modules
 
 
+_DENSE_MLP = (".mlp.gate_proj", ".mlp.up_proj", ".mlp.down_proj")
+
+
+def check_peft_modules(cfg: ModelConfig, modules: Sequence[str]) -> None:
+    """A ``ConfigError`` for adapters PEFT cannot put back: on an MoE model type (Qwen3-MoE,
+    Mixtral) peft reads ``gate_proj``/``up_proj``/``down_proj`` targets as the fused experts'
+    parameters, so a dense layer's MLP adapters would be dropped and fresh ones put on the
+    experts."""
+    dense = [m for m in modules if m.endswith(_DENSE_MLP)]
+    if cfg.num_experts and dense:
+        raise ConfigError(f"export.format = 'peft': {len(dense)} adapted dense MLP modules of an "
+                          f"MoE model ({dense[0]}, ...): peft reads gate_proj/up_proj/down_proj "
+                          f"of an MoE model as its experts and would not load them; export the "
+                          f"merged model (export.format = 'merged') or adapt attention only "
+                          f"(lora.targets = 'attn/(q|k|v|o)')")
+
+
 def target_modules(modules: list[str], every: list[str]) -> list[str]:
     """PEFT's ``target_modules``: the short names (``q_proj``) when the adapted modules are all
     of ``every`` (the HF modules of all projections) that end in them, else the full names (a
@@ -93,12 +111,13 @@ def save_peft_adapter(cfg: ModelConfig, lora: LoraConfig, targets: Sequence[Targ
     in gathering the adapters; those with ``write`` write the files."""
     from safetensors.numpy import save_file
 
+    mapping = param_map(cfg)
+    check_peft_modules(cfg, [m for t in targets for m in _modules(cfg, mapping, t)])
     host = {p: {k: np.asarray(jax.device_get(process_local_copy(v))) for k, v in ab.items()}
             for p, ab in adapters.items()}
     tensors, modules = peft_tensors(cfg, targets, host)
     if not write:
         return
-    mapping = param_map(cfg)
     everything = [m for t in every for m in _modules(cfg, mapping, t)]
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -108,5 +127,5 @@ def save_peft_adapter(cfg: ModelConfig, lora: LoraConfig, targets: Sequence[Targ
     get_logger("models").info("saved PEFT adapter %s (%d modules)", path, len(modules))
 
 
-__all__ = ["CONFIG", "WEIGHTS", "adapter_config", "peft_tensors", "save_peft_adapter",
-           "target_modules"]
+__all__ = ["CONFIG", "WEIGHTS", "adapter_config", "check_peft_modules", "peft_tensors",
+           "save_peft_adapter", "target_modules"]

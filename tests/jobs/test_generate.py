@@ -101,20 +101,43 @@ def run_dir(tmp_path_factory):
 
 
 def test_sample_job_writes_one_record_per_jsonl_prompt(tmp_path):
+    # A row field named like one the job writes (a reference completion) is kept beside it.
     prompts = _jsonl(tmp_path / "prompts.jsonl",
-                     [{"prompt": p, "id": i} for i, p in enumerate(["1+1=", "hello", "x" * 200])])
+                     [{"prompt": p, "id": i, "completion": f"ref {i}", "tokens": [i]}
+                      for i, p in enumerate(["1+1=", "hello", "x" * 200])])
     config = from_config_dict(_config(source="jsonl", path=str(prompts)))
 
     job.run(config, str(tmp_path))
 
     rows = _samples(tmp_path)
     assert [r["id"] for r in rows] == [0, 1]  # the 200-char prompt is over every bucket: dropped
+    assert [(r["row.completion"], r["row.tokens"]) for r in rows] == [("ref 0", [0]),
+                                                                       ("ref 1", [1])]
     for r in rows:
         assert r["prompt_ids"] == [1, *r["prompt"].encode()]  # BOS, then the raw bytes
         assert 1 <= len(r["tokens"]) <= 5
         assert len(r["raw_logprobs"]) == len(r["tokens"]) == len(r["versions"])
         assert r["finish_reason"] in ("stop", "length")
         assert isinstance(r["completion"], str) and "answer" not in r
+
+
+def test_a_records_row_fields_json_cannot_hold_are_written_as_text():
+    import datetime
+    import decimal
+    import types
+
+    from meshrl.models.tokenizer import CharTokenizer
+
+    out = types.SimpleNamespace(tokens=[104, 105], logprobs=[-1.0, -2.0], raw_logprobs=[-1, -2],
+                                versions=[0, 0], finish_reason="length")
+    row = {"prompt": "p", "day": datetime.date(2026, 1, 2), "blob": b"ab",
+           "price": decimal.Decimal("1.50"), "tags": [datetime.date(2026, 1, 3)]}
+
+    record = job._record(row, "p", [1, 112], out, CharTokenizer())
+
+    assert (record["day"], record["blob"], record["price"], record["tags"]) == (
+        "2026-01-02", "ab", "1.50", ["2026-01-03"])
+    assert record["completion"] == "hi"
 
 
 def test_sample_job_loads_hf_checkpoint_and_samples_with_its_weights(tmp_path):

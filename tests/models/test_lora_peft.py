@@ -97,3 +97,32 @@ def test_target_modules_are_short_names_only_when_every_such_module_is_adapted()
     every = [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
     assert target_modules(every, every) == ["q_proj", "v_proj"]
     assert target_modules(every[:1], every) == ["model.layers.0.self_attn.q_proj"]
+
+
+def test_peft_export_of_an_moe_models_dense_mlp_adapters_is_refused_before_writing(tmp_path):
+    # peft reads gate/up/down_proj targets of an MoE model type as its fused experts: the
+    # dense layer's adapters would be dropped, so the export stops with one line instead.
+    from meshrl.configs.fields import ConfigError
+    from meshrl.configs.schema import ModelConfig
+    from meshrl.models import create_model
+
+    moe = ModelConfig(arch="qwen3_moe", qk_norm=True, vocab_size=96, hidden_size=32,
+                      intermediate_size=64, moe_intermediate_size=16, num_layers=2, num_heads=4,
+                      num_kv_heads=2, num_experts=4, num_experts_per_tok=2,
+                      mlp_only_layers=(1,), max_position_embeddings=256)
+    model = create_model(moe, seed=0)
+    graphdef, params = split_model(model)
+    every = projections(graphdef, nnx.state(model, nnx.Param))
+    for targets, refused in ((r"attn/(q|k|v|o)|mlp/(gate|up|down)", True), (r"attn/q", False)):
+        cfg = LoraConfig(rank=2, targets=targets)
+        lora = Lora.of(cfg, graphdef, params)
+        adapters = init_adapters(list(lora.targets), cfg.rank, seed=1)
+        out = tmp_path / targets.replace("/", "_").replace("|", "+")
+        if refused:
+            with pytest.raises(ConfigError, match=r"adapted dense MLP modules of an MoE model "
+                                                  r"\(model.layers.1.mlp"):
+                save_peft_adapter(moe, cfg, lora.targets, every, adapters, "base", out)
+            assert not out.exists()
+        else:
+            save_peft_adapter(moe, cfg, lora.targets, every, adapters, "base", out)
+            assert (out / CONFIG).is_file()
