@@ -22,7 +22,7 @@ from meshrl.datasets import eval_examples, make_prompt_iterator
 from meshrl.inference.sampler import Sampler
 from meshrl.jobs import rl_agent
 from meshrl.jobs.distill import distill_report
-from meshrl.jobs.rl_setup import load_trainee, reference_and_params, sample_offset
+from meshrl.jobs.rl_setup import load_trainee, reference_and_params, sample_rows
 from meshrl.mesh import rules_for
 from meshrl.mesh.placement import create_meshes
 from meshrl.rewards import RewardPool
@@ -104,7 +104,7 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
     return RLLoop(config, workdir, RLParts(
         engine=engine, model_cfg=model_cfg, sampler=sampler, sampler_mesh=sampler_mesh, reward_pool=reward_pool,
         prompts=prompts, tokenizer=tokenizer, reference=reference, examples=examples,
-        counters=counters, warm_start_steps=warm, sample_offset=sample_offset(config, mesh)))
+        counters=counters, warm_start_steps=warm, sample_rows=sample_rows(config, mesh)))
 
 
 def run(config: Config, workdir: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 from etils import epath
 
 from meshrl.configs.distill_schema import teacher_model
@@ -84,12 +85,14 @@ def load_trainee(config: Config, mesh: Any) -> tuple[Trainee, Any, Any]:
     return Trainee.of(loaded, config), loaded.arch, loaded.tokenizer
 
 
-def sample_offset(config: Config, mesh: Any) -> int:
-    """This process's first sample in the global batch (its rows are one contiguous block of
-    the batch axis, laid out as the rules shard ``batch``)."""
+def sample_rows(config: Config, mesh: Any) -> np.ndarray:
+    """Each of this process's samples' index in the global batch, in the order its local data
+    fills them (``jax.make_array_from_process_local_data``: its slices of the batch axis by
+    start). On a TPU pod the slices of one host need not be adjacent."""
     B = rl_batch_size(config)
     sh = logical_to_sharding(("batch",), mesh, rules_for("train", config.mesh.fsdp), (B,))
-    return min(idx[0].start or 0 for idx in sh.addressable_devices_indices_map((B,)).values())
+    slices = {idx[0].indices(B)[:2] for idx in sh.addressable_devices_indices_map((B,)).values()}
+    return np.concatenate([np.arange(lo, hi) for lo, hi in sorted(slices)]).astype(np.int32)
 
 
 def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngine,

@@ -130,10 +130,10 @@ def describe_mesh(mesh: Mesh) -> str:
 def check_process_rows(sharding: NamedSharding, cfg: MeshConfig,
                        process_of: Callable[[jax.Device], int] | None = None) -> None:
     """Raise ``MeshShapeError`` unless ``sharding`` (a ``[batch, length]`` batch's) gives each
-    process its own contiguous block of whole rows, one as large as every other's: each
-    process loads its own rows (``jax.make_array_from_process_local_data``). A DCN axis the
-    batch is not split over (tensor, context across hosts) gives every process every row, or a
-    part of each."""
+    process whole rows of its own, as many as every other process: each process loads its own
+    rows (``jax.make_array_from_process_local_data``; the rows of one host need not be
+    adjacent, as on a TPU pod). A DCN axis the batch is not split over (tensor, context across
+    hosts) gives every process every row, or a part of each."""
     process_of = process_of or (lambda d: d.process_index)
     devices = list(sharding.mesh.devices.flat)
     n = len({process_of(d) for d in devices})
@@ -145,11 +145,10 @@ def check_process_rows(sharding: NamedSharding, cfg: MeshConfig,
         mine = held.setdefault(process_of(device), (set(), set()))
         mine[0].update(range(*rows.indices(side)[:2]))
         mine[1].update(range(*cols.indices(side)[:2]))
-    blocks = [(min(r), max(r) + 1, len(r), len(c)) for r, c in held.values()]
-    whole = all(hi - lo == k == side // n and cols == side for lo, hi, k, cols in blocks)
-    if not whole or len({lo for lo, *_ in blocks}) < n:
+    own = all(len(r) == side // n and len(c) == side for r, c in held.values())
+    if not own or len(set().union(*(r for r, _ in held.values()))) < side:
         raise MeshShapeError(
-            f"mesh: {_describe(cfg)}: the batch's rows are not split across the {n} processes "
-            f"one block each (each process loads its own rows): across processes use only the "
-            f"axes that split the batch's rows (dcn_data, dcn_expert); size tensor and context "
-            f"within a host (the ICI sizes)")
+            f"mesh: {_describe(cfg)}: the batch's rows are not split across the {n} processes, "
+            f"whole rows to each (each process loads its own rows): across processes use only "
+            f"the axes that split the batch's rows (dcn_data, dcn_expert); size tensor and "
+            f"context within a host (the ICI sizes)")

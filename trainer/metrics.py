@@ -112,7 +112,10 @@ class MetricsWriter:
     ``resume_step`` is the step the run restored (``None``: a fresh start). Rows a dead run wrote
     after that step did not happen in the resumed run's history: they move to
     ``metrics.discarded.jsonl`` (kept, appended), and TensorBoard purges events from
-    ``resume_step + 1`` on (the restart marker TensorBoard reads).
+    ``resume_step + 1`` on (the restart marker TensorBoard reads). On a fresh start a
+    ``summary.json`` left in the workdir is an earlier run's: it moves to
+    ``summary.discarded.json`` (a numbered name when that exists), so that nothing reads it as
+    this run's end until this run writes its own.
     """
 
     def __init__(self, workdir: paths.PathLike, *, tensorboard: bool, process_index: int,
@@ -125,6 +128,8 @@ class MetricsWriter:
             return
         workdir = paths.as_path(workdir)
         last_kept = -1 if resume_step is None else resume_step
+        if resume_step is None:
+            _move_aside(workdir / "summary.json")
         self._path = workdir / "metrics.jsonl"
         _drop_rows_after(self._path, last_kept)
         # The kinds of row (key sets) kept at the restored step: a resumed run that writes one
@@ -201,3 +206,15 @@ def _drop_rows_after(path: epath.Path, last_kept: int) -> None:
     if dropped:
         _log.warning("%s: %d rows after step %d came from a run that died before checkpointing "
                      "them; moved to metrics.discarded.jsonl", path, dropped, last_kept)
+
+
+def _move_aside(path: Any) -> None:
+    """``summary.json`` -> the first free ``summary.discarded[-n].json`` beside it."""
+    if not path.exists():
+        return
+    stem, n = path.name.removesuffix(".json"), 1
+    while (target := path.with_name(f"{stem}.discarded{'' if n == 1 else f'-{n}'}.json")).exists():
+        n += 1
+    path.rename(target)
+    _log.warning("%s is an earlier run's (this run starts from step 0): moved to %s", path,
+                 target)

@@ -69,7 +69,8 @@ def rl_summary_table(summary: Mapping[str, Any], workdir: str) -> str:
     if summary.get("warm_start_steps"):
         steps += f" after {summary['warm_start_steps']} SFT warm-start"
     rows += [("steps", steps),
-             ("generated tokens/s", f"{summary.get('tokens_per_s', 0.0):,.0f}"),
+             ("generated tokens/s", "n/a (nothing generated)" if summary.get("tokens_per_s")
+              is None else f"{summary['tokens_per_s']:,.0f}"),
              ("staleness", f"max {summary.get('max_staleness_seen', 0)} seen (limit "
                            f"{summary.get('max_staleness', 0)}), "
                            f"{summary.get('dropped_stale_groups', 0)} stale groups dropped")]

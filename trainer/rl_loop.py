@@ -28,7 +28,7 @@ from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.report import rl_step_line
 from meshrl.trainer.rl_console import await_batch, filtered_note, stop_at
 from meshrl.trainer.state import params_checksum
-from meshrl.trainer.summary import first_logged
+from meshrl.trainer.summary import first_logged, last_logged
 from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
@@ -99,7 +99,7 @@ class RLParts:
     examples: list[dict]
     counters: dict[str, Any]
     warm_start_steps: int
-    sample_offset: int  # this process's first sample in the global batch
+    sample_rows: np.ndarray  # this process's samples' indices in the global batch
 
 
 class RLLoop:
@@ -141,10 +141,9 @@ class RLLoop:
         ``rollout.max_staleness`` allows raises ``StaleBatchError`` before anything reaches
         the device."""
         if jax.process_count() > 1:
-            # Sample ids index the global batch; this process's samples sit at its offset.
-            ids = host.sample_ids
-            host = host.replace(sample_ids=np.where(ids >= 0, ids + self.parts.sample_offset,
-                                                    ids))
+            # Sample ids index the global batch; this process's samples sit at its rows.
+            ids, rows = host.sample_ids, self.parts.sample_rows
+            host = host.replace(sample_ids=np.where(ids >= 0, rows[np.maximum(ids, 0)], ids))
         lags = check_versions(host, version, self.config.rollout.max_staleness)
         return put_batch(host.like(self.host_batch_sh), self.host_batch_sh), lags
 
@@ -349,8 +348,10 @@ class RLLoop:
             "accuracy_before": ev_before.get("eval/greedy_accuracy"),
             "accuracy_after": ev_after.get("eval/greedy_accuracy"),
             "eval_before": ev_before, "eval_after": ev_after,
-            "tokens_per_s": totals["generated"] / max(wall, 1e-9),
-            "samples_per_s": totals["samples"] / max(wall, 1e-9), "rl_wall_s": wall,
+            # None when this process generated nothing (a finished run run again).
+            "tokens_per_s": totals["generated"] / max(wall, 1e-9) if totals["samples"] else None,
+            "samples_per_s": totals["samples"] / max(wall, 1e-9) if totals["samples"] else None,
+            "rl_wall_s": wall,
             "max_staleness": c.rollout.max_staleness,
             "max_staleness_seen": max(hist) if hist else 0,
             "staleness_hist": {str(k): v for k, v in sorted(hist.items())},
@@ -358,7 +359,7 @@ class RLLoop:
             "rollout_counters": dict(runner.counters), **self.reward_metrics(),
             **{k: v for k, v in runner.metrics().items() if k.startswith(("agent/", "tools/"))},
             "reward_first": first_logged(self.engine, "rollout/reward_mean"),
-            "reward_last": self.history[-1]["rollout/reward_mean"] if self.history else None,
+            "reward_last": last_logged(self.engine, "rollout/reward_mean"),
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,
             "sampler_devices": int(self.parts.sampler_mesh.devices.size),
             "processes": jax.process_count(),

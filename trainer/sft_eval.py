@@ -50,15 +50,17 @@ Counts = Callable[[Any, dict[str, jax.Array]], jax.Array]  # (params, batch) -> 
 def counting_evaluator(counts: Counts, batches: list[dict[str, np.ndarray]], mesh: Mesh,
                        fsdp: bool, report: Callable[[np.ndarray], dict[str, float]]
                        ) -> Callable[[Any], dict[str, float]]:
-    """``params -> report(sum over batches of counts(params, batch))``: the batches placed
-    once on the trainer's batch sharding, ``counts`` compiled once (replicated output), so
+    """``params -> report(sum over batches of counts(params, batch))``: the batches (whole, the
+    same on every process) placed once on the trainer's batch sharding, ``counts`` compiled once (replicated output), so
     periodic and final evaluations reuse both. No batches: ``{}``."""
     if not batches:
         return lambda params: {}
     B, L = batches[0]["input_ids"].shape
     sh = logical_to_sharding(("batch", "length"), mesh, rules_for("train", fsdp), (B, L))
-    placed = [{k: jax.make_array_from_process_local_data(sh, v) for k, v in b.items()}
-              for b in batches]
+    # Every process builds the whole held-out batch: each device takes its own slice of it
+    # (as process-local data, N processes would hold every example N times).
+    placed = [{k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx])
+               for k, v in b.items()} for b in batches]
     jitted = jax.jit(counts, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
     def evaluate(params: Any) -> dict[str, float]:

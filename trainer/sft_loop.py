@@ -16,7 +16,7 @@ from meshrl.trainer.engine import StepResult, TrainEngine, put_batch
 from meshrl.trainer.metrics import peak_flops_per_device
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.stop import stop_hook
-from meshrl.trainer.summary import first_logged
+from meshrl.trainer.summary import first_logged, logged_history
 from meshrl.utils import interrupt
 from meshrl.utils.log import get_logger
 
@@ -94,17 +94,20 @@ def sft_summary(engine: TrainEngine, history: list[dict[str, float]], ev: dict[s
                 wall: float, n_params: int) -> dict[str, Any]:
     """The SFT run's summary: losses, median steady throughput and MFU (the first step, which
     compiles, left out), skipped steps, the final evaluation and the params' checksum (a
-    collective: every process calls this)."""
+    collective: every process calls this). A run that trained nothing (run again after it
+    finished) takes its figures from ``metrics.jsonl`` (``logged_history``)."""
+    history = history or logged_history(engine, "loss")
     steady = history[1:] or history
     return {
         "job": engine.config.job.value, "steps": engine.config.trainer.steps,
         "start_step": engine.start_step,
         "final_loss": history[-1]["loss"] if history else None,
         "first_loss": first_logged(engine, "loss"),
-        "tokens_per_s": float(np.median([h["tokens_per_s"] for h in steady])) if steady
-        else None,
-        "mfu": float(np.median([h["mfu"] for h in history[1:]])) if len(history) > 1 else None,
-        "skipped_steps": int(history[-1]["skipped"]) if history else 0,
+        "tokens_per_s": float(np.median([h["tokens_per_s"] for h in steady]))
+        if steady and all("tokens_per_s" in h for h in steady) else None,
+        "mfu": float(np.median([h["mfu"] for h in history[1:]]))
+        if len(history) > 1 and all("mfu" in h for h in history[1:]) else None,
+        "skipped_steps": int(history[-1].get("skipped", 0)) if history else 0,
         "params": n_params, "wall_s": wall, "devices": int(engine.mesh.devices.size),
         "processes": jax.process_count(), "params_checksum": params_checksum(engine.params),
         **ev,

@@ -38,3 +38,20 @@ def first_logged(engine: Any, key: str) -> float | None:
         if first is not None:
             return first
     return next((h[key] for h in engine.history if key in h), None)
+
+
+def logged_history(engine: Any, key: str) -> list[dict[str, float]]:
+    """The run's step records that hold ``key``: ``engine.history`` (a ``TrainEngine``'s), or,
+    when this process trained nothing (a finished run run again), the rows of
+    ``<workdir>/metrics.jsonl``, in step order, so the summary keeps the run's figures."""
+    history = [h for h in engine.history if key in h]
+    if history or not engine.start_step:
+        return history
+    rows = read_metrics(engine.workdir / "metrics.jsonl")
+    return [rows[s] for s in sorted(rows) if key in rows[s]]
+
+
+def last_logged(engine: Any, key: str) -> float | None:
+    """``key`` at the newest step that has it (``logged_history``); None when none has."""
+    history = logged_history(engine, key)
+    return history[-1][key] if history else None

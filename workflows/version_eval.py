@@ -148,7 +148,8 @@ async def awatch(ev: VersionEvaluator, write: Callable[[int, dict[str, float]], 
     while True:
         # The end marker before the listing: a run that had ended has published everything.
         ended = run_ended(workdir, config)
-        for version in published_versions(workdir):
+        listed = published_versions(workdir)
+        for version in listed:
             if version in done and not ev.republished(version):
                 continue
             if version in done:
@@ -162,7 +163,9 @@ async def awatch(ev: VersionEvaluator, write: Callable[[int, dict[str, float]], 
             log.info("version %d: %s", version,
                      ", ".join(f"{k} {v:.3f}" for k, v in done[version].items()))
             last = time.monotonic()
-        if final is not None and final in done:
+        # The final version's metrics count only while its weights are the ones evaluated: a
+        # resumed RL run deletes the versions after its checkpoint and publishes them again.
+        if final is not None and final in done and final in listed and not ev.republished(final):
             return "final_version"
         if ended:
             if final is not None:

@@ -125,6 +125,20 @@ def test_a_version_published_again_after_its_evaluation_is_evaluated_again(workd
         assert metrics[2][key] == metrics[4][key], key
 
 
+def test_a_rerun_waits_for_a_final_version_the_resumed_run_deleted_after_its_evaluation(
+        workdir, monkeypatch):
+    evaluate.run(_eval_config(), str(workdir))  # versions 2 and 4 evaluated
+    # The RL run resumes from step 2: it deleted version 4 and has not published it again.
+    (workdir / "summary.json").unlink()
+    shutil.rmtree(workdir / "weights" / "4")
+    seen = _count_evaluations(monkeypatch)
+
+    with pytest.raises(evaluate.EvaluateTimeoutError, match="waiting for the final version 4"):
+        evaluate.run(_eval_config(**{"evaluate.timeout_s": 0.5}), str(workdir))
+
+    assert seen == []
+
+
 def test_versions_appearing_one_by_one_are_each_evaluated_as_they_appear(workdir, monkeypatch):
     (workdir / "summary.json").unlink()  # the run is still going
     real = published_versions(workdir)

@@ -3,6 +3,7 @@ metrics the first process logged, and the reward pool's counts go on from the ch
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from meshrl.configs import sft_synthetic
@@ -48,6 +49,37 @@ def test_the_first_logged_value_of_a_resumed_run_comes_from_its_metrics_file(tmp
     assert first_logged(resumed, "loss") == 5.0
     assert first_logged(fresh, "loss") == 3.0  # a fresh run's own history
     assert first_logged(resumed, "nope") is None
+
+
+def test_a_finished_rl_run_run_again_keeps_its_last_reward_and_reports_no_throughput(tmp_path):
+    _, first = run_rl(tiny_rl_config(**{"reward.names": VARIED}), tmp_path)
+    _, again = run_rl(tiny_rl_config(**{"reward.names": VARIED}), tmp_path)
+
+    assert again["start_step"] == again["steps"] == 2
+    assert again["reward_last"] == first["reward_last"] == _metrics(tmp_path)[2][
+        "rollout/reward_mean"]
+    assert again["tokens_per_s"] is None  # nothing generated: no rate, not 0
+
+
+def test_the_summary_of_a_run_that_trained_nothing_comes_from_its_metrics_file(tmp_path):
+    import json
+    import types
+
+    from meshrl.trainer.sft_loop import sft_summary
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1, "skipped": 0},
+        {"step": 2, "loss": 4.0, "tokens_per_s": 30.0, "mfu": 0.3, "skipped": 1})))
+    engine = types.SimpleNamespace(
+        start_step=2, workdir=tmp_path, history=[], params={"w": jax.numpy.ones(2)},
+        config=types.SimpleNamespace(job=types.SimpleNamespace(value="sft"),
+                                     trainer=types.SimpleNamespace(steps=2)),
+        mesh=types.SimpleNamespace(devices=types.SimpleNamespace(size=1)))
+
+    summary = sft_summary(engine, [], {}, 1.0, 0)
+
+    assert (summary["first_loss"], summary["final_loss"]) == (5.0, 4.0)
+    assert (summary["tokens_per_s"], summary["mfu"], summary["skipped_steps"]) == (30.0, 0.3, 1)
 
 
 @pytest.mark.slow  # two SFT runs; the RL case above runs the same helper end to end

@@ -1,4 +1,4 @@
-"""Test-only entry point: ``main.py``, and where the RL job computes its final params checksum
+"""Test-only entry point: ``main.py``, and where the RL loop computes its final params checksum
 every process also writes the param blocks it holds to ``$MESHRL_TEST_SHARDS/p<index>.npz``.
 
 A checkpoint keeps one copy of a replicated array, so it cannot show that the processes'
@@ -51,15 +51,15 @@ def load_blocks(out: pathlib.Path) -> dict[str, Blocks]:
 
 
 def _main() -> None:
-    from meshrl.jobs import rl
+    from meshrl.trainer import rl_loop
 
-    out, checksum = pathlib.Path(os.environ[ENV]), rl.params_checksum
+    out, checksum = pathlib.Path(os.environ[ENV]), rl_loop.params_checksum
 
     def write_then_checksum(params: Any) -> float:
         write_blocks(params, out)
         return checksum(params)
 
-    rl.params_checksum = write_then_checksum
+    rl_loop.params_checksum = write_then_checksum
     main = pathlib.Path(__file__).resolve().parents[2] / "main.py"
     sys.argv = [str(main), *sys.argv[1:]]
     runpy.run_path(str(main), run_name="__main__")

@@ -67,6 +67,10 @@ def test_two_processes_train_sft_like_one_process_of_eight_devices(tmp_path, mes
     a = json.loads((tmp_path / "multi" / "summary.json").read_text())
     b = json.loads((tmp_path / "single" / "summary.json").read_text())
     assert (a["processes"], a["devices"], b["processes"], b["devices"]) == (2, 8, 1, 8)
+    # Each process builds the whole held-out set; it is counted once, not once per process.
+    held_out = {k: v for k, v in b.items() if k.startswith("eval_")}
+    assert held_out["eval_sequences"] > 0
+    np.testing.assert_allclose([a[k] for k in held_out], list(held_out.values()), rtol=1e-5)
     np.testing.assert_allclose(_losses(tmp_path / "multi"), _losses(tmp_path / "single"),
                                rtol=1e-5)
     # gloo's all-reduce adds in another order than one process: last-bit differences, ~1e-8

@@ -30,9 +30,16 @@ def test_rows_split_over_processes_by_data_pass(cfg):
                                        (MeshConfig(data=4, dcn_tensor=2), "dcn_tensor=2")])
 def test_tensor_or_context_across_processes_is_refused_naming_the_sizes(cfg, axis):
     with pytest.raises(MeshShapeError, match="the batch's rows are not split across the 2 "
-                                             "processes one block each") as e:
+                                             "processes, whole rows to each") as e:
         check_process_rows(_rows_sharding(cfg), cfg, _two_processes)
     assert axis in str(e.value)
+
+
+def test_rows_of_one_process_need_not_be_adjacent():
+    # A TPU pod's device order may interleave the hosts along data: each still loads its own
+    # rows, placed where the sharding puts them.
+    cfg = MeshConfig(data=8)
+    check_process_rows(_rows_sharding(cfg), cfg, lambda d: d.id % 2)
 
 
 def test_one_process_holds_every_row_and_passes():

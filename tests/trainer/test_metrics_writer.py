@@ -102,3 +102,17 @@ def test_a_row_written_again_at_the_restored_step_replaces_the_same_kind_of_row(
     assert _rows(tmp_path / "metrics.jsonl") == [
         {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0}, {"step": 2, "eval/accuracy": 0.75}]
     assert _rows(tmp_path / "metrics.discarded.jsonl") == [{"step": 2, "eval/accuracy": 0.5}]
+
+
+def test_a_fresh_start_moves_an_earlier_runs_summary_aside_and_a_resumed_run_keeps_it(tmp_path):
+    # Nothing may read an earlier run's summary.json as this run's end (the evaluate job does).
+    summary = tmp_path / "summary.json"
+    for n, name in ((1, "summary.discarded.json"), (2, "summary.discarded-2.json")):
+        summary.write_text(json.dumps({"job": "rl", "steps": 4, "run": n}))
+        MetricsWriter(tmp_path, tensorboard=False, process_index=0).close()
+        assert not summary.exists()
+        assert json.loads((tmp_path / name).read_text())["run"] == n
+
+    summary.write_text("{}")
+    MetricsWriter(tmp_path, tensorboard=False, process_index=0, resume_step=2).close()
+    assert summary.read_text() == "{}"
