@@ -79,7 +79,8 @@ def make_preference_loss_fn(name: str, *, beta: float, label_smoothing: float = 
                                                             LossOutput]:
     """The train step's loss: ``(sum of pair losses, pairs, aux sums)`` with aux
     ``reward_margin`` (chosen minus rejected implicit reward), ``reward_accuracy`` (chosen
-    reward > rejected) and ``reward_chosen`` / ``reward_rejected``, each summed over pairs (the
+    reward > rejected by more than float rounding of the logprob sums: 1e-6 x beta x their
+    magnitudes) and ``reward_chosen`` / ``reward_rejected``, each summed over pairs (the
     step divides by the pair count). A pair whose rows are all masked (padding) counts for
     nothing."""
     pair_loss = get(name)
@@ -101,8 +102,12 @@ def make_preference_loss_fn(name: str, *, beta: float, label_smoothing: float = 
             gamma=gamma)
         real_P = ((nc_P > 0) & (nr_P > 0)).astype(jnp.float32)
         margin_P = reward_c_P - reward_r_P
+        # The reference is a separately compiled forward: while the policy equals it the
+        # margin is float rounding of the sums, not a preference. A pair counts as ranked right
+        # only past that rounding.
+        noise_P = 1e-6 * beta * (jnp.abs(pc_P) + jnp.abs(pr_P) + jnp.abs(rc_P) + jnp.abs(rr_P))
         aux = {"reward_margin": (margin_P * real_P).sum(),
-               "reward_accuracy": ((margin_P > 0) * real_P).sum(),
+               "reward_accuracy": ((margin_P > noise_P) * real_P).sum(),
                "reward_chosen": (reward_c_P * real_P).sum(),
                "reward_rejected": (reward_r_P * real_P).sum()}
         return (loss_P * real_P).sum(), real_P.sum(), aux

@@ -11,8 +11,13 @@ decode steps). Two byte figures per kind:
     it for a permute (n: the devices in its group).
 Trip counts come from the loop's ``known_trip_count`` when the compiler states it, else from
 its condition (``i < N`` on a tuple counter starting at a constant); a loop whose count cannot
-be read counts once and is listed in ``unknown_loops``. TPU's reduce-scatter appears as a
-fusion around an all-reduce (``all-reduce-scatter``); it is counted as a reduce-scatter.
+be read counts once and is listed in ``unknown_loops``. The group size n comes from the replica
+groups in each form XLA prints (``{{0,1},...}``, ``[G,n]<=[...]``, ``mesh[...] {axes}`` with or
+without ``device_ids=(...)``); a collective whose groups cannot be read keeps its ``bytes`` and
+count, is charged the ring's bound as ``ici_bytes`` (all of its buffer, an all-reduce twice:
+an overestimate, never a free collective) and is listed in ``unknown_groups``. TPU's
+reduce-scatter appears as a fusion around an all-reduce (``all-reduce-scatter``); it is counted
+as a reduce-scatter.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ class KindStats:
 class Collectives:
     by_kind: dict[str, KindStats]
     unknown_loops: list[str]
+    unknown_groups: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def total_bytes(self) -> float:
@@ -161,7 +167,18 @@ def _initial(loop: Instr, caller: list[Instr], index: int) -> int:
     return 0
 
 
-def _group_size(instr: Instr) -> int:
+# A mesh-form group list: ``mesh['a'=4,'b'=2][, device_ids=(...)] {'a'}``. ``device_ids`` (a
+# device order, e.g. ``[2,2,2]T(0,2,1)``: parentheses inside) reorders the devices and leaves
+# the group size alone; an axis in the set may be a sub-axis ``'a':(pre)size``.
+_MESH_GROUPS = re.compile(r"replica_groups=mesh\[([^\]]*)\]"
+                          r"(?:,\s*device_ids=\((?:[^()]|\([^()]*\))*\))?\s*\{([^}]*)\}")
+_MESH_AXIS = re.compile(r"^'?([\w.\-]+)'?(?::\(([0-9]+)\)([0-9]+))?$")
+
+
+def _group_size(instr: Instr) -> int | None:
+    """Devices in each replica group of a collective, or None when its group list is in a
+    form not read here (or absent, or ``{}``: all devices, whose count the instruction does
+    not state), so the caller can count it as unknown instead of as a free one-device group."""
     rest = instr.rest
     m = re.search(r"replica_groups=\{\{([0-9,]*)\}", rest)
     if m:
@@ -169,14 +186,17 @@ def _group_size(instr: Instr) -> int:
     m = re.search(r"replica_groups=\[([0-9,]+)\]<=", rest)
     if m:
         return int(m.group(1).split(",")[-1])
-    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
-    if m:
-        sizes = dict(re.findall(r"'(\w+)'=([0-9]+)", m.group(1)))
-        n = 1
-        for axis in re.findall(r"'(\w+)'", m.group(2)):
-            n *= int(sizes.get(axis, 1))
-        return n
-    return 1
+    m = _MESH_GROUPS.search(rest)
+    if not m:
+        return None
+    sizes = {k: int(v) for k, v in re.findall(r"'?([\w.\-]+)'?=([0-9]+)", m.group(1))}
+    n = 1
+    for axis in filter(None, (a.strip() for a in m.group(2).split(","))):
+        ref = _MESH_AXIS.match(axis)
+        if not ref or ref.group(1) not in sizes:
+            return None
+        n *= int(ref.group(3)) if ref.group(3) else sizes[ref.group(1)]
+    return n
 
 
 def _kind(opcode: str, computation: str) -> str | None:
@@ -235,21 +255,29 @@ def collectives(hlo_text: str) -> Collectives:
     comps, entry = parse(hlo_text)
     mult, _, unknown = multiplicities(comps, entry)
     stats = {k: KindStats() for k in KINDS}
+    unknown_groups: list[str] = []
     for name, count in mult.items():
         by_name = {i.name: i for i in comps[name]}
         for instr in comps[name]:
             kind = _kind(instr.opcode, name)
             if kind is None:
                 continue
-            size, n = _buffer_bytes(kind, instr, by_name), _group_size(instr)
-            share = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(
-                kind, (n - 1) / n)
+            size = _buffer_bytes(kind, instr, by_name)
+            n = None if kind == "collective-permute" else _group_size(instr)
+            if kind == "collective-permute":
+                share = 1.0  # pairs, not groups: a device sends its whole operand
+            elif n is None:
+                # Unread: charged the ring's bound (n -> infinity) rather than nothing, and named.
+                share = 2.0 if kind == "all-reduce" else 1.0
+                unknown_groups.append(instr.name)
+            else:
+                share = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
             s = stats[kind]
             s.count += count
             s.bytes += size * count
             s.ici_bytes += size * share * count
             s.largest = max(s.largest, size)
-    return Collectives(stats, unknown)
+    return Collectives(stats, unknown, unknown_groups)
 
 
 # Instructions that move no HBM bytes of their own (views, plumbing, control flow).

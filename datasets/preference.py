@@ -114,8 +114,8 @@ class TokenizePair:
                              f"data.max_prompt_len = {self.max_prompt_len}"}
         rows = []
         for key in ("chosen", "rejected"):
-            full = ids + response_ids({"messages": pair["messages"], "answer": pair[key]}, text,
-                                      self.tokenizer)
+            # The whole pair: a synthetic one has a ``prompt`` and no ``messages``.
+            full = ids + response_ids({**pair, "answer": pair[key]}, text, self.tokenizer)
             if len(full) - 1 > self.seq_len:
                 return {"_drop": f"{pair['origin']}: prompt + {key} has {len(full) - 1} "
                                  f"positions > trainer.seq_len = {self.seq_len}"}

@@ -85,3 +85,21 @@ def test_loss_fn_pairs_adjacent_rows_and_skips_all_masked_pairs():
     assert float(pairs) == 2.0
     np.testing.assert_allclose(aux["reward_margin"], h.sum(), rtol=1e-5)
     assert float(aux["reward_accuracy"]) == float((h > 0).sum())
+
+
+def test_a_margin_of_float_rounding_is_not_counted_as_a_right_ranking():
+    # The policy equals the reference but for the last bits of a separately compiled forward.
+    logp = np.log(np.full((2, 5), 0.3)).astype(np.float32)
+    mask = np.array([[0, 1, 1, 1, 1], [0, 1, 1, 1, 1]], np.float32)
+    ref = logp * mask
+    ref[1, 1] += 2e-6  # the rejected row a few ulps likelier under the reference
+    logits, targets = _logits_for(logp)
+    batch = PreferenceBatch(input_ids=None, targets=jnp.asarray(targets),
+                            loss_mask=jnp.asarray(mask), positions=None, segment_ids=None,
+                            ref_logprobs=jnp.asarray(ref))
+    fn = preference.make_preference_loss_fn("dpo", beta=0.1)
+
+    _, _, aux = fn(jnp.asarray(logits), batch)
+
+    assert float(aux["reward_margin"]) != 0.0  # rounding shows in the margin ...
+    assert float(aux["reward_accuracy"]) == 0.0  # ... and is no preference

@@ -88,6 +88,19 @@ def test_pair_is_two_adjacent_rows_with_mask_on_the_templated_completion(tmp_pat
         assert arrays["loss_mask"][row, n:].sum() == 0
 
 
+def test_synthetic_pairs_through_a_chat_template_train_the_templated_answer():
+    # Synthetic pairs carry a prompt and no messages: the completion is the assistant turn the
+    # template renders after that prompt, as for the SFT rows of the same task.
+    pair = load_pairs(DPOConfig(), DataConfig(num_examples=4, eval_examples=2),
+                      held_out=False)[0]
+
+    arrays = pair_arrays(tokenize_pairs([pair], CHAT, 64, "drop"), 64, CHAT.pad_id)
+
+    for row, key in ((0, "chosen"), (1, "rejected")):
+        trained = arrays["targets"][row][arrays["loss_mask"][row] > 0]
+        assert CHAT.decode(trained) == pair[key] and trained[-1] == CHAT.eos_id
+
+
 def test_overlong_pair_is_dropped_or_raised():
     short = {**GOOD, "rejected": "5", "origin": "f:2"}
     pair = {**short, "origin": "f:1", "chosen": "4" * 40}
