@@ -4,7 +4,9 @@ A loss takes ``(out, batch)``: the model output (logits ``[B, L, V]`` or a ``Hid
 logits it computes in float32 chunks, see ``logits``) and a ``TrainBatch``. It returns
 ``(loss_sum, weight_sum, aux_sums)``: sums, not means, so the train step can add them over
 microbatches and divide once by the total weight. That makes gradient accumulation equal one
-big batch (token-weighted), whatever the microbatch split.
+big batch (token-weighted), whatever the microbatch split, for every loss but an MoE model's
+load-balancing term: a product of per-expert fractions, it is computed per microbatch (as
+Megatron and MaxText do under gradient accumulation) and weighted by its tokens.
 ``aux_sums`` are divided by the same total weight before they are reported, except a
 ``MeanMax`` entry: a statistic over its own selection of tokens (e.g. the RL job's
 ``logprob_mismatch``), whose sums and max the step combines itself.

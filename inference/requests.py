@@ -31,6 +31,8 @@ class Request:
     temperature: float | None = None
     top_k: int | None = None
     top_p: float | None = None
+    # The sample stream, in [0, 2**31): equal seeds draw equal samples for equal prompts, so
+    # give each sample of a group its own (the default 0 is one stream for every request).
     seed: int = 0
     stop_ids: Sequence[int] = ()
     id: Any = None
@@ -143,8 +145,9 @@ def validate_request(request: Request, c: SamplerConfig, prompt_buckets: Sequenc
                          f"(sampler.prompt_buckets = {tuple(prompt_buckets)})")
     if not _is_int(request.priority):
         raise ValueError(f"priority = {request.priority!r}: must be an integer")
-    if not _is_int(request.seed):
-        raise ValueError(f"seed = {request.seed!r}: must be an integer")
+    if not _is_int(request.seed) or not 0 <= request.seed < _INT32:
+        # The device keys its draws by 31 bits: a larger seed would silently share a stream.
+        raise ValueError(f"seed = {request.seed!r}: must be an integer in [0, 2**31)")
     if len(request.stop_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(request.stop_ids)} stop ids: at most {MAX_STOP_IDS}")
     # The device holds these as int32: a larger value would wrap, not mean "no limit".
@@ -217,4 +220,4 @@ def slot_settings(reqs: Sequence[Request | None], n: int, c: SamplerConfig
         top_k_B=np.array([_pick(r, "top_k", c.top_k) for r in rows], np.int32),
         top_p_B=np.array([_pick(r, "top_p", c.top_p) for r in rows], np.float32),
         min_p_B=np.array([_pick(r, "min_p", c.min_p) for r in rows], np.float32),
-        seed_B=np.array([(r.seed if r else 0) & 0x7FFFFFFF for r in rows], np.int32))
+        seed_B=np.array([r.seed if r else 0 for r in rows], np.int32))

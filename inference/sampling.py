@@ -64,8 +64,9 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     sorted_BxV = -jnp.sort(-scaled_BxV, axis=-1)  # descending
     rank_V = jnp.arange(V)
     k_B = jnp.where(top_k_B <= 0, V, jnp.minimum(top_k_B, V))
-    # Ties with the k-th logit stay (as in HF's TopKLogitsWarper): then top-p's mass below is
-    # over the same set top-k alone keeps, and the filters commute.
+    # Ties with the k-th logit stay (as in HF's TopKLogitsWarper). The order is transformers':
+    # top-k, then top-p over the top-k set renormalised, then min-p (vLLM applies min-p first,
+    # which keeps another set when min-p and top-p are combined).
     kth_Bx1 = jnp.take_along_axis(sorted_BxV, (k_B - 1)[:, None], axis=-1)
     keep_k_BxV = sorted_BxV >= kth_Bx1
     sorted_k_BxV = jnp.where(keep_k_BxV, sorted_BxV, _NEG)
@@ -75,8 +76,8 @@ def filter_and_count(logits_BxV: jax.Array, temperature_B: jax.Array, top_k_B: j
     mass_before_BxV = jnp.cumsum(probs_BxV, axis=-1) - probs_BxV
     keep_BxV = keep_k_BxV & ((mass_before_BxV < top_p_B[:, None]) | (top_p_B[:, None] >= 1.0))
     if min_p_B is not None:
-        # p / p_max >= min_p; the ratio is the same before and after the other filters
-        # renormalise, so the order of the filters does not matter.
+        # p / p_max >= min_p: the ratio is the same before and after top-k/top-p renormalise,
+        # so min-p last keeps what min-p right after top-p would.
         keep_BxV &= sorted_BxV >= sorted_BxV[:, :1] + jnp.log(min_p_B)[:, None]
     keep_BxV |= rank_V[None, :] == 0
     n_keep_B = jnp.sum(keep_BxV, axis=-1)

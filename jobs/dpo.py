@@ -73,7 +73,9 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
         # The reference is the policy the run started from: the model as loaded (a resumed
         # run loads it the same way: model.hf_path, or the random init of trainer.seed).
         params = trainee.params
-        before = evaluate(params)
+        # With LoRA the policy at step 0 is the base as the step stores it (cast or
+        # quantised): evaluated once the engine holds it, below.
+        before = evaluate(params) if engine.lora is None else None
         reference = None
         if config.dpo.loss in NEEDS_REFERENCE:
             # With LoRA: the adapter-disabled forward over the base the step trains on (cast
@@ -86,6 +88,8 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
                 base=None if lora is None else engine.frozen_base)
         engine.start(params, data=data)
         del params
+        if before is None:
+            before = evaluate(engine.lora.merged(engine.frozen_base(), None))
         summary, history, after = train_and_evaluate(
             engine, evaluate, n_params, t0,
             prepare=None if reference is None else reference.apply)

@@ -147,7 +147,7 @@ def run(config: Config, workdir: str) -> None:
         return
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.
-    outs = sampler.generate([Request(rows[i][2], seed=config.trainer.seed + i,
+    outs = sampler.generate([Request(rows[i][2], seed=(config.trainer.seed + i) & 0x7FFFFFFF,
                                      stop_ids=tokenizer.stop_ids) for i in share])
     dt = time.perf_counter() - t0
     parts = multihost.allgather_json(

@@ -59,10 +59,12 @@ class Projection(nnx.Module):
         self.bias = (param(rngs, out_shape, out_axes, param_dtype, init="zeros")
                      if use_bias else None)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, part: jax.Array | None = None) -> jax.Array:
+        """``x`` projected; ``part``: which chunk of a longer input ``x`` is (LoRA dropout draws
+        a mask of its own for each)."""
         k = self.kernel[...]
         if isinstance(k, AdaptedKernel):  # LoRA's unmerged forward (models/lora_kernel.py)
-            y = k.project(x, self.n_in, self.compute_dtype)
+            y = k.project(x, self.n_in, self.compute_dtype, part)
         else:
             contract = (tuple(range(x.ndim - self.n_in, x.ndim)), tuple(range(self.n_in)))
             y = jax.lax.dot_general(x.astype(self.compute_dtype), k.astype(self.compute_dtype),
@@ -86,10 +88,10 @@ class MLP(nnx.Module):
         self.sharding = sharding
         self.chunk = chunk
 
-    def _apply(self, x_BxLxD: jax.Array) -> jax.Array:
-        h_BxLxF = jax.nn.silu(self.gate(x_BxLxD)) * self.up(x_BxLxD)
+    def _apply(self, x_BxLxD: jax.Array, part: jax.Array | None = None) -> jax.Array:
+        h_BxLxF = jax.nn.silu(self.gate(x_BxLxD, part)) * self.up(x_BxLxD, part)
         h_BxLxF = constrain(h_BxLxF, ("batch", "length", "act_mlp"), self.sharding)
-        return self.down(h_BxLxF)
+        return self.down(h_BxLxF, part)
 
     def __call__(self, x_BxLxD: jax.Array) -> jax.Array:
         B, L, D = x_BxLxD.shape
@@ -101,5 +103,8 @@ class MLP(nnx.Module):
             B, n, c, D).swapaxes(0, 1)
         # Remat per chunk: the backward saves each chunk's input and recomputes its F-wide
         # activations (the weights are loop-invariant).
-        out_NxBxCxD = jax.lax.map(jax.checkpoint(self._apply, prevent_cse=False), x_NxBxCxD)
+        # Each chunk's index goes along: LoRA dropout masks differ from chunk to chunk.
+        out_NxBxCxD = jax.lax.map(
+            jax.checkpoint(lambda args: self._apply(*args), prevent_cse=False),
+            (x_NxBxCxD, jnp.arange(n)))
         return out_NxBxCxD.swapaxes(0, 1).reshape(B, n * c, D)[:, :L]

@@ -174,6 +174,9 @@ class Lora:
     scale: float
     base_dtype: str
     quantised: dict[str, int]  # paths stored as quant.QTensor in the frozen base -> n_lead
+    # Every projection kernel: the leaves ``base_dtype`` stores (embeddings, LM head, norms,
+    # biases and MoE routers keep their dtype).
+    projections: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, cfg: LoraConfig, graphdef: nnx.GraphDef, params: Any) -> Lora:
@@ -181,7 +184,8 @@ class Lora:
         chosen = select(every, cfg.targets)
         quantise = cfg.base_dtype in quant.QUANT_DTYPES
         q = {t.path: t.n_lead for t in every} if quantise else {}
-        return cls(tuple(chosen), cfg.alpha / cfg.rank, cfg.base_dtype, q)
+        return cls(tuple(chosen), cfg.alpha / cfg.rank, cfg.base_dtype, q,
+                   frozenset(t.path for t in every))
 
     def freeze(self, params: Any) -> dict[str, Any]:
         """The frozen base: ``{path: array | QTensor}`` (a flat dict, so it can hold the
@@ -192,7 +196,7 @@ class Lora:
     def _store(self, path: str, leaf: jax.Array) -> Any:
         if path in self.quantised:
             return quant.quantize(leaf, self.base_dtype, self.quantised[path])
-        if self.base_dtype == "bfloat16" and leaf.ndim >= 2:
+        if self.base_dtype == "bfloat16" and path in self.projections:
             return leaf.astype(jnp.bfloat16)
         return leaf
 
@@ -252,6 +256,13 @@ class LoraSetup:
         self.adapter_sh = adapter_shardings(list(self.lora.targets), kernel_sh)
         abstract = jax.eval_shape(self.lora.freeze, params)
         self.frozen_sh = {k: frozen_sharding(v, kernel_sh[k]) for k, v in abstract.items()}
+        # Jitted once: a merge runs at every publish, evaluation and checksum, and a jit built
+        # per call would trace and compile it each time.
+        self._init_jit = jax.jit(self._init, out_shardings=self.adapter_sh)
+        self._freeze_jit = jax.jit(self.lora.freeze, out_shardings=self.frozen_sh)
+        self._merge_jit = jax.jit(
+            lambda f, a: self.lora.merged(self.treedef, f, a, self.dtypes),
+            out_shardings=self.params_sh)
 
     def abstract_adapters(self) -> Adapters:
         return jax.eval_shape(self._init)
@@ -261,16 +272,15 @@ class LoraSetup:
 
     def adapters(self) -> Adapters:
         """Fresh adapters, placed."""
-        return jax.jit(self._init, out_shardings=self.adapter_sh)()
+        return self._init_jit()
 
     def freeze(self, params: Any) -> dict[str, Any]:
         """The frozen (possibly quantised) base of ``params``, placed like the kernels."""
-        return jax.jit(self.lora.freeze, out_shardings=self.frozen_sh)(params)
+        return self._freeze_jit(params)
 
     def merged(self, frozen: dict[str, Any], adapters: Adapters | None) -> Any:
         """The full param state (base + adapters) in the base's placement."""
-        fn = lambda f, a: self.lora.merged(self.treedef, f, a, self.dtypes)  # noqa: E731
-        return jax.jit(fn, out_shardings=self.params_sh)(frozen, adapters)
+        return self._merge_jit(frozen, adapters)
 
     def update(self, adapters: Adapters, frozen: dict[str, Any], with_base: bool
                ) -> AdapterUpdate:

@@ -46,8 +46,10 @@ class AdaptedKernel:
             w = quant.dequantize(w)
         return w.astype(self.dtype)
 
-    def project(self, x: jax.Array, n_in: int, compute_dtype: Any) -> jax.Array:
-        """``x`` (``... + in``) through the base, plus the scaled, dropped-out adapter path."""
+    def project(self, x: jax.Array, n_in: int, compute_dtype: Any,
+                part: jax.Array | None = None) -> jax.Array:
+        """``x`` (``... + in``) through the base, plus the scaled, dropped-out adapter path;
+        ``part`` (the chunk of a longer input ``x`` is) is folded into the dropout key."""
         x = x.astype(compute_dtype)
         contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
         y = jax.lax.dot_general(x, self.weight().astype(compute_dtype), (contract, ((), ())))
@@ -55,8 +57,10 @@ class AdaptedKernel:
             return y
         h = x
         if self.key is not None and self.dropout > 0.0:
-            keep = jax.random.bernoulli(jax.random.wrap_key_data(self.key), 1.0 - self.dropout,
-                                        x.shape)
+            key = jax.random.wrap_key_data(self.key)
+            if part is not None:
+                key = jax.random.fold_in(key, part)
+            keep = jax.random.bernoulli(key, 1.0 - self.dropout, x.shape)
             h = jnp.where(keep, x / (1.0 - self.dropout), 0.0).astype(compute_dtype)
         xa = jax.lax.dot_general(h, self.a.astype(compute_dtype), (contract, ((), ())))
         xab = jax.lax.dot_general(xa, self.b.astype(compute_dtype),

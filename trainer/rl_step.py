@@ -66,6 +66,7 @@ from meshrl.trainer.step import (
     make_train_step,
     merge_rows,
     replay_args,
+    scaled_grads,
     split_rows,
 )
 
@@ -147,7 +148,7 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
             params, opt_state = carry
             loss_sum, _, aux, grads = accumulate(params, mb)
             assert not any(is_mean_max(v) for v in aux.values()), sorted(aux)
-            grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+            grads = scaled_grads(grads, denom, params)
             loss = loss_sum / denom
             params, opt_state, grad_norm, finite = guarded_update(tx, params, opt_state, grads,
                                                                   loss)

@@ -128,11 +128,22 @@ def make_grads_fn(forward_fn: ForwardFn, loss_fn: LossFn, microbatches: int = 1)
             return add_outputs(carry, flat_grads(params, mb)), None
 
         first = jax.tree.map(lambda x: x[0], mbs)
-        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+        # Sums in float32 at least: bfloat16 params would otherwise round the running sum of
+        # the microbatches' gradients at every add (the callers cast back to the params').
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, _at_least_f32(s.dtype)),
                              jax.eval_shape(flat_grads, params, first))
         return jax.lax.scan(body, zeros, mbs)[0]
 
     return accumulate
+
+
+def _at_least_f32(dtype: Any) -> Any:
+    return jnp.promote_types(dtype, jnp.float32) if jnp.issubdtype(dtype, jnp.floating) else dtype
+
+
+def scaled_grads(grads: Any, denom: jax.Array, params: Any) -> Any:
+    """``grads / denom`` in each param's dtype (the sum may be wider: ``make_grads_fn``)."""
+    return jax.tree.map(lambda g, p: (g / denom).astype(p.dtype), grads, params)
 
 
 def guarded_update(tx: optax.GradientTransformation, params: Any, opt_state: Any, grads: Any,
@@ -166,7 +177,7 @@ def make_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.GradientTr
         loss_sum, weight, aux, grads = accumulate(state.params, batch)
         # An all-masked batch has no tokens; dividing by 1 keeps loss and grads at exactly 0.
         denom = jnp.maximum(weight, 1.0)
-        grads = jax.tree.map(lambda g: (g / denom).astype(g.dtype), grads)
+        grads = scaled_grads(grads, denom, state.params)
         loss = loss_sum / denom
         params, opt_state, grad_norm, finite = guarded_update(tx, state.params, state.opt_state,
                                                               grads, loss)

@@ -70,7 +70,8 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
 
     def request(ex: dict, i: int, temp: float) -> Request:
         return Request(list(ex["prompt_ids"]), max_new_tokens=max_new_tokens, temperature=temp,
-                       stop_ids=stop_ids, seed=seed * 1_000_003 + i, id=("eval", i))
+                       stop_ids=stop_ids, seed=(seed * 1_000_003 + i) & 0x7FFFFFFF,
+                       id=("eval", i))
 
     greedy = await gather_or_cancel(*(engine.agenerate(request(ex, i, 0.0))
                                     for i, ex in enumerate(examples)))

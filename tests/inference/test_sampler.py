@@ -269,6 +269,9 @@ def test_min_new_tokens_outside_zero_to_max_new_is_rejected(tiny_params, min_new
     ({"max_new_tokens": 2.0}, r"max_new_tokens = 2.0: must be an integer"),
     ({"seed": None}, r"seed = None: must be an integer"),
     ({"seed": 1.5}, r"seed = 1.5: must be an integer"),
+    # The device keys draws by 31 bits: 2**31 would draw seed 0's samples, -1 seed 2**31-1's.
+    ({"seed": 2 ** 31}, r"seed = 2147483648: must be an integer in \[0, 2\*\*31\)"),
+    ({"seed": -1}, r"seed = -1: must be an integer in \[0, 2\*\*31\)"),
     ({"stop_ids": (2, -22)}, r"stop_ids \[-22\]: each must be a token id in \[0, 2\*\*31\)"),
     ({"stop_ids": (2 ** 31,)}, r"stop_ids \[2147483648\]: each must be a token id"),
 ])

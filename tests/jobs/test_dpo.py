@@ -58,10 +58,15 @@ def test_dpo_with_lora_scores_its_reference_on_the_quantised_base_the_policy_tra
         tmp_path):
     # At the first step the adapters are zero, so policy and reference agree exactly: loss
     # log 2, margin 0. A reference on the float params it was quantised from disagrees.
+    # The held-out "before" is that quantised base too: with a step that changes nothing,
+    # before and after agree (on the float params they would differ by the quantisation).
     summary = job.run(_config(**{"lora.rank": 4, "lora.base_dtype": "int8",
-                                 "trainer.steps": 1, "data.eval_examples": 8}), str(tmp_path))
+                                 "trainer.steps": 1, "data.eval_examples": 8,
+                                 "trainer.learning_rate": 1e-12}), str(tmp_path))
     assert summary["first_loss"] == pytest.approx(math.log(2), rel=0, abs=1e-6), summary
     assert summary["reward_margin"] == pytest.approx(0.0, rel=0, abs=1e-7), summary
+    assert summary["eval_logp_margin_before"] == pytest.approx(
+        summary["eval_logp_margin"], rel=0, abs=1e-5), summary
 
 
 # Slow: each loss's math is checked against numpy in tests/algorithms/test_preference.py and

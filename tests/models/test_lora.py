@@ -119,3 +119,43 @@ def test_dropout_of_one_or_more_is_one_config_error():
     with pytest.raises(ConfigError, match="lora.dropout = 1.0: must be < 1"):
         dataclasses.replace(LoraConfig(rank=4), dropout=1.0).validate()
     dataclasses.replace(LoraConfig(rank=4), dropout=0.1).validate()
+
+
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "int8", "nf4"])
+@pytest.mark.parametrize("scan", [False, True])
+def test_base_dtype_stores_only_projection_kernels(base_dtype, scan):
+    # Embeddings, LM head, norms (2-D when the layers are stacked) and biases keep their dtype.
+    g, params = _model(**{"model.scan_layers": scan, "model.tie_embeddings": False,
+                          "model.attention_bias": True})
+    lora = Lora.of(LoraConfig(rank=4, base_dtype=base_dtype), g, params)
+    kernels = {t.path for t in projections(g, params)}
+
+    frozen = lora.freeze(params)
+
+    flat = {p: leaf for p, leaf in zip(frozen, jax.tree.leaves(params), strict=True)}
+    kept = {p for p in frozen if p not in kernels}
+    assert kept and any("norm" in p for p in kept) and any("embed" in p for p in kept)
+    for path in kept:
+        assert frozen[path].dtype == flat[path].dtype, path
+        np.testing.assert_array_equal(frozen[path], flat[path], err_msg=path)
+    assert all(getattr(frozen[p], "dtype", None) != jnp.float32 for p in kernels)
+
+
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_lora_dropout_draws_a_mask_of_its_own_for_every_mlp_chunk(chunk):
+    # 8 tokens a chunk with 2 rows: 4 positions a chunk. The same input at every position
+    # shows the masks: no two positions of different chunks may share one.
+    from meshrl.utils.params import path_name
+
+    cfg = tiny_config(**{"model.mlp_chunk": chunk, "model.num_layers": 1}).model
+    g, params = split_model(create_model(cfg, seed=0))
+    lora = Lora.of(LoraConfig(rank=4, targets="mlp/gate", dropout=0.5), g, params)
+    dtypes = {path_name(p): v.dtype for p, v in jax.tree_util.tree_flatten_with_path(params)[0]}
+    adapters = {k: {"a": v["a"], "b": jnp.ones_like(v["b"])}
+                for k, v in init_adapters(list(lora.targets), 4, 0).items()}
+    state = lora.unmerged(jax.tree.structure(params), lora.freeze(params), adapters, dtypes,
+                          jax.random.key(5), 0.5)
+
+    out = np.asarray(nnx.merge(g, state).layers[0].mlp(jnp.ones((2, 16, cfg.hidden_size))))
+
+    assert not any(np.array_equal(out[:, t], out[:, t + 4]) for t in range(12))

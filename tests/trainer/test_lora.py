@@ -124,3 +124,17 @@ def test_lora_dropout_changes_training_and_resumes_bitwise(tmp_path):
              zip(jax.tree.leaves(plain.state.params), jax.tree.leaves(straight.state.params),
                  strict=True)]
     assert any(moved)  # the masks reached the adapters' updates
+
+
+def test_the_merge_compiles_once_however_often_the_params_are_read(tmp_path):
+    # The engine merges at every publish, evaluation and checksum.
+    config = tiny_config(**LORA)
+    trainee = lora_trainee(config, mesh_for(config))
+    setup = trainee.lora
+    frozen, adapters = setup.freeze(trainee.params), setup.adapters()
+
+    for _ in range(3):
+        setup.merged(frozen, adapters)
+        setup.merged(frozen, None)
+
+    assert setup._merge_jit._cache_size() == 2  # with adapters, and the base alone
