@@ -21,7 +21,7 @@ import numpy as np
 
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import sources
-from meshrl.datasets.sources import DatasetError
+from meshrl.datasets.sources import DatasetError, row_errors
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils import multihost
 from meshrl.utils.log import get_logger
@@ -36,7 +36,7 @@ _CACHED_EPOCHS = 4
 # most ~60 MB of Python id lists; every example of a set up to that size is tokenized once.
 SFT_CACHE_TOKENS = 1 << 20
 # Keys that are pipeline plumbing, not reward fields handed to workflows.
-_INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask")
+_INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask", "_answer_message")
 
 
 def prompt_text(example: dict, tokenizer: Tokenizer) -> str:
@@ -65,9 +65,10 @@ def response_ids(example: dict, prompt: str, tokenizer: Tokenizer) -> list[int]:
     if messages is None and tokenizer.has_chat_template:
         messages = [{"role": "user", "content": example["prompt"]}]  # as ``prompt_text``
     if messages is not None:
-        full = tokenizer.apply_chat_template(
-            [*messages, {"role": "assistant", "content": example["answer"]}],
-            add_generation_prompt=False)
+        # The row's own assistant turn (its other keys too: Qwen3 renders reasoning_content).
+        turn = {**example.get("_answer_message", {"role": "assistant"}),
+                "content": example["answer"]}
+        full = tokenizer.apply_chat_template([*messages, turn], add_generation_prompt=False)
         # Use the template's own rendering of the turn (end-of-turn tokens included) when the
         # prompt is a prefix of it; trailing newlines after the end-of-turn are not trained on.
         if full.startswith(prompt):
@@ -91,6 +92,10 @@ class _Tokenize:
         return {"_drop": reason, "origin": ex.get("origin")}
 
     def __call__(self, ex: dict) -> dict:
+        with row_errors(ex):
+            return self._tokenize(ex)
+
+    def _tokenize(self, ex: dict) -> dict:
         text = prompt_text(ex, self.tokenizer)
         ids = encode_prompt(text, self.tokenizer)
         if len(ids) > self.data.max_prompt_len:

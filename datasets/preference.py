@@ -24,7 +24,13 @@ from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
 from meshrl.datasets.pipeline import encode_prompt, prompt_text, response_ids
-from meshrl.datasets.sources import DatasetError, _check_messages, disjoint_examples, jsonl_rows
+from meshrl.datasets.sources import (
+    DatasetError,
+    _check_messages,
+    disjoint_examples,
+    jsonl_rows,
+    row_errors,
+)
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils.log import get_logger
 
@@ -107,6 +113,10 @@ class TokenizePair:
         self.tokenizer, self.seq_len, self.max_prompt_len = tokenizer, seq_len, max_prompt_len
 
     def __call__(self, pair: dict) -> dict:
+        with row_errors(pair):
+            return self._tokenize(pair)
+
+    def _tokenize(self, pair: dict) -> dict:
         text = prompt_text(pair, self.tokenizer)
         ids = encode_prompt(text, self.tokenizer)
         if self.max_prompt_len is not None and len(ids) > self.max_prompt_len:

@@ -7,10 +7,13 @@ data) and any reward fields (countdown: ``numbers``, ``target``; other columns o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
 from typing import Any
+
+from jinja2.exceptions import TemplateError
 
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
@@ -50,6 +53,7 @@ def row_to_example(row: Any, data: DataConfig, origin: str, require_answer: bool
         if messages[-1]["role"] == "assistant":
             # SFT chat data: the last assistant turn is the response, the rest is the prompt.
             prompt_messages, answer = messages[:-1], messages[-1]["content"]
+            extra["_answer_message"] = dict(messages[-1])
             if not prompt_messages:
                 raise DatasetError(f"{origin}: 'messages' has only an assistant turn: "
                                    f"add the user turn it answers")
@@ -218,3 +222,14 @@ def disjoint_examples(chunk_at: Callable[[int], list[dict]], taken: set[str],
                     "training set (task space too small at difficulty %d)", len(out),
                     data.eval_examples, data.difficulty)
     return out[:data.eval_examples]
+
+
+@contextlib.contextmanager
+def row_errors(ex: dict) -> Iterator[None]:
+    """A chat template that refuses a row (``raise_exception``: roles that do not alternate, a
+    system turn where none may be) as a ``DatasetError`` naming the row's file and line."""
+    try:
+        yield
+    except TemplateError as e:
+        raise DatasetError(f"{ex.get('origin', '?')}: the chat template refused this row "
+                           f"({' '.join(str(e).split())}): fix its messages") from None

@@ -98,7 +98,8 @@ def _record(ex: dict[str, Any], text: str, ids: list[int], out: Any, tokenizer: 
                 versions=out.versions, finish_reason=out.finish_reason)
     # The row's fields stay, a name the job writes too as ``row.<name>`` (a reference
     # completion, or an earlier samples.jsonl read back as prompts).
-    record = {(f"row.{k}" if k in made else k): _jsonable(v) for k, v in ex.items()}
+    record = {(f"row.{k}" if k in made else k): _jsonable(v) for k, v in ex.items()
+              if not k.startswith("_")}  # the pipeline's own keys (``_answer_message``)
     record.update(made)
     return record
 

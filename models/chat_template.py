@@ -18,6 +18,7 @@ transformers', so templates within budget render exactly as they do there.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import json
 import re
@@ -27,7 +28,7 @@ from typing import Any
 from jinja2 import nodes
 from jinja2.compiler import CodeGenerator, Frame
 from jinja2.exceptions import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 # A rendered prompt, or any string or sequence a template builds, in characters (items): far
@@ -143,19 +144,50 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+class _Generation(Extension):
+    """``{% generation %}...{% endgeneration %}``, which transformers' templates use to mark the
+    assistant's tokens: rendered as its body (the loss mask is built here otherwise)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    # Llama 3.x templates date their system header with it, as transformers renders them.
+    return datetime.datetime.now().strftime(fmt)
+
+
 def compile_template(source: str) -> Any:
-    """A ``jinja2.Template`` for ``source`` in the bounded sandbox."""
-    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
-    env.filters["tojson"] = _bounded_filter(lambda x, indent=None, **_: json.dumps(
-        x, ensure_ascii=False, indent=indent), "tojson")
+    """A ``jinja2.Template`` for ``source`` in the bounded sandbox, with transformers'
+    extensions, filters and globals (the generation tag, ``tojson``, ``strftime_now``,
+    ``raise_exception``)."""
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[_Generation, loopcontrols])
+    env.filters["tojson"] = _bounded_filter(_tojson, "tojson")
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
 
 
 def render(template: Any, **variables: Any) -> str:
-    """Render ``template``, stopping once the output passes ``MAX_TEMPLATE_CHARS``."""
+    """Render ``template``, stopping once the output passes ``MAX_TEMPLATE_CHARS``;
+    ``tools`` and ``documents`` are None unless given, as transformers passes them."""
     parts, size = [], 0
-    for chunk in template.generate(**variables):
+    for chunk in template.generate(**{"tools": None, "documents": None, **variables}):
         size += len(chunk)
         if size > MAX_TEMPLATE_CHARS:
             raise SecurityError(f"chat template output passes MAX_TEMPLATE_CHARS = "

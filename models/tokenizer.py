@@ -124,8 +124,9 @@ class HFTokenizer:
         if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
             named = {t["name"]: t["template"] for t in template}
             template = named.get("default", next(iter(named.values()), None))
+        # As transformers: chat_template.jinja, when there is one, wins over the config's copy.
         jinja_path = os.path.join(directory, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_path):
+        if os.path.isfile(jinja_path):
             with open(jinja_path, encoding="utf-8") as f:
                 template = f.read()
         self._template_source: str | None = template

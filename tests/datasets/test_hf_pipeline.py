@@ -51,3 +51,56 @@ def test_sft_chat_response_ends_at_the_template_end_of_turn(tok: HFTokenizer, tm
     assert trained == tok.encode("hi") + [tok.eos_id]
     assert np.count_nonzero(batch["segment_ids"]) == len(tok.encode(
         "<|im_start|>user\nsay hi<|im_end|>\n<|im_start|>assistant\nhi<|im_end|>")) - 1
+
+
+def test_a_row_the_chat_template_refuses_is_one_error_naming_its_file_and_line(
+        tok: HFTokenizer, tmp_path):
+    import shutil
+
+    from meshrl.datasets.sources import DatasetError
+
+    strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+              "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tok._directory, tok_dir)  # the fixture's tokenizer.json, another template
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": strict}))
+    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    rows = [{"messages": [turn("user", "say hi"), turn("assistant", "hi")]}] * 2 + [
+        {"messages": [turn("user", "say"), turn("user", "hi"), turn("assistant", "hi")]}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    with pytest.raises(DatasetError, match=r"chat.jsonl:3: the chat template refused this row "
+                                           r"\(Conversation roles must alternate\)"):
+        next(make_sft_iterator(DataConfig(source="jsonl", path=str(path)),
+                               HFTokenizer(str(tok_dir)), batch_size=3, seq_len=32, seed=0,
+                               pack=False))
+
+
+def test_the_trained_assistant_turn_keeps_its_other_keys_for_the_template(tok: HFTokenizer,
+                                                                          tmp_path):
+    # Qwen3's template renders an assistant turn's reasoning_content inside <think>.
+    import shutil
+
+    thinking = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+                "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok_dir = tmp_path / "tok"
+    shutil.copytree(tok._directory, tok_dir)  # the fixture's tokenizer.json, another template
+    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": thinking}))
+    thinker = HFTokenizer(str(tok_dir))
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [
+        {"role": "user", "content": "say hi"},
+        {"role": "assistant", "content": "hi", "reasoning_content": "say it"}]}) + "\n")
+
+    batch = next(make_sft_iterator(DataConfig(source="jsonl", path=str(path)), thinker,
+                                   batch_size=1, seq_len=64, seed=0, pack=False))
+
+    trained = batch["targets"][0][batch["loss_mask"][0] == 1].tolist()
+    assert trained == thinker.encode("<think>say it</think>hi") + [thinker.eos_id]

@@ -61,3 +61,32 @@ def test_hf_tokenizer_reports_a_runaway_chat_template_as_one_tokenizer_error(
         {"eos_token": "</s>", "chat_template": "{{ 'a' * 10**7 }}"}))
     with pytest.raises(TokenizerError, match="chat template was stopped.*MAX_TEMPLATE_CHARS"):
         HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES)
+
+
+def test_transformers_template_features_render_as_transformers_renders_them():
+    # The generation tag (assistant masks), strftime_now (Llama 3.x's date), tools/documents
+    # passed as None, and tojson's options: each a template transformers renders.
+    import datetime
+
+    source = ("{% for m in messages %}{% generation %}[{{ m['content'] }}]{% endgeneration %}"
+              "{% endfor %}{{ strftime_now('%Y') }} {{ tools is none }} {{ documents is none }} "
+              "{{ {'b': 1, 'a': 2}|tojson(sort_keys=True, separators=(',', ':')) }}")
+
+    out = chat_template.render(chat_template.compile_template(source), messages=MESSAGES)
+
+    year = datetime.datetime.now().strftime("%Y")
+    assert out == f'[what is 2+2?]{year} True True {{"a":2,"b":1}}'
+
+
+def test_chat_template_jinja_wins_over_the_configs_copy_as_in_transformers(
+        tmp_path: pathlib.Path):
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+
+    RustTokenizer(models.WordLevel({"</s>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
+        str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": "config"}))
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+
+    assert HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES) == "jinja"
