@@ -33,6 +33,12 @@ def greater_than(lo: float) -> Constraint:
     return (f"must be > {lo}", lambda v: v > lo)
 
 
+def in_unit_interval() -> Constraint:
+    """[0, 1): a decay rate (Adam's betas, momentum); 1 would never forget and divide 0 by 0
+    in Adam's bias correction."""
+    return ("must be in [0, 1)", lambda v: 0 <= v < 1)
+
+
 one_of_or_fill: Constraint = ("must be >= 1, or -1 to fill with the remaining devices",
                               lambda v: v >= 1 or v == -1)
 

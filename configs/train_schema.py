@@ -11,6 +11,7 @@ from meshrl.configs.fields import (
     Section,
     at_least,
     field,
+    in_unit_interval,
 )
 
 
@@ -20,15 +21,16 @@ class OptimizerConfig(Section):
     name: Literal["adamw", "sgd", "adafactor"] = field("adamw", "Optimizer.")
     schedule: Literal["constant", "cosine", "linear"] = field(
         "cosine", "Learning-rate decay after warmup.")
-    warmup_steps: int = field(0, "Linear warmup steps from 0 to trainer.learning_rate.",
+    warmup_steps: int = field(0, "Linear warmup steps from 0 to trainer.learning_rate "
+                                 "(a run of fewer trainer.steps warms up over all of them).",
                               at_least(0))
     weight_decay: float = field(0.0, "Decoupled weight decay (never applied to norms or biases).",
                                 at_least(0.0))
     grad_clip_norm: float = field(1.0, "Global-norm gradient clipping; 0 disables.", at_least(0.0))
-    b1: float = field(0.9, "Adam beta1.", at_least(0.0))
-    b2: float = field(0.95, "Adam beta2.", at_least(0.0))
+    b1: float = field(0.9, "Adam beta1.", in_unit_interval())
+    b2: float = field(0.95, "Adam beta2.", in_unit_interval())
     eps: float = field(1e-8, "Adam epsilon.", at_least(0.0))
-    momentum: float = field(0.0, "SGD momentum; 0 is plain SGD.", at_least(0.0))
+    momentum: float = field(0.0, "SGD momentum; 0 is plain SGD.", in_unit_interval())
     min_lr_ratio: float = field(0.0, "Final learning rate as a fraction of the peak.",
                                 at_least(0.0))
 

@@ -20,7 +20,10 @@ _log = get_logger("checkpoint")
 # The RL counters (groups accepted and consumed, the staleness capacity) count in these units:
 # a resumed run with others admits nothing (fewer prompts a step: it waits for good) or drops
 # whole steps' groups as stale (more).
-REFUSED = (("rollout", "prompts_per_step"), ("rollout", "group_size"))
+# The optimizer's update count indexes the schedule as count // (ppo_minibatches * ppo_epochs):
+# another product would put the learning rate at another step's.
+REFUSED = (("rollout", "prompts_per_step"), ("rollout", "group_size"), ("rl", "ppo_minibatches"),
+           ("rl", "ppo_epochs"))
 FREE_SECTIONS = frozenset({"checkpoint", "logging", "runtime", "distributed", "compile",
                            "generate", "export", "evaluate"})
 FREE_FIELDS = frozenset({("trainer", "steps")})

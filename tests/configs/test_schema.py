@@ -15,6 +15,7 @@ from meshrl.configs import (
     Job,
     MeshConfig,
     ModelConfig,
+    OptimizerConfig,
     RewardConfig,
     SamplerConfig,
     TrainerConfig,
@@ -63,6 +64,10 @@ def test_every_field_has_doc(section):
                          capacity_factor=1.0), "model.moe_impl = 'dense' is dropless only"),
     (lambda: ModelConfig(hf_path=3), "model.hf_path = 3: must be a string"),
     (lambda: TrainerConfig(learning_rate=-1.0), "trainer.learning_rate = -1.0: must be >= 0"),
+    # Adam's bias correction divides 0 by 0 at beta 1: every param NaN after one update.
+    (lambda: OptimizerConfig(b1=1.0), "optimizer.b1 = 1.0: must be in [0, 1)"),
+    (lambda: OptimizerConfig(b2=1.5), "optimizer.b2 = 1.5: must be in [0, 1)"),
+    (lambda: OptimizerConfig(momentum=1.0), "optimizer.momentum = 1.0: must be in [0, 1)"),
     (lambda: TrainerConfig(learning_rate="fast"), "trainer.learning_rate = 'fast': must be a num"),
     (lambda: SamplerConfig(top_p=1.5), "sampler.top_p = 1.5: must be in [0, 1]"),
     (lambda: SamplerConfig(prompt_buckets=(64, 32)), "must be positive and ascending"),

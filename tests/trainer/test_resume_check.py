@@ -25,7 +25,9 @@ def _config(**changes) -> dict:
 
 
 @pytest.mark.parametrize("field, value", [("rollout.prompts_per_step", 4),
-                                          ("rollout.group_size", 8)])
+                                          ("rollout.group_size", 8),
+                                          # the schedule's index: update count // K x E
+                                          ("rl.ppo_minibatches", 2), ("rl.ppo_epochs", 3)])
 def test_a_change_the_rl_counters_cannot_follow_is_refused_naming_both_values(field, value):
     saved = _config()
     was = saved[field.split(".")[0]][field.split(".")[1]]
