@@ -6,8 +6,8 @@
 An error the user can fix (``meshrl.utils.errors.UserError``: config, mesh, data, model
 directory, tokenizer, checkpoint, workdir) prints one line ``error: <what>: <value>: <fix>`` to
 stderr and exits 1; the traceback is printed too with ``--config.logging.level=DEBUG``.
-Ctrl-C stops SFT and RL at the next step boundary with a checkpoint and one line, ``stopped at
-step N; checkpoint saved: <path>``; a second Ctrl-C stops at once, saying nothing was saved.
+Ctrl-C stops SFT, RL and DPO at the next step boundary with a checkpoint and one line, ``stopped
+at step N; checkpoint saved: <path>``; a second Ctrl-C, or one in any other job, stops at once.
 """
 
 from __future__ import annotations
@@ -61,7 +61,8 @@ def main(argv: list[str]) -> None:
             sys.exit(f"error: --workdir = {_WORKDIR.value!r}: empty; give a directory, or leave "
                      f"the flag out for the default ({default_workdir()})")
         workdir = _WORKDIR.value or default_workdir()
-        interrupt.install()
+        if config.job in jobs.STEP_JOBS:  # the others stop at once on Ctrl-C
+            interrupt.install()
         jobs.run(config, workdir)
     except UserError as e:
         exit_on_user_error(e, verbose=_debug(config))

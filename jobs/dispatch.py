@@ -184,7 +184,11 @@ def run(config: Config, workdir: str) -> None:
     log.setup(config.logging.level)
     # The compile job builds programs for devices that may not be here; a cached TPU executable
     # cannot even be read back without a TPU client.
-    cache = None if config.job == Job.COMPILE else compile_cache.enable(config.runtime)
+    if config.job == Job.COMPILE:
+        cache = None
+        compile_cache.disable()  # JAX's default (on with $JAX_COMPILATION_CACHE_DIR) too
+    else:
+        cache = compile_cache.enable(config.runtime)
     preflight(config)  # the same checks as dry_run, before anything is written
     if config.job not in _JOBS:
         known = sorted(j.value for j in _JOBS)
@@ -206,11 +210,15 @@ def run(config: Config, workdir: str) -> None:
 
 
 # The lock file of each job that writes into the workdir. SFT and RL write the same checkpoints
-# (RL's warm start included), so they share one; the evaluator and the sampler write files of
-# their own and may run beside training. Export only reads the workdir.
+# (RL's warm start included), so they share one; the evaluator, the sampler and the compile job
+# write files of their own and may run beside training. Export only reads the workdir.
 _LOCKS: dict[Job, str] = {Job.SFT: ".meshrl.lock", Job.RL: ".meshrl.lock", Job.DPO: ".meshrl.lock",
                           Job.GENERATE: ".meshrl.generate.lock",
-                          Job.EVALUATE: ".meshrl.evaluate.lock"}
+                          Job.EVALUATE: ".meshrl.evaluate.lock",
+                          Job.COMPILE: ".meshrl.compile.lock"}
+# The jobs whose loops stop at a step boundary on a first Ctrl-C (``utils.interrupt``); the
+# others stop at once.
+STEP_JOBS = frozenset({Job.SFT, Job.RL, Job.DPO})
 
 
 def _claim_workdir(config: Config, workdir: str) -> WorkdirLock | None:

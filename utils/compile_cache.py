@@ -4,17 +4,21 @@
 (``runtime.compile_cache_dir``, else ``$JAX_COMPILATION_CACHE_DIR``, else the user's cache
 directory) and caches every program, however fast it compiled: the sampler's many small
 variants are what a restart spends its first minute on. ``runtime.compile_cache = False``
-turns the cache off. Returns the directory in use, or None.
+turns the cache off (``disable``). A local directory another user owns, or that group or others
+may write, is refused (``check_dir``). Returns the directory in use, or None.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import stat
 from typing import Any
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
+
+from meshrl.utils.errors import UserError
 
 ENV = "JAX_COMPILATION_CACHE_DIR"
 
@@ -29,14 +33,40 @@ def cache_dir(configured: str) -> str:
     return str(pathlib.Path(base) / "meshrl" / "jax")
 
 
+class CacheDirError(UserError, ValueError):
+    """A compile cache directory others may write: JAX runs whatever executable it finds."""
+
+
+def disable() -> None:
+    """No persistent cache from now on in this process (JAX decides once per process whether
+    to use it; ``reset_cache`` makes it decide again)."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+
+
+def check_dir(path: str) -> None:
+    """Create a missing local cache directory (mode 0700); refuse one that another user owns
+    or that group or others may write: JAX loads the executable stored under a program's key,
+    so whoever can write there chooses the program this run executes."""
+    p = pathlib.Path(path)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = p.stat()
+    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CacheDirError(
+            f"compile cache {path}: owned by uid {st.st_uid} with mode "
+            f"{stat.S_IMODE(st.st_mode):04o}: others could plant the programs this run executes; "
+            f"use a directory of your own without group/other write (runtime.compile_cache_dir "
+            f"or ${ENV}), or runtime.compile_cache = false")
+
+
 def enable(runtime: Any) -> str | None:
     """Apply ``runtime.compile_cache`` / ``compile_cache_dir`` (see the module docstring)."""
     if not runtime.compile_cache:
-        jax.config.update("jax_enable_compilation_cache", False)
+        disable()
         return None
     path = cache_dir(runtime.compile_cache_dir)
     if "://" not in path:
-        pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+        check_dir(path)
     jax.config.update("jax_enable_compilation_cache", True)
     if jax.config.jax_compilation_cache_dir != path:
         # JAX opens its cache at the first compile; one already open (a notebook that ran

@@ -28,13 +28,22 @@ class Stopped(Exception):  # noqa: N818  (a requested stop, not a failure)
         self.step, self.path = step, path
 
 
-def _multi_process() -> bool:
+def _multi_process() -> bool | None:
+    """Whether the run spans several processes; None before JAX has a backend (asking would
+    start a one-process backend, and a later ``jax.distributed.initialize`` would fail)."""
     jax = sys.modules.get("jax")
-    return jax is not None and jax.process_count() > 1
+    if jax is None:
+        return False
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        return None
+    return jax.process_count() > 1
 
 
 def _handler(signum: int, frame: Any) -> None:
-    if _state["requested"] or _multi_process():
+    # Before the backend exists no step has run: stop at once (nothing to save).
+    if _state["requested"] or _multi_process() is not False:
         raise KeyboardInterrupt
     _state["requested"] = True
     _log.warning("interrupt: stopping after the current step with a checkpoint (Ctrl-C again "

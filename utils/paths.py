@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from typing import Any, TypeAlias
 
 from etils import epath
@@ -49,9 +50,15 @@ def write_text_atomic(path: epath.Path, text: str) -> None:
     """Write ``text`` beside ``path`` and move it into place: readers see the old file or the
     whole new one (a rename on local disks; a copy then delete on object stores, where a
     reader may see the object only once it is complete anyway)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    # A name of its own: two writers of one file must not write into each other's temp file.
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise
 
 
 def remove_tree(path: epath.Path) -> None:

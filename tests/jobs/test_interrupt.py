@@ -66,3 +66,37 @@ def test_sigint_during_sft_saves_the_step_prints_one_line_and_the_run_resumes_th
 
     assert rc == 0, text[-3000:]
     assert f"resuming at step {step}" in text
+
+
+def test_a_first_ctrl_c_stops_a_job_without_steps_at_once(tmp_path):
+    # The evaluate job polls for weight versions: no loop of its reads the step-boundary flag,
+    # so a first Ctrl-C must not be swallowed as a stop request.
+    args = [sys.executable, str(ROOT / "main.py"), "--config",
+            str(ROOT / "configs/default.py:smoke"), "--config.job=evaluate",
+            "--config.evaluate.timeout_s=120", "--config.evaluate.poll_s=0.2",
+            "--workdir", str(tmp_path / "run")]
+
+    t0 = time.monotonic()
+    rc, out = _run(args, tmp_path / "out.log", interrupt_after="watching .* for weight versions",
+                   timeout=120)
+
+    assert rc == 130, out[-3000:]
+    assert "interrupted: stopped at once" in out and time.monotonic() - t0 < 100
+
+
+def test_ctrl_c_before_jax_has_a_backend_stops_at_once_and_starts_none():
+    # Asking JAX for the process count would start a one-process backend, and the run's
+    # jax.distributed.initialize would then fail.
+    probe = ("import os, signal, jax\n"
+             "from jax._src import xla_bridge\n"
+             "from meshrl.utils import interrupt\n"
+             "interrupt.install()\n"
+             "try:\n"
+             "    os.kill(os.getpid(), signal.SIGINT)\n"
+             "    print('no stop')\n"
+             "except KeyboardInterrupt:\n"
+             "    print('stopped', xla_bridge.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=cpu_env(),
+                         capture_output=True, text=True, timeout=120)
+
+    assert out.stdout.strip() == "stopped False", out.stdout + out.stderr

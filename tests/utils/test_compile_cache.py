@@ -47,3 +47,33 @@ def test_enabled_cache_stores_a_jitted_program_in_the_configured_directory(tmp_p
 def test_compile_cache_false_turns_the_cache_off(restore_jax_cache):
     assert compile_cache.enable(RuntimeConfig(compile_cache=False)) is None
     assert jax.config.jax_enable_compilation_cache is False
+
+
+def test_turning_the_cache_off_takes_effect_in_a_process_that_already_used_it(
+        tmp_path, restore_jax_cache):
+    # JAX decides once per process whether to use the cache: off must make it decide again.
+    cache = tmp_path / "cache"
+    compile_cache.enable(RuntimeConfig(compile_cache_dir=str(cache)))
+    jax.jit(lambda x: x * 1.5)(jnp.ones(3)).block_until_ready()
+    before = len(list(cache.iterdir()))
+
+    compile_cache.enable(RuntimeConfig(compile_cache=False))
+    jax.jit(lambda x: x * 2.5 - 1.0)(jnp.ones(5)).block_until_ready()
+
+    assert before > 0 and len(list(cache.iterdir())) == before
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o770])
+def test_a_cache_directory_others_may_write_is_refused(tmp_path, mode, restore_jax_cache):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(mode)
+
+    with pytest.raises(compile_cache.CacheDirError,
+                       match=rf"compile cache {shared}: owned by uid \d+ with mode {mode:04o}"):
+        compile_cache.enable(RuntimeConfig(compile_cache_dir=str(shared)))
+
+
+def test_a_missing_cache_directory_is_created_private(tmp_path, restore_jax_cache):
+    compile_cache.enable(RuntimeConfig(compile_cache_dir=str(tmp_path / "new")))
+    assert (tmp_path / "new").stat().st_mode & 0o777 == 0o700

@@ -60,3 +60,32 @@ def test_remove_tree_still_reports_other_errors(tmp_path):
     blocker.write_text("not a directory")
     with pytest.raises(OSError):
         paths.remove_tree(blocker / "child")
+
+
+def test_concurrent_atomic_writes_of_one_file_never_clash_or_tear(tmp_path):
+    import json
+    import threading
+
+    path = paths.as_path(tmp_path / "out.json")
+    errors: list[BaseException] = []
+
+    def writer(n: int) -> None:
+        try:
+            for i in range(200):
+                paths.write_text_atomic(path, json.dumps({"writer": n, "i": i, "pad": "x" * 999}))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(3)]
+    for t in threads:
+        t.start()
+    reads = 0
+    while any(t.is_alive() for t in threads):
+        if path.exists():
+            json.loads(path.read_text())  # whole, never torn
+            reads += 1
+    for t in threads:
+        t.join()
+
+    assert not errors and reads > 0
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]
