@@ -9,7 +9,10 @@ v5e and v6e, and the TPU compiler works with 16 GiB and 32 GiB chips (less what 
   H100 SXM / H200 SXM: NVIDIA's datasheets (989 TFLOP/s dense bf16; 80 GB at 3.35 TB/s / 141 GB
   at 4.8 TB/s; NVLink 900 GB/s bidirectional per GPU, modelled as one port)
 A topology name counts as Google Cloud does: v5p-N has N TensorCores (2 per chip, N/2 chips);
-v5e-N and v6e-N have N chips.
+v5e-N and v6e-N have N chips. Hosts too: the TPU API's v5e-8 and v6e-8 are one VM with all 8
+chips, where libtpu's 2x4 topology defaults to two hosts of 4 (the GKE variant); larger v5e and
+v6e slices have 4 chips a host and v5p 4 chips a host, libtpu's defaults. The hosts matter:
+each is a process of the run, which loads its own rows of the batch.
 """
 
 from __future__ import annotations
@@ -68,6 +71,14 @@ class Topology:
     @property
     def libtpu_name(self) -> str:
         return f"{self.chip.name}:{self.shape}"
+
+    @property
+    def libtpu_options(self) -> dict[str, list[int]]:
+        """Options of libtpu's topology description beyond the name: one host for the 8-chip
+        v5e and v6e slices (module docstring)."""
+        if self.chip.torus_dims == 2 and self.chips == 8:
+            return {"chips_per_host_bounds": [2, 4, 1]}
+        return {}
 
 
 def topology(name: str) -> Topology:

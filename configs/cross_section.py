@@ -29,6 +29,7 @@ class ConfigSections(Protocol):
     data: Any
     generate: Any
     agent: Any
+    compile: Any
 
 
 def _unused_mesh_axes(config: ConfigSections) -> None:
@@ -186,6 +187,10 @@ def validate_config(config: ConfigSections) -> None:
     _unused_mesh_axes(config)
     _context(config)
     job = getattr(config.job, "value", config.job)  # a Job, or its string before coercion
+    if job == "compile":
+        # The compile job lowers compile.job's programs: a config that job refuses would crash
+        # in tracing (or report a run that cannot start), and one it accepts must compile.
+        job = config.compile.job
     if job == "dpo":
         check_pair_rows(config.trainer)
     _microbatches(config, job)

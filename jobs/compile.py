@@ -22,11 +22,15 @@ import jax
 from meshrl.aot import chips
 from meshrl.configs.schema import CompileConfig, Config
 from meshrl.jobs.compile_analysis import advice, analyse, over_capacity
-from meshrl.jobs.compile_programs import BUILDERS, default_programs
+from meshrl.jobs.compile_programs import (
+    BUILDERS,
+    SAMPLING_PHASE,
+    TRAIN_PHASE,
+    default_programs,
+    program_meshes,
+)
 from meshrl.jobs.compile_report import table
 from meshrl.jobs.compile_search import search
-from meshrl.mesh import create_mesh
-from meshrl.mesh.placement import create_meshes
 from meshrl.models import resolve_model_config
 from meshrl.utils import log, paths
 from meshrl.utils.errors import UserError
@@ -48,31 +52,23 @@ def target(cfg: CompileConfig) -> tuple[list[Any], chips.Chip | None, str]:
                         f"TPU compiler: pip install -e \".[tpu]\" -c constraints.txt")
     from jax.experimental import topologies
 
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.libtpu_name)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topo.libtpu_name,
+                                        **topo.libtpu_options)
     return list(desc.devices), topo.chip, f"{topo.name} ({topo.chips} chips, {topo.shape})"
-
-
-TRAIN_PHASE = ("train", "reference")
-SAMPLING_PHASE = ("prefill", "decode", "reprefill", "reprefill_tail")
 
 
 def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
                 names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
-    """Compile ``names`` (default: ``compile.programs`` or the job's) on the run's mesh over
-    ``devices``; one compile.json object each."""
+    """Compile ``names`` (default: ``compile.programs`` or the job's) on the run's meshes over
+    ``devices`` (``program_meshes``: a mesh the run's checks refuse raises); one compile.json
+    object each."""
     model_cfg = resolve_model_config(config.model)
-    if config.compile.job == "rl":
-        # As the RL job places them: colocated, both on every device (the sampler's own mesh
-        # with rl.sampler_expert); split, each on its share of the devices.
-        mesh, sampler_mesh = create_meshes(config, devices)
-    else:
-        mesh = sampler_mesh = create_mesh(config.mesh, devices)
-    meshes = {"train": mesh, "reference": mesh, **dict.fromkeys(SAMPLING_PHASE, sampler_mesh)}
+    meshes = program_meshes(config, devices)
     names = names or config.compile.programs or default_programs(config)
     results = []
     for name in names:
         t0 = time.perf_counter()
-        prog = BUILDERS[name](config, model_cfg, meshes.get(name, mesh))
+        prog = BUILDERS[name](config, model_cfg, meshes[name])
         try:
             compiled = prog.lowered.compile()
         except jax.errors.JaxRuntimeError as e:  # the TPU compiler checks the chip's HBM
@@ -81,11 +77,11 @@ def compile_all(config: Config, devices: list[Any], chip: chips.Chip | None,
             results.append(over_capacity(prog, e, chip, time.perf_counter() - t0,
                                          advice(config, name)))
         else:
-            results.append(analyse(prog, compiled, chip, meshes.get(name, mesh).devices.size,
+            results.append(analyse(prog, compiled, chip, meshes[name].devices.size,
                                    time.perf_counter() - t0))
             if results[-1]["fits"] is False:
                 results[-1]["advice"] = advice(config, name)
-        results[-1]["mesh"] = dict(meshes.get(name, mesh).shape)
+        results[-1]["mesh"] = dict(meshes[name].shape)
     return results
 
 
@@ -98,13 +94,16 @@ def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] |
     prefill/decode programs' own); the sampler's weights are resident in the train phase too
     unless ``rl.release_sampler_weights`` frees them for the step. Without the cache release
     everything is resident and the largest program's own share comes on top. None when that
-    does not apply or a program is missing."""
+    does not apply (SFT, a split placement, a program the compiler refused) or a program it
+    needs is missing (``colocated_needs``): with the KL on, the reference's frozen copy and its
+    own share are part of the train phase, and a peak without them would read low."""
     by = {r["program"]: r for r in results}
     if (config.compile.job != "rl" or config.rl.placement != "colocated"
-            or not {"train", "decode"} <= set(by) or any(r.get("error") for r in results)):
+            or not set(colocated_needs(config)) <= set(by)
+            or any(r.get("error") for r in results)):
         return None
     trainer = by["train"]["weights_bytes_per_chip"] + by["train"]["state_bytes_per_chip"]
-    if "reference" in by and config.lora.rank == 0:
+    if config.rl.kl_coef > 0 and config.lora.rank == 0:
         # The frozen copy; a LoRA run's reference reads the trainer's frozen base instead.
         trainer += by["reference"]["weights_bytes_per_chip"]
     sampler_weights = by["decode"]["weights_bytes_per_chip"]
@@ -137,6 +136,12 @@ def colocated(config: Config, results: list[dict[str, Any]]) -> dict[str, Any] |
     return out
 
 
+def colocated_needs(config: Config) -> tuple[str, ...]:
+    """The programs the colocated peak is computed from: the train step, the decode chunk, and
+    the KL reference's forward when the run has one."""
+    return ("train", "decode") + (("reference",) if config.rl.kl_coef > 0 else ())
+
+
 def _colocated_advice(out: dict[str, Any], phase: str, config: Config) -> str:
     over = f"{out['peak_gib'] - out['hbm_capacity_gib']:.1f} GiB over in the {phase} phase"
     if phase == "train" and not out["sampler_weights_released"]:
@@ -164,10 +169,15 @@ def run(config: Config, workdir: str) -> list[dict[str, Any]]:
         results, tried = search(config, devices, chip, compile_all)
     else:
         results, tried = compile_all(config, devices, chip), []
+    both = colocated(config, results)
+    missing = [n for n in colocated_needs(config) if n not in {r["program"] for r in results}]
+    if config.compile.job == "rl" and config.rl.placement == "colocated" and missing:
+        _log.warning("no colocated RL peak: it needs %s compiled too (compile.programs)",
+                     ", ".join(missing))
     report = {"target": label, "topology": config.compile.topology or None,
               "chip": chip.name if chip else None, "chip_source": chip.source if chip else None,
               "chips": len(devices), "job": config.compile.job, "programs": results,
-              "colocated": colocated(config, results), "search": tried}
+              "colocated": both, "search": tried}
     if jax.process_index() == 0:
         path = paths.as_path(workdir) / "compile.json"
         paths.write_text_atomic(path, json.dumps(report, indent=2))

@@ -43,11 +43,16 @@ def analyse(prog: Program, compiled: Any, chip: chips.Chip | None, n_chips: int,
         "fits": used <= chip.hbm_bytes if chip else None,
         "headroom": 1 - used / chip.hbm_bytes if chip else None,
         "memory_gib": {k: v / GiB for k, v in parts.items()},
-        "collectives": {k: {**v, "bytes": v["bytes"] / prog.steps,
+        # Per model step, like every other figure: a decode chunk's collectives over its steps
+        # (``largest`` is one buffer, not a rate). A count outside the chunk's loop shows as a
+        # fraction of a step.
+        "collectives": {k: {**v, "count": v["count"] / prog.steps,
+                            "bytes": v["bytes"] / prog.steps,
                             "ici_bytes": v["ici_bytes"] / prog.steps}
                         for k, v in coll.to_json().items()},
         "collective_bytes": coll.total_bytes / prog.steps,
         "unknown_trip_count_loops": coll.unknown_loops,
+        "unknown_replica_groups": coll.unknown_groups,
         "model_flops": prog.model_flops / prog.steps,  # all chips; the rest is per chip
         "hbm_traffic_bytes": traffic / prog.steps,
         "weights_bytes_per_chip": prog.weights_bytes, "state_bytes_per_chip": prog.state_bytes,
@@ -96,6 +101,7 @@ def over_capacity(prog: Program, error: Exception, chip: chips.Chip | None, seco
             "headroom": 1 - needed / cap if cap else None, "error": first,
             "advice": hint, "memory_gib": {"total": needed}, "collectives": {},
             "collective_bytes": None, "unknown_trip_count_loops": [],
+            "unknown_replica_groups": [],
             "model_flops": prog.model_flops / prog.steps, "hbm_traffic_bytes": None,
             "weights_bytes_per_chip": prog.weights_bytes,
             "state_bytes_per_chip": prog.state_bytes, "step_s_roofline": None,

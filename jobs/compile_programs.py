@@ -2,9 +2,10 @@
 
 Each builder jits its program exactly as the run does (the same step constructors, shardings and
 donation) and lowers it on ``ShapeDtypeStruct``s: the SFT or RL train step at the full batch,
-the frozen-reference forward of the KL, the sampler's prefill of a full admission of the largest
-prompt bucket, one decode chunk over every slot and the whole cache, and the re-prefills after a
-mid-generation weight update (on request).
+the KL reference's step (``ReferencePolicy``'s own apply), the sampler's prefill of a full
+admission of the largest prompt bucket, one decode chunk over every slot and the whole cache, and
+the re-prefills after a mid-generation weight update (on request). ``program_meshes`` builds
+their meshes as the run does, with its batch-row check.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshrl.algorithms.batch import RLTrainBatch, TrainBatch, abstract_batch
+from meshrl.algorithms.batch import RLTrainBatch, abstract_batch
 from meshrl.algorithms.losses import get_loss
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.algorithms.truncation import batch_fields
@@ -30,7 +31,9 @@ from meshrl.inference.page_table import SlotPages
 from meshrl.inference.programs import SlotState
 from meshrl.inference.requests import slot_settings
 from meshrl.inference.shapes import prefill_pass_tokens, prompt_buckets
-from meshrl.mesh import rules_for
+from meshrl.jobs.rl_setup import forward_microbatches
+from meshrl.mesh import check_process_rows, create_mesh, rules_for
+from meshrl.mesh.placement import create_meshes
 from meshrl.models import (
     KVCache,
     abstract_model,
@@ -50,8 +53,9 @@ from meshrl.trainer import (
     make_train_step,
     state_shardings,
 )
-from meshrl.trainer.reference import ref_fields, reference_logprobs
+from meshrl.trainer.reference import ReferencePolicy, ref_fields
 from meshrl.trainer.rl_step import make_rl_train_step, updates_per_step
+from meshrl.trainer.spec import rl_batch_size, rl_spec, sft_spec
 from meshrl.utils.errors import UserError
 from meshrl.workflows.setup import routing_shape
 
@@ -168,14 +172,15 @@ def split_warning(rows: int, microbatches: int, sharding: Any, seq_len: int) -> 
 
 
 def reference_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Program:
-    """The frozen reference's log-probabilities of the RL batch (the KL's forward pass); with
-    ``lora.rank > 0`` over the LoRA step's frozen base (the weights it reads are the ones the
-    train step holds, not a second copy)."""
+    """The KL reference's step as the RL job jits it: ``ReferencePolicy``'s own apply (the
+    frozen params' log-probabilities of the RL batch, split into ``forward_microbatches``, and
+    the KL they feed), at the full batch; with ``lora.rank > 0`` over the LoRA step's frozen base
+    (the weights it reads are the ones the train step holds, not a second copy)."""
     t = config.trainer
     graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
-    rows, rules = train_rows(config), rules_for("train", config.mesh.fsdp)
-    batch_sh = batch_shardings(mesh, rules, rows, t.seq_len)
-
+    rows = rl_batch_size(config)
+    routing = routing_shape(config, model_cfg)
+    batch_sh = rl_spec(config, mesh, routing).batch_sh  # the engine's batch layout
     forward = decoder_forward(graphdef, t.logits_chunk)
     if config.lora.rank > 0:  # the adapter-disabled forward over the step's frozen base
         setup = LoraSetup(config.lora, graphdef, params, params_sh)
@@ -183,15 +188,16 @@ def reference_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Pro
         params = setup.abstract_frozen(params)
     else:
         params = abstract_tree(params, params_sh)
-
-    def reference(ref_params: Any, batch: TrainBatch) -> jax.Array:
-        return reference_logprobs(forward, ref_params, batch,
-                                  temperature=config.sampler.temperature,
-                                  microbatches=t.microbatches)
-
-    jitted = jax.jit(reference, in_shardings=(params_sh, batch_sh),
-                     out_shardings=batch_sh.input_ids)
-    lowered = jitted.lower(params, abstract_batch(batch_sh, rows, t.seq_len))
+    # ``base`` (how a LoRA run hands over the params at each apply) keeps ReferencePolicy from
+    # copying concrete params, which these abstract ones are not; the apply it jits is the one
+    # a full run's frozen copy goes through, with the same shardings.
+    ref = ReferencePolicy(config.rl, forward, None, params_sh, mesh, batch_sh, samples=rows,
+                          temperature=config.sampler.temperature,
+                          group_size=config.rollout.group_size,
+                          microbatches=forward_microbatches(config), base=lambda: None)
+    batch = abstract_batch(batch_sh.replace(ref_logprobs=None), rows, t.seq_len,
+                           {"routing": routing} if routing else None)
+    lowered = ref._apply.lower(params, batch)  # the jitted apply ReferencePolicy.apply calls
     flops = flops_per_token(model_cfg, t.seq_len) / 3 * rows * t.seq_len
     return Program("reference", lowered, 1, flops, flops, per_chip_bytes(params))
 
@@ -288,6 +294,26 @@ def decode_program(config: Config, model_cfg: ModelConfig, mesh: Mesh) -> Progra
     flops = flops_per_token(cfg, s.max_len) / 3 * s.slots * s.decode_chunk
     return Program("decode", lowered, s.decode_chunk, flops, flops, per_chip_bytes(params),
                    per_chip_bytes(cache))
+
+
+TRAIN_PHASE = ("train", "reference")
+SAMPLING_PHASE = ("prefill", "decode", "reprefill", "reprefill_tail")
+
+
+def program_meshes(config: Config, devices: list[Any]) -> dict[str, Mesh]:
+    """Each program's mesh over ``devices``, as the run builds it, after the run's own check
+    that the train batch's rows split over the devices' processes (``check_process_rows``,
+    which ``TrainEngine`` runs: a mesh it refuses is no run to report). RL places the trainer
+    and sampler as the RL job does: colocated, both on every device (the sampler's own mesh with
+    rl.sampler_expert); split, each on its share. Raises ``MeshShapeError`` or ``ConfigError``."""
+    if config.compile.job == "rl":
+        mesh, sampler_mesh = create_meshes(config, devices)
+        batch_sh = rl_spec(config, mesh).batch_sh
+    else:
+        mesh = sampler_mesh = create_mesh(config.mesh, devices)
+        batch_sh = sft_spec(config, mesh).batch_sh
+    check_process_rows(batch_sh.input_ids, config.mesh)
+    return {**dict.fromkeys(TRAIN_PHASE, mesh), **dict.fromkeys(SAMPLING_PHASE, sampler_mesh)}
 
 
 BUILDERS: dict[str, Callable[[Config, ModelConfig, Mesh], Program]] = {

@@ -80,6 +80,10 @@ def table(report: Mapping[str, Any]) -> str:
         if e["unknown_trip_count_loops"]:
             lines.append(f"  {e['program']}: loops counted once (trip count unknown): "
                          f"{', '.join(e['unknown_trip_count_loops'][:5])}")
+        if e.get("unknown_replica_groups"):
+            lines.append(f"  {e['program']}: collectives whose replica groups could not be read "
+                         f"(link bytes charged as the whole buffer, an upper bound): "
+                         f"{', '.join(e['unknown_replica_groups'][:5])}")
     both = report.get("colocated")
     if both:
         fit = "n/a" if both["fits"] is None else (

@@ -148,7 +148,8 @@ def check_process_rows(sharding: NamedSharding, cfg: MeshConfig,
     own = all(len(r) == side // n and len(c) == side for r, c in held.values())
     if not own or len(set().union(*(r for r, _ in held.values()))) < side:
         raise MeshShapeError(
-            f"mesh: {_describe(cfg)}: the batch's rows are not split across the {n} processes, "
-            f"whole rows to each (each process loads its own rows): across processes use only "
-            f"the axes that split the batch's rows (dcn_data, dcn_expert); size tensor and "
-            f"context within a host (the ICI sizes)")
+            f"mesh: {_describe(cfg)}: the batch's rows (sharded {tuple(sharding.spec)}) are not "
+            f"split across the {n} processes, whole rows to each (each process loads its own "
+            f"rows): the batch size must divide over the axes that split its rows, and only "
+            f"those (dcn_data, dcn_expert) may span processes; size tensor and context within "
+            f"a host (the ICI sizes)")

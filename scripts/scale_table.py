@@ -34,13 +34,17 @@ def _workdir(out: pathlib.Path, row: Row) -> pathlib.Path:
     return out / f"{name}_{variant}_{slice_}{tag}"
 
 
-def compile_row(out: pathlib.Path, row: Row) -> pathlib.Path:
+def config_argv(row: Row) -> list[str]:
+    """main.py's ``--config`` flags of a row: the recipe, the compile job, its overrides."""
     name, variant, slice_, overrides = row
+    return ["--config", f"{ROOT / 'configs' / name}.py:{variant}@{slice_}",
+            "--config.job=compile", *(f"--config.{o}" for o in overrides)]
+
+
+def compile_row(out: pathlib.Path, row: Row) -> pathlib.Path:
     workdir = _workdir(out, row)
     if not (workdir / "compile.json").exists():
-        cmd = [sys.executable, str(ROOT / "main.py"), "--config",
-               f"{ROOT / 'configs' / name}.py:{variant}@{slice_}", "--config.job=compile",
-               f"--workdir={workdir}", *(f"--config.{o}" for o in overrides)]
+        cmd = [sys.executable, str(ROOT / "main.py"), *config_argv(row), f"--workdir={workdir}"]
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True, cwd=ROOT)
     return workdir / "compile.json"
@@ -85,18 +89,12 @@ def _mesh_s(mesh: dict, overrides: tuple[str, ...]) -> str:
 
 
 def _colocated(row: Row, report: dict) -> dict | None:
-    """The colocated RL peak of a row (``jobs.compile.colocated`` on its config)."""
-    from meshrl.configs import from_config_dict, load_config_file
+    """The colocated RL peak of a row (``jobs.compile.colocated`` on its config, parsed from the
+    row's flags as main.py parses them: ``rl.x=false`` is False, not ``bool('false')``)."""
+    from meshrl.configs.overrides import config_from_argv
     from meshrl.jobs.compile import colocated
 
-    name, variant, slice_, overrides = row
-    config = load_config_file(ROOT / "configs" / f"{name}.py", f"{variant}@{slice_}")
-    d = config.to_dict()
-    for o in overrides:
-        key, value = o.split("=")
-        section, field = key.split(".")
-        d[section][field] = type(d[section][field])(value)
-    return colocated(from_config_dict(d), report["programs"])
+    return colocated(config_from_argv(config_argv(row)), report["programs"])
 
 
 HEADER = ("| slice | mesh | program | HBM/chip GiB | fits (headroom) | compute / HBM / "

@@ -17,6 +17,14 @@ def test_topology_counts_chips_as_google_cloud_names_them(name, n, shape, libtpu
     assert (topo.chips, topo.shape, topo.libtpu_name) == (n, shape, libtpu)
 
 
+@pytest.mark.parametrize(("name", "options"), [
+    ("v5e-8", {"chips_per_host_bounds": [2, 4, 1]}), ("v6e-8", {"chips_per_host_bounds": [2, 4, 1]}),
+    ("v5e-4", {}), ("v6e-16", {}), ("v5p-8", {}), ("v5p-16", {})])
+def test_only_the_8_chip_v5e_and_v6e_slices_ask_libtpu_for_one_host(name, options):
+    # Google Cloud's v5e-8 and v6e-8 are one VM with 8 chips; libtpu's 2x4 default is two.
+    assert chips.topology(name).libtpu_options == options
+
+
 @pytest.mark.parametrize("name", ["v5p-6", "v5e-12", "v4-8", "v5p8"])
 def test_unknown_topology_is_one_line_naming_it(name):
     with pytest.raises(UserError, match=f"compile.topology = '{name}'"):

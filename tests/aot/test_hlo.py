@@ -119,3 +119,49 @@ def test_scanned_all_gather_of_a_compiled_cpu_program_has_exact_bytes():
 
 def test_array_bytes_reads_tuples_layouts_and_dtypes():
     assert hlo.array_bytes("(bf16[2,3]{1,0:T(8,128)(2,1)}, s32[], pred[4])") == [12, 4, 4]
+
+
+def _one_collective(op: str) -> str:
+    """A module whose entry runs ``%r = f32[8,64] <op>`` on a parameter (``op``: the opcode
+    and what follows its operand list)."""
+    return ("HloModule m\n\n%add (x: f32[], y: f32[]) -> f32[] {\n  %x = f32[] parameter(0)\n"
+            "  %y = f32[] parameter(1)\n  ROOT %s = f32[] add(%x, %y)\n}\n\n"
+            "ENTRY %main (p: f32[8,64]) -> f32[8,64] {\n  %p = f32[8,64]{1,0} parameter(0)\n"
+            f"  ROOT %r = f32[8,64]{{1,0}} {op}\n}}\n")
+
+
+@pytest.mark.parametrize(("groups", "n"), [
+    # The mesh form as the TPU and CPU compilers print it, with a device order of its own.
+    ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}", 4),
+    ("mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_1'}", 2),
+    ("mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(1,0,2)) {'axis_0','axis_1'}", 4),
+    ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", 8),
+    ("mesh['axis_0'=8] {'axis_0':(2)4}", 4),  # a sub-axis: its own size
+    ("mesh['axis_0'=8] {}", 1),  # an empty axis set: a one-device group (a no-op)
+    ("{{0,1,2,3},{4,5,6,7}}", 4),
+    ("[2,4]<=[8]", 4)])
+def test_all_reduce_link_bytes_follow_the_group_size_of_every_group_form(groups, n):
+    c = hlo.collectives(_one_collective(f"all-reduce(%p), channel_id=1, replica_groups={groups}, "
+                                        f"use_global_device_ids=true, to_apply=%add"))
+
+    ar = c.by_kind["all-reduce"]
+    assert (ar.count, ar.bytes) == (1, 2048)
+    assert ar.ici_bytes == pytest.approx(2048 * 2 * (n - 1) / n)
+    assert c.unknown_groups == []
+
+
+@pytest.mark.parametrize("groups", ["{}", "mesh['axis_0'=8] {'axis_9'}", "future_form[8]"])
+def test_unreadable_replica_groups_are_charged_the_ring_bound_and_listed(groups):
+    c = hlo.collectives(_one_collective(f"all-gather(%p), channel_id=1, replica_groups={groups}, "
+                                        f"dimensions={{0}}"))
+
+    ag = c.by_kind["all-gather"]
+    assert (ag.count, ag.bytes, ag.ici_bytes) == (1, 2048, 2048)  # never 0, as for n = 1
+    assert c.unknown_groups == ["r"]
+
+
+def test_collective_permute_needs_no_group_size():
+    c = hlo.collectives(_one_collective(
+        "collective-permute(%p), channel_id=1, source_target_pairs={{0,1},{1,0}}"))
+
+    assert c.by_kind["collective-permute"].ici_bytes == 2048 and c.unknown_groups == []

@@ -116,6 +116,32 @@ def test_cross_section_error_is_raised_by_replace_too(job, overrides, message):
                                       for s, v in sections.items()})
 
 
+COMPILED_JOB_ERRORS = [c for c in CROSS_SECTION_ERRORS if c[0] in ("sft", "rl")]
+
+
+@pytest.mark.parametrize("job, overrides, message", COMPILED_JOB_ERRORS,
+                         ids=[_ids(c) for c in COMPILED_JOB_ERRORS])
+def test_compile_job_refuses_what_the_compiled_job_refuses(job, overrides, message):
+    cfg = _cfg(job, overrides)
+    cfg.job = "compile"  # compile.job stays the file's own job
+
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        from_config_dict(cfg)
+
+
+def test_compile_job_accepts_an_rl_config_that_the_sft_batch_rule_would_refuse():
+    # The RL job trains on its own batch (32 rows here) and has no warm start: trainer.batch_size
+    # is not its batch.
+    overrides = {"trainer.batch_size": 6, "trainer.microbatches": 4, "rl.warm_start_steps": 0}
+    cfg = _cfg("rl", overrides)
+    cfg.job = "compile"
+
+    config = from_config_dict(cfg)
+
+    assert config.compile.job == "rl" and config.trainer.microbatches == 4
+    from_config_dict(_cfg("rl", overrides))  # the RL job itself accepts it too
+
+
 def test_rules_of_one_job_do_not_apply_to_another():
     greedy = _cfg("sft", {"sampler.temperature": 0.0, "sampler.top_k": 5})
 

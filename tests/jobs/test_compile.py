@@ -139,6 +139,19 @@ def test_colocated_rl_counts_a_kl_references_weights_once_and_none_with_lora():
     assert resident(rank=4) == pytest.approx(69.5)  # the trainer's frozen base, no copy
 
 
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_colocated_rl_with_the_kl_on_and_no_reference_program_has_no_peak(lora_rank):
+    base = base_config("rl").to_dict()
+    config = from_config_dict({**base, "job": "compile", "rl": {**base["rl"], "kl_coef": 0.1},
+                               "lora": {**base["lora"], "rank": lora_rank}})
+
+    # compile.programs = train,prefill,decode: the frozen copy and the reference's own share
+    # would be missing from the train phase.
+    assert compile_job.colocated(config, _colocated_results()) is None
+    assert compile_job.colocated(
+        config, [*_colocated_results(), _entry("reference", 12.0, 7.5, 0.0)]) is not None
+
+
 def test_an_empty_prompt_bucket_list_compiles_the_samplers_own_buckets():
     cfg = base_config("rl")
     cfg.job, cfg.compile.programs = "compile", ("prefill",)
@@ -251,12 +264,15 @@ def test_mesh_search_with_nothing_that_fits_says_so_in_one_line():
         return [{"fits": False, "headroom": -0.5, "hbm_per_chip_gib": 140.0,
                  "step_s_roofline": None, "mfu_roofline": None, "roofline": None}]
 
+    import jax
+
     config = from_config_dict({**base_config("sft").to_dict(), "job": "compile"})
+    devices = jax.devices()[:4]
     for compile_all in (over, refused):
         with pytest.raises(UserError, match="none of the 6 meshes tried fits on 4 x v5p"):
-            compile_search.search(config, [object()] * 4, CHIPS["v5p"], compile_all)
+            compile_search.search(config, devices, CHIPS["v5p"], compile_all)
     with pytest.raises(UserError, match="compile.search = True: needs a chip's figures"):
-        compile_search.search(config, [object()] * 4, None, over)
+        compile_search.search(config, devices, None, over)
 
 
 def test_lora_train_program_takes_adapters_and_frozen_base_far_below_full_fine_tuning():
@@ -318,3 +334,61 @@ def test_split_placement_compiles_the_trainer_and_the_sampler_on_their_own_devic
     train, decode = compile_job.compile_all(config, *compile_job.target(config.compile)[:2])
 
     assert train["mesh"]["data"] == 4 and decode["mesh"]["data"] == 4
+
+
+def test_reference_program_is_the_rl_jobs_reference_apply_with_its_forward_microbatches():
+    from meshrl.algorithms.batch import abstract_batch
+    from meshrl.jobs.compile_programs import _train_params, abstract_tree, reference_program
+    from meshrl.jobs.rl_setup import forward_microbatches
+    from meshrl.mesh import create_mesh
+    from meshrl.models import resolve_model_config
+    from meshrl.trainer import decoder_forward
+    from meshrl.trainer.reference import ReferencePolicy
+    from meshrl.trainer.spec import rl_batch_size, rl_spec
+
+    cfg = base_config("rl")
+    cfg.job, cfg.rl.kl_coef, cfg.rl.ppo_minibatches = "compile", 0.1, 4
+    config = from_config_dict(cfg)
+    assert forward_microbatches(config) == 4 * config.trainer.microbatches
+    mesh = create_mesh(config.mesh, compile_job.target(config.compile)[0])
+    model_cfg = resolve_model_config(config.model)
+    # As jobs/rl_setup.py builds it (base= stands in for the concrete frozen copy).
+    graphdef, params, params_sh = _train_params(config, model_cfg, mesh)
+    batch_sh, rows = rl_spec(config, mesh).batch_sh, rl_batch_size(config)
+    run = ReferencePolicy(config.rl, decoder_forward(graphdef, config.trainer.logits_chunk),
+                          None, params_sh, mesh, batch_sh, samples=rows,
+                          temperature=config.sampler.temperature,
+                          group_size=config.rollout.group_size,
+                          microbatches=forward_microbatches(config), base=lambda: None)
+    expected = run._apply.lower(abstract_tree(params, params_sh), abstract_batch(
+        batch_sh.replace(ref_logprobs=None), rows, config.trainer.seq_len))
+
+    compiled_here = reference_program(config, model_cfg, mesh)
+
+    assert compiled_here.lowered.as_text() == expected.as_text()
+
+
+def test_decode_collectives_count_per_model_step_like_their_bytes():
+    from meshrl.aot import hlo
+    from meshrl.jobs.compile_programs import BUILDERS
+    from meshrl.mesh import create_mesh
+    from meshrl.models import resolve_model_config
+
+    cfg = base_config("rl")
+    cfg.job, cfg.sampler.decode_chunk = "compile", 4
+    cfg.mesh.data, cfg.mesh.tensor = 4, 2
+    config = from_config_dict(cfg)
+    mesh = create_mesh(config.mesh, compile_job.target(config.compile)[0])
+    prog = BUILDERS["decode"](config, resolve_model_config(config.model), mesh)
+    compiled = prog.lowered.compile()
+    per_call = hlo.collectives(compiled.as_text()).to_json()
+    assert prog.steps == 4 and per_call
+
+    entry = compile_analysis.analyse(prog, compiled, None, mesh.devices.size, 0.0)
+
+    for kind, stats in per_call.items():
+        got = entry["collectives"][kind]
+        assert got["count"] == pytest.approx(stats["count"] / 4), kind
+        assert got["bytes"] == pytest.approx(stats["bytes"] / 4), kind
+        assert got["largest"] == stats["largest"]  # one buffer, not a rate
+    assert entry["unknown_replica_groups"] == []

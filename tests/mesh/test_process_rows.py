@@ -29,8 +29,8 @@ def test_rows_split_over_processes_by_data_pass(cfg):
 @pytest.mark.parametrize("cfg, axis", [(MeshConfig(data=4, dcn_context=2), "dcn_context=2"),
                                        (MeshConfig(data=4, dcn_tensor=2), "dcn_tensor=2")])
 def test_tensor_or_context_across_processes_is_refused_naming_the_sizes(cfg, axis):
-    with pytest.raises(MeshShapeError, match="the batch's rows are not split across the 2 "
-                                             "processes, whole rows to each") as e:
+    with pytest.raises(MeshShapeError, match=r"the batch's rows \(sharded .*\) are not split "
+                                             r"across the 2 processes, whole rows to each") as e:
         check_process_rows(_rows_sharding(cfg), cfg, _two_processes)
     assert axis in str(e.value)
 
