@@ -33,6 +33,17 @@ def tok(tmp_path_factory: pytest.TempPathFactory) -> HFTokenizer:
     return HFTokenizer(str(out))
 
 
+def _with_template(tok: HFTokenizer, tmp_path, template: str):
+    """A copy of ``tok``'s directory (its tokenizer.json) with ``template`` as chat template."""
+    import shutil
+
+    out = tmp_path / "tok"
+    shutil.copytree(tok._directory, out)
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": template}))
+    return out
+
+
 def test_prompts_are_chat_templated_without_bos(tok: HFTokenizer):
     (ex,) = next(make_prompt_iterator(DataConfig(num_examples=4), tok, batch_size=1, seed=0))
     assert tok.bos_id is None
@@ -55,18 +66,13 @@ def test_sft_chat_response_ends_at_the_template_end_of_turn(tok: HFTokenizer, tm
 
 def test_a_row_the_chat_template_refuses_is_one_error_naming_its_file_and_line(
         tok: HFTokenizer, tmp_path):
-    import shutil
-
     from meshrl.datasets.sources import DatasetError
 
     strict = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
               "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok_dir = tmp_path / "tok"
-    shutil.copytree(tok._directory, tok_dir)  # the fixture's tokenizer.json, another template
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": strict}))
+    tok_dir = _with_template(tok, tmp_path, strict)
     turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
     rows = [{"messages": [turn("user", "say hi"), turn("assistant", "hi")]}] * 2 + [
         {"messages": [turn("user", "say"), turn("user", "hi"), turn("assistant", "hi")]}]
@@ -83,17 +89,11 @@ def test_a_row_the_chat_template_refuses_is_one_error_naming_its_file_and_line(
 def test_the_trained_assistant_turn_keeps_its_other_keys_for_the_template(tok: HFTokenizer,
                                                                           tmp_path):
     # Qwen3's template renders an assistant turn's reasoning_content inside <think>.
-    import shutil
-
     thinking = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                 "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
                 "{{ m['content'] }}<|im_end|>\n{% endfor %}"
                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    tok_dir = tmp_path / "tok"
-    shutil.copytree(tok._directory, tok_dir)  # the fixture's tokenizer.json, another template
-    (tok_dir / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": thinking}))
-    thinker = HFTokenizer(str(tok_dir))
+    thinker = HFTokenizer(str(_with_template(tok, tmp_path, thinking)))
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [
         {"role": "user", "content": "say hi"},

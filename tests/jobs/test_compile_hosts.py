@@ -9,10 +9,10 @@ import importlib.util
 
 import pytest
 
-from meshrl.configs import base_config, from_config_dict
 from meshrl.jobs import compile as compile_job
 from meshrl.jobs import compile_search
 from meshrl.mesh import MeshShapeError
+from meshrl.tests.jobs.compile_configs import compile_config
 from meshrl.utils.errors import UserError
 
 pytestmark = pytest.mark.skipif(
@@ -23,12 +23,7 @@ ROWS_REFUSED = r"the batch's rows \(sharded .*\) are not split across the 4 proc
 
 
 def _config(job: str, topology: str, **fields: object):
-    cfg = base_config(job)
-    cfg.job, cfg.compile.topology = "compile", topology
-    for key, value in fields.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return from_config_dict(cfg)
+    return compile_config(job, compile__topology=topology, **fields)
 
 
 def _never(config, devices, chip, names=None):

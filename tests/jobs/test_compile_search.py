@@ -10,20 +10,15 @@ import jax
 import pytest
 
 from meshrl.aot.chips import CHIPS
-from meshrl.configs import base_config, from_config_dict
 from meshrl.jobs import compile_search
+from meshrl.tests.jobs.compile_configs import compile_config
 from meshrl.utils.errors import UserError
 
 ICI = ("data", "tensor", "context", "expert", "expert_tensor")
 
 
 def _config(job: str, **fields: object):
-    cfg = base_config(job)
-    cfg.job, cfg.compile.search = "compile", True
-    for key, value in fields.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return from_config_dict(cfg)
+    return compile_config(job, **{"compile__search": True, **fields})
 
 
 def _recording(seen: list) -> compile_search.CompileAll:

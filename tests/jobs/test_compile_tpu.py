@@ -12,12 +12,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from meshrl.aot import hlo
-from meshrl.configs import base_config, from_config_dict
 from meshrl.jobs import compile as compile_job
 from meshrl.jobs.compile_programs import BUILDERS
 from meshrl.mesh import create_mesh, rules_for
 from meshrl.models import KVCache, paged_kernel, resolve_model_config
 from meshrl.models.kv_cache import TIME_MAJOR
+from meshrl.tests.jobs.compile_configs import compile_config
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -25,12 +25,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _config(job: str, **fields: object):
-    cfg = base_config(job)
-    cfg.job, cfg.compile.topology = "compile", "v5e-4"
-    for key, value in fields.items():
-        section, name = key.split("__")
-        cfg[section][name] = value
-    return from_config_dict(cfg)
+    return compile_config(job, **{"compile__topology": "v5e-4", **fields})
 
 
 def _compiled(config, program: str):

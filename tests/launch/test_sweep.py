@@ -12,21 +12,15 @@ import textwrap
 
 import pytest
 
-from meshrl.launch import sweep, sweep_run, sweep_trials
+from meshrl.launch import sweep, sweep_run
 from meshrl.launch.sweep import SweepError
+from meshrl.tests.launch.fake_main import HEAD, install
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = f"{ROOT / 'configs' / 'default.py'}:smoke"
 # Stands in for main.py: trial seed 1 fails the way main.py fails on bad input; the others
 # write what a finished RL run leaves behind.
-FAKE_MAIN = '''
-import json, pathlib, sys
-args = sys.argv[1:]
-workdir = pathlib.Path(args[args.index("--workdir") + 1])
-over = dict(a[len("--config."):].split("=", 1) for a in args if a.startswith("--config."))
-workdir.mkdir(parents=True, exist_ok=True)
-print("fake main.py:", " ".join(args), flush=True)
-if over["trainer.seed"] == "1":
+FAKE_MAIN = HEAD + '''if over["trainer.seed"] == "1":
     sys.exit("error: trainer.seed = 1: the fake main.py rejects it")
 lr = float(over["trainer.learning_rate"])
 with open(workdir / "metrics.jsonl", "a") as f:
@@ -55,10 +49,7 @@ def sweep():
 
 @pytest.fixture
 def fake_main(tmp_path, monkeypatch, meshrl_logger):
-    path = tmp_path / "fake_main.py"
-    path.write_text(FAKE_MAIN)
-    monkeypatch.setattr(sweep_trials, "MAIN", path)
-    return path
+    return install(tmp_path, monkeypatch, FAKE_MAIN)
 
 
 # --- the vocabulary -------------------------------------------------------------------------

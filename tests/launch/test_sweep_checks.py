@@ -9,22 +9,18 @@ import textwrap
 
 import pytest
 
-from meshrl.launch import sweep, sweep_run, sweep_trials
+from meshrl.launch import sweep, sweep_run
 from meshrl.launch.recipes.common import RecipeError
 from meshrl.launch.recipes.render import parse_pairs
 from meshrl.launch.sweep import SweepError
+from meshrl.tests.launch.fake_main import HEAD, install
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = f"{ROOT / 'configs' / 'default.py'}:smoke"
 # main.py's stand-in: seed 1 fails before writing anything; seed 2 writes its summary, then
 # crashes on its first attempt (as in a shutdown); the others finish.
-FAKE_MAIN = '''
-import json, os, pathlib, sys
-args = sys.argv[1:]
-workdir = pathlib.Path(args[args.index("--workdir") + 1])
-over = dict(a[len("--config."):].split("=", 1) for a in args if a.startswith("--config."))
-workdir.mkdir(parents=True, exist_ok=True)
-print("fake main.py:", " ".join(args), flush=True)
+FAKE_MAIN = HEAD + '''
+import os
 if over["trainer.seed"] == "1":
     sys.exit("error: the fake main.py rejects seed 1")
 (workdir / "summary.json").write_text(json.dumps({"accuracy_after": 0.5}))
@@ -36,10 +32,7 @@ if over["trainer.seed"] == "2" and not (workdir / "crashed").exists():
 
 @pytest.fixture
 def fake_main(tmp_path, monkeypatch, meshrl_logger):
-    path = tmp_path / "fake_main.py"
-    path.write_text(FAKE_MAIN)
-    monkeypatch.setattr(sweep_trials, "MAIN", path)
-    return path
+    return install(tmp_path, monkeypatch, FAKE_MAIN)
 
 
 def _sweep_file(tmp_path: pathlib.Path, seeds: list[int], fixed: str = "") -> pathlib.Path:

@@ -52,13 +52,7 @@ def test_ordinary_template_features_render_unchanged():
 
 def test_hf_tokenizer_reports_a_runaway_chat_template_as_one_tokenizer_error(
         tmp_path: pathlib.Path):
-    from tokenizers import Tokenizer as RustTokenizer
-    from tokenizers import models
-
-    RustTokenizer(models.WordLevel({"</s>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
-        str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "</s>", "chat_template": "{{ 'a' * 10**7 }}"}))
+    _word_tokenizer(tmp_path, "{{ 'a' * 10**7 }}")
     with pytest.raises(TokenizerError, match="chat template was stopped.*MAX_TEMPLATE_CHARS"):
         HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES)
 
@@ -80,13 +74,18 @@ def test_transformers_template_features_render_as_transformers_renders_them():
 
 def test_chat_template_jinja_wins_over_the_configs_copy_as_in_transformers(
         tmp_path: pathlib.Path):
+    _word_tokenizer(tmp_path, "config")
+    (tmp_path / "chat_template.jinja").write_text("jinja")
+
+    assert HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES) == "jinja"
+
+
+def _word_tokenizer(directory: pathlib.Path, template: str) -> None:
+    """A two-word tokenizer.json and a tokenizer_config.json with ``template``."""
     from tokenizers import Tokenizer as RustTokenizer
     from tokenizers import models
 
     RustTokenizer(models.WordLevel({"</s>": 0, "[UNK]": 1}, unk_token="[UNK]")).save(
-        str(tmp_path / "tokenizer.json"))
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "</s>", "chat_template": "config"}))
-    (tmp_path / "chat_template.jinja").write_text("jinja")
-
-    assert HFTokenizer(str(tmp_path)).apply_chat_template(MESSAGES) == "jinja"
+        str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "</s>", "chat_template": template}))
