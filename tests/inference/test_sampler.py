@@ -197,8 +197,17 @@ def test_chunk_split_into_three_slot_ranges_decodes_like_one_window(tiny_params)
 def test_slots_sharded_over_devices_decode_all_rows(tiny_params):
     from meshrl.configs.schema import MeshConfig
     _, params = tiny_params
-    sampler = make_sampler(params, slots=16, mesh_cfg=MeshConfig(data=2, tensor=1))
-    assert sampler.row_buckets == (16,)
+    sharded = make_sampler(params, slots=16, mesh_cfg=MeshConfig(data=2, tensor=1))
+    alone = make_sampler(params, slots=16)
+    rng = np.random.default_rng(3)
+    requests = [Request(rng.integers(3, 90, int(n)).tolist(), max_new_tokens=6)
+                for n in rng.integers(2, 12, 16)]
+
+    got, want = sharded.generate(requests), alone.generate(requests)
+
+    assert sharded.row_buckets == (16,)  # no smaller buckets when slots are sharded
+    assert [o.tokens for o in got] == [o.tokens for o in want]
+    assert all(len(o.tokens) == 6 or o.finish_reason == "stop" for o in got)
 
 
 def test_stop_token_ends_sequence_with_reason_stop(tiny_params):

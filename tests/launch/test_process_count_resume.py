@@ -67,7 +67,8 @@ def reference(tmp_path_factory) -> pathlib.Path:
     return workdir
 
 
-@pytest.mark.slow  # ~55 s: three SFT runs; tests/launch/test_local.py is the default-run one
+@pytest.mark.slow  # ~55 s: three SFT runs; the default run's multi-process test is test_local's
+# failing-process one (its training equivalence runs are slow too)
 def test_two_process_checkpoint_resumes_in_one_process_on_another_mesh(tmp_path, reference):
     _multi(tmp_path, 3)
     _single(tmp_path, 6, ONE_PROC)

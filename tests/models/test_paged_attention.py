@@ -49,9 +49,13 @@ def test_paged_equals_dense_on_ragged_lengths(L):
 
 def test_padding_positions_are_dropped_and_pages_stay_untouched():
     cache, table, _, _ = _setup([3, 3, 3])
+    k = np.asarray(cache.k[0])
     used = set(table[:, 0].tolist())
     untouched = [p for p in range(P) if p not in used]
-    assert not np.asarray(cache.k[0])[untouched].any()
+    assert not k[untouched].any()
+    # Within each slot's first page, the offset past its 3 positions stays empty too (a -1
+    # position must not wrap to the page's last offset).
+    assert not k[table[:, 0], 3:].any() and k[table[:, 0], :3].all(axis=(-1, -2)).all()
 
 
 def test_sliding_window_masks_old_positions():

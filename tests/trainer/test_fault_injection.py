@@ -131,7 +131,7 @@ def _run_with_kills(tmp_path: pathlib.Path, steps: int, kills: int, seed: int) -
 
 @pytest.mark.distributed
 @pytest.mark.slow  # ~75 s; a kill and a resume to identical params stay in the default run:
-# tests/trainer/test_checkpoint.py (resume after kill) and tests/launch/test_watchdog.py (kill -9)
+# tests/trainer/test_checkpoint.py (resume after kill); the kill -9 ones are slow too
 def test_sft_killed_three_times_resumes_from_newest_step_with_identical_params(tmp_path):
     _run_with_kills(tmp_path, steps=20, kills=3, seed=0)
 

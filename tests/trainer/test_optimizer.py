@@ -23,6 +23,10 @@ def test_schedule_warms_up_linearly_then_decays_to_min_ratio(schedule, end):
     np.testing.assert_allclose(lr(110), 2.0 * end, rtol=1e-5)
     if schedule != "constant":
         assert lr(60) < lr(10)
+    # A quarter into the decay the shapes part (at its middle both are at 1.1).
+    quarter = {"cosine": 0.2 + 1.8 * (1 + np.cos(np.pi / 4)) / 2, "linear": 2.0 - 1.8 / 4,
+               "constant": 2.0}[schedule]
+    np.testing.assert_allclose(lr(35), quarter, rtol=1e-5)
 
 
 def test_decay_mask_excludes_norm_scales_and_keeps_matrices():
