@@ -72,16 +72,23 @@ def _teacher_problems(config: Config) -> list[str]:
 def check_input_paths(config: Config) -> None:
     """Raise ``ConfigError`` naming every input path that does not hold what the job reads:
     ``model.hf_path`` (a directory with config.json and *.safetensors), ``model.tokenizer``
-    unless ``'char'`` (a directory with tokenizer.json) and, for file sources, ``data.path``
-    and ``data.eval_path`` when held-out examples are read (files). The generate job's weights
+    unless ``'char'`` (a directory with tokenizer.json) and, for file sources of a job that
+    reads data (``reads_data``), ``data.path`` and ``data.eval_path`` when held-out examples
+    are read (files). The generate job's weights
     read from the workdir are checked where that job resolves them."""
     data = config.data
     files = {"data.path": data.path, "data.eval_path": data.eval_path if data.eval_examples else ""}
     problems = [*_model_problems(config.model.hf_path),
                 *_tokenizer_problems(config.model.tokenizer),
-                *_data_problems(data.source, files), *_teacher_problems(config)]
+                *(_data_problems(data.source, files) if reads_data(config) else []),
+                *_teacher_problems(config)]
     if problems:
         raise ConfigError("; ".join(problems))
+
+
+def reads_data(config: Config) -> bool:
+    """Whether the job reads ``data.*`` files: export and compile read none."""
+    return config.job not in (Job.EXPORT, Job.COMPILE)
 
 
 def input_paths(config: Config) -> list[tuple[str, str]]:
@@ -91,7 +98,7 @@ def input_paths(config: Config) -> list[tuple[str, str]]:
     out = [("model.hf_path", config.model.hf_path)]
     if config.model.tokenizer not in ("auto", "char"):
         out.append(("model.tokenizer", config.model.tokenizer))
-    if data.source in _FILE_SOURCES:
+    if data.source in _FILE_SOURCES and reads_data(config):
         out += [("data.path", data.path), ("data.eval_path", data.eval_path
                                            if data.eval_examples else "")]
     return [(name, path) for name, path in out if path]

@@ -194,6 +194,10 @@ class _StreamIterator:
             ex = cached[1]
             if "_drop" not in ex:
                 return ex
+            if not self._counts[ex["_drop"]].any():  # said once per reason; counted always
+                log.warning("data: %s dropped (%s; data.on_overlong = 'drop'); every such "
+                            "example is skipped, counted in summary.json's 'data'",
+                            ex.get("origin", "?"), ex["_drop"])
             self._counts[ex["_drop"]][r] += 1
             self._cursor[r] += 1
             streak += 1

@@ -82,9 +82,16 @@ def _check_fields(row: dict, data: DataConfig, origin: str, require_answer: bool
     """Raise naming the ``fields`` ``row`` lacks (the answer field only where required)."""
     missing = [f for f in fields if f not in row
                and (require_answer or f != data.answer_field)]
-    if missing:
-        raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}): set "
-                           f"data.prompt_field / data.answer_field to match the file")
+    if not missing:
+        return
+    if "messages" in row:  # a chat row whose last turn is not the assistant's
+        raise DatasetError(f"{origin}: 'messages' ends with a {row['messages'][-1]['role']!r} "
+                           f"turn and the row has no {data.answer_field!r} field: end the "
+                           f"messages with the assistant turn to train on, or set "
+                           f"data.answer_field to the row's answer")
+    raise DatasetError(f"{origin}: missing field(s) {missing} (row has {sorted(row)}): set "
+                       f"data.prompt_field / data.answer_field to match the file, or give chat "
+                       f"rows a 'messages' list")
 
 
 def _answer(row: dict, data: DataConfig, origin: str) -> str | None:

@@ -100,8 +100,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
                     **{k: history[-1][k] for k in ("reward_margin", "reward_accuracy")
                        if history}})
     write_summary(summary, workdir)
-    if jax.process_index() == 0:
+    if jax.process_index() == 0 and "eval_preference_accuracy" in after:  # none: no held-out
         _log.info("held-out preference accuracy %.3f -> %.3f",
-                  before.get("eval_preference_accuracy", float("nan")),
-                  after.get("eval_preference_accuracy", float("nan")))
+                  before["eval_preference_accuracy"], after["eval_preference_accuracy"])
     return summary

@@ -78,10 +78,20 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
     if not single.exists():
         raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json: "
                               f"save the weights as safetensors (pickled *.bin is not read)")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="numpy") as f:
+    with open_safetensors(single) as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def open_safetensors(file: pathlib.Path) -> Any:
+    """``safe_open`` of ``file``; a file cut short or not safetensors at all (an interrupted
+    copy) is one ``CheckpointError`` naming it, not the library's traceback."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        return safe_open(str(file), framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e}): copy it again "
+                              f"from the model's release") from None
 
 
 def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
@@ -94,7 +104,7 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
     checkpoint's config as ``load_hf_config`` already read it (then ``overrides`` are unused),
     so that a caller that needed the architecture first reads config.json once.
     """
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     path = pathlib.Path(path)
     dtype_name = jnp.dtype(dtype).name
@@ -114,8 +124,12 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
             raise CheckpointError(f"{path}: tensor {name!r} (for param {where}) is missing from "
                                   f"the checkpoint: its weights do not match its config.json")
         if files[name] not in handles:
-            handles[files[name]] = safe_open(str(files[name]), framework="numpy").__enter__()
-        return handles[files[name]].get_tensor(name)
+            handles[files[name]] = open_safetensors(files[name]).__enter__()
+        try:
+            return handles[files[name]].get_tensor(name)
+        except SafetensorError as e:  # a header that reads, data cut short
+            raise CheckpointError(f"{files[name]}: tensor {name!r} unreadable ({e}): copy the "
+                                  f"file again from the model's release") from None
 
     def read_entry(entry: Entry, shape: tuple[int, ...], where: str) -> np.ndarray:
         if isinstance(entry, Stack):

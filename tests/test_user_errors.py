@@ -101,7 +101,7 @@ CASES = [
      "malformed.jsonl:3: malformed JSON"),
     ("jsonl_missing_field", SFT, ("--config.data.source=jsonl",
                                   "--config.data.path={in}/no_field.jsonl"),
-     "no_field.jsonl:5: missing field(s) ['question', 'answer']"),
+     "no_field.jsonl:5: missing field(s) ['question', 'answer']"),  # or 'messages', it says
     ("data_file_missing", SFT, ("--config.data.source=jsonl",
                                 "--config.data.path={in}/absent.jsonl"),
      "data.path = '{in}/absent.jsonl': file not found"),
@@ -308,3 +308,31 @@ def test_every_missing_path_is_named_in_one_error(good_inputs):
 def test_synthetic_sources_ignore_the_file_fields(good_inputs):
     check_input_paths(_config(data={"source": "arithmetic",
                                     "path": str(good_inputs / "absent.jsonl")}))
+
+
+@pytest.mark.parametrize("job, checked", [("export", False), ("compile", False), ("sft", True)])
+def test_only_jobs_that_read_data_check_its_files(good_inputs, job, checked):
+    import dataclasses
+
+    from meshrl.configs import Job
+
+    values = _good(good_inputs)
+    values["data"]["path"] = str(good_inputs / "absent.jsonl")
+    config = dataclasses.replace(_config(**values), job=Job(job))
+
+    if checked:
+        with pytest.raises(ConfigError, match=r"data\.path = "):
+            check_input_paths(config)
+    else:
+        check_input_paths(config)  # an export reads the run's weights, never its data
+
+
+def test_the_closing_table_lists_tb_only_when_the_run_wrote_it(tmp_path):
+    from meshrl.trainer.report import rl_summary_table, sft_summary_table
+
+    summary = {"steps": 2, "first_loss": 1.0, "final_loss": 0.5}
+    assert "tb/" not in sft_summary_table(summary, str(tmp_path))
+    assert "tb/" not in rl_summary_table(summary, str(tmp_path))
+    (tmp_path / "tb").mkdir()
+    assert "tb/" in sft_summary_table(summary, str(tmp_path))
+    assert "tb/" in rl_summary_table(summary, str(tmp_path))

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from meshrl.utils import paths
+
 
 def rl_step_line(step: int, total: int, record: Mapping[str, float], eta: str) -> str:
     """``version 30/300 reward 0.512 staleness 0.94 (max 2) dropped 1 loss -0.0123
@@ -52,6 +54,11 @@ def _change(before: float | None, after: float | None) -> str:
     return f"{_num(before)} -> {_num(after)}"
 
 
+def _tb(workdir: str) -> str:
+    """``tb/, `` when the run wrote TensorBoard events (``logging.tensorboard``)."""
+    return "tb/, " if (paths.as_path(workdir) / "tb").exists() else ""
+
+
 def rl_summary_table(summary: Mapping[str, Any], workdir: str) -> str:
     """The RL run's closing table: accuracy and reward before -> after, steps, throughput,
     staleness, time and where the outputs are."""
@@ -78,8 +85,8 @@ def rl_summary_table(summary: Mapping[str, Any], workdir: str) -> str:
     if "rl_wall_s" in summary:
         wall += f" (RL loop {summary['rl_wall_s']:.0f} s)"
     rows += [("wall time", wall),
-             ("outputs", f"{workdir}: summary.json, metrics.jsonl, rl_curves.png, tb/, "
-                         "checkpoints/, weights/")]
+             ("outputs", f"{workdir}: summary.json, metrics.jsonl, rl_curves.png, "
+                         f"{_tb(workdir)}checkpoints/, weights/")]
     return table("RL summary", rows)
 
 
@@ -96,5 +103,5 @@ def sft_summary_table(summary: Mapping[str, Any], workdir: str) -> str:
              ("tokens/s", "n/a" if tok_s is None else f"{tok_s:,.0f}"
               + ("" if mfu is None else f" (MFU {mfu:.1%})")),
              ("wall time", f"{summary.get('wall_s', 0.0):.0f} s"),
-             ("outputs", f"{workdir}: summary.json, metrics.jsonl, tb/, checkpoints/")]
+             ("outputs", f"{workdir}: summary.json, metrics.jsonl, {_tb(workdir)}checkpoints/")]
     return table("SFT summary", rows)

@@ -28,7 +28,7 @@ from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.report import rl_step_line
 from meshrl.trainer.rl_console import await_batch, filtered_note, stop_at
 from meshrl.trainer.state import params_checksum
-from meshrl.trainer.summary import first_logged, last_logged
+from meshrl.trainer.summary import data_stats, first_logged, last_logged
 from meshrl.utils import interrupt, multihost, paths
 from meshrl.utils import log as log_lib
 from meshrl.utils.params import process_local_copy
@@ -358,6 +358,7 @@ class RLLoop:
             "dropped_stale_groups": runner.controller.dropped_stale,
             "rollout_counters": dict(runner.counters), **self.reward_metrics(),
             **{k: v for k, v in runner.metrics().items() if k.startswith(("agent/", "tools/"))},
+            "data": data_stats(self.prompts),
             "reward_first": first_logged(self.engine, "rollout/reward_mean"),
             "reward_last": last_logged(self.engine, "rollout/reward_mean"),
             "devices": int(self.mesh.devices.size), "placement": c.rl.placement,

@@ -16,7 +16,7 @@ from meshrl.trainer.engine import StepResult, TrainEngine, put_batch
 from meshrl.trainer.metrics import peak_flops_per_device
 from meshrl.trainer.state import params_checksum
 from meshrl.trainer.stop import stop_hook
-from meshrl.trainer.summary import first_logged, logged_history
+from meshrl.trainer.summary import data_stats, first_logged, logged_history
 from meshrl.utils import interrupt
 from meshrl.utils.log import get_logger
 
@@ -110,7 +110,7 @@ def sft_summary(engine: TrainEngine, history: list[dict[str, float]], ev: dict[s
         "skipped_steps": int(history[-1].get("skipped", 0)) if history else 0,
         "params": n_params, "wall_s": wall, "devices": int(engine.mesh.devices.size),
         "processes": jax.process_count(), "params_checksum": params_checksum(engine.params),
-        **ev,
+        "data": data_stats(engine.data), **ev,
     }
 
 

@@ -55,3 +55,10 @@ def last_logged(engine: Any, key: str) -> float | None:
     """``key`` at the newest step that has it (``logged_history``); None when none has."""
     history = logged_history(engine, key)
     return history[-1][key] if history else None
+
+
+def data_stats(data: Any) -> dict[str, int]:
+    """This process's data counters (examples taken, over-long ones dropped, epoch) of a
+    pipeline iterator that keeps them (``datasets.pipeline``), else ``{}``."""
+    stats = getattr(data, "stats", None)
+    return dict(stats) if isinstance(stats, dict) else {}

@@ -57,7 +57,8 @@ def test_malformed_jsonl_row_names_file_and_line(tmp_path):
 
 
 @pytest.mark.parametrize("answer, error", [
-    (None, r"rows\.jsonl:2: missing field\(s\) \['answer'\]"),
+    (None, r"rows\.jsonl:2: 'messages' ends with a 'user' turn and the row has no 'answer' "
+           r"field: end the messages with the assistant turn to train on"),
     ([1, 2], r"rows\.jsonl:2: field 'answer' = \[1, 2\]: must be a string or number"),
 ])
 def test_a_chat_row_without_an_assistant_turn_checks_its_answer_as_a_plain_row(tmp_path, answer,
@@ -192,3 +193,32 @@ def test_sft_iterator_over_countdown_masks_the_prompt(tmp_path):
     batch = next(make_sft_iterator(data, TOK, batch_size=2, seq_len=300, seed=0))
     mask = batch["loss_mask"]
     assert mask.sum() > 0 and np.all(mask[batch["segment_ids"] == 0] == 0)
+
+
+def test_over_long_training_examples_are_said_once_and_counted(tmp_path):
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    rows = [{"question": "1+1=", "answer": "2"}, {"question": "x" * 80, "answer": "y"},
+            {"question": "2+2=", "answer": "4"}, {"question": "z" * 80, "answer": "w"}]
+    path = _jsonl(tmp_path / "rows.jsonl", rows)
+    logger, handler = logging.getLogger("meshrl.datasets"), Records()
+    logger.addHandler(handler)
+    try:
+        it = make_sft_iterator(DataConfig(source="jsonl", path=path, max_prompt_len=200), TOK,
+                               batch_size=1, seq_len=32, seed=0, pack=False)
+        for _ in range(6):
+            next(it)
+    finally:
+        logger.removeHandler(handler)
+
+    drops = [m for m in handler.messages if "dropped (dropped_overlong_sequence" in m]
+    assert len(drops) == 1 and "rows.jsonl:" in drops[0], handler.messages
+    assert it.stats["dropped_overlong_sequence"] >= 2 and it.stats["examples"] == 6

@@ -71,7 +71,7 @@ def test_the_summary_of_a_run_that_trained_nothing_comes_from_its_metrics_file(t
         {"step": 1, "loss": 5.0, "tokens_per_s": 10.0, "mfu": 0.1, "skipped": 0},
         {"step": 2, "loss": 4.0, "tokens_per_s": 30.0, "mfu": 0.3, "skipped": 1})))
     engine = types.SimpleNamespace(
-        start_step=2, workdir=tmp_path, history=[], params={"w": jax.numpy.ones(2)},
+        start_step=2, workdir=tmp_path, history=[], params={"w": jax.numpy.ones(2)}, data=None,
         config=types.SimpleNamespace(job=types.SimpleNamespace(value="sft"),
                                      trainer=types.SimpleNamespace(steps=2)),
         mesh=types.SimpleNamespace(devices=types.SimpleNamespace(size=1)))

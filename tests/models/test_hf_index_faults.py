@@ -84,3 +84,17 @@ def test_hub_cache_snapshot_linking_into_its_blobs_loads(exported, tmp_path):
     reference = flat_params(load_hf_checkpoint(exported[0]))
     for name, value in flat_params(model).items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(reference[name]), name)
+
+
+@pytest.mark.parametrize("keep", [100, 0.9])  # the header cut, or the last tensor's data
+def test_a_safetensors_file_cut_short_is_one_checkpoint_error_naming_it(exported, tmp_path, keep):
+    src, _ = exported
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:keep if isinstance(keep, int)
+                                                  else int(len(data) * keep)])
+
+    with pytest.raises(CheckpointError, match=r"model.safetensors.*(not a readable safetensors "
+                                              r"file|unreadable).*copy"):
+        load_hf_checkpoint(path)

@@ -99,6 +99,7 @@ def test_sft_job_runs_end_to_end_from_main_and_writes_summary(tmp_path):
     assert summary["final_loss"] < summary["first_loss"]
     assert summary["tokens_per_s"] > 0 and 0 <= summary["eval_token_accuracy"] <= 1
     assert summary["eval_sequences"] > 0
+    assert summary["data"]["examples"] > 0 and summary["data"]["dropped_overlong_sequence"] == 0
     assert (tmp_path / "checkpoints" / "6").is_dir()
 
 
