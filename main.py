@@ -74,6 +74,17 @@ def main(argv: list[str]) -> None:
                      f"checkpoint under {workdir or 'the workdir'} is kept")
 
 
+def _config_args(argv: list[str]) -> list[str]:
+    """The ``--config`` flag (``--config=F`` or ``--config F``) and its overrides in ``argv``."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith("--config.") or arg.startswith("--config="):
+            out.append(arg)
+        elif arg == "--config" and i + 1 < len(argv):
+            out += [arg, argv[i + 1]]
+    return out
+
+
 def _interrupted(line: str) -> None:
     """One line on stderr and the shell's exit status for SIGINT."""
     print(line, file=sys.stderr)
@@ -81,11 +92,15 @@ def _interrupted(line: str) -> None:
 
 
 if __name__ == "__main__":
-    from meshrl.configs.overrides import check_config_file, check_override_keys
+    from meshrl.configs.overrides import check_config_file, check_override_keys, config_from_argv
     from meshrl.configs.renames import rename_argv
 
     sys.argv = [sys.argv[0], *rename_argv(sys.argv[1:])]  # deprecated keys, one warning each
     problem = check_config_file(sys.argv[1:]) or check_override_keys(sys.argv[1:])
     if problem:
         sys.exit(f"error: {problem}")
+    try:  # a value of the wrong type: absl would print a FATAL flags line instead
+        config_from_argv(_config_args(sys.argv[1:]))
+    except ValueError as e:
+        sys.exit(f"error: {' '.join(str(e).split())}")
     app.run(main)

@@ -47,6 +47,7 @@ from meshrl.jobs import weights_source
 from meshrl.mesh import create_mesh
 from meshrl.models import load
 from meshrl.rewards import RewardPool
+from meshrl.trainer.checkpoint_reader import CheckpointReader
 from meshrl.trainer.curves import read_metrics
 from meshrl.trainer.metrics import MetricsWriter
 from meshrl.trainer.rl_loop import publishes_at
@@ -115,6 +116,26 @@ def _eval_run_named(config: Config, root: Any) -> Config:
                                                                    wandb_run_name=name))
 
 
+def _warn_other_steps(config: Config, root: epath.Path) -> None:
+    """Warn when the run's newest checkpoint was written with another ``trainer.steps``: the
+    final version this job waits for is its own ``trainer.steps`` (a run resumed with a new
+    value writes it at its next checkpoint, so this is a warning, not a refusal)."""
+    if not (root / "checkpoints").is_dir():
+        return
+    reader = CheckpointReader(root / "checkpoints")
+    try:
+        steps = reader.steps()
+        saved = reader.config(steps[-1]).get("trainer", {}).get("steps") if steps else None
+    except Exception:  # noqa: BLE001 (a diagnostic: a checkpoint being written is no error)
+        saved = None
+    finally:
+        reader.close()
+    if saved is not None and saved != config.trainer.steps:
+        log.warning("the run's newest checkpoint (step %d) was written with trainer.steps = %d, "
+                    "this job has %d: it waits for version %d; pass the run's own overrides",
+                    steps[-1], saved, config.trainer.steps, config.trainer.steps)
+
+
 def run(config: Config, workdir: str) -> dict[str, Any]:
     """Evaluate the RL run's published versions until its final one; ``summary.json``; with
     ``logging.wandb_project``, a W&B run of its own named ``<run>-eval``."""
@@ -129,6 +150,7 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     if done:
         log.info("already evaluated versions %s (%s): skipping them", sorted(done),
                  eval_dir / "metrics.jsonl")
+    _warn_other_steps(config, root)
     ev = _evaluator(config, root)
     writer = MetricsWriter(eval_dir, tensorboard=config.logging.tensorboard,
                            process_index=jax.process_index(),

@@ -87,3 +87,11 @@ def test_a_file_that_is_no_config_file_exits_with_one_error_line(tmp_path, body,
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --config = '{path}{arg}': loading it raised {expected}")
     assert "defines get_config(arg)" in last and "Traceback" not in out.stderr
+
+
+def test_an_override_of_the_wrong_type_is_one_error_line_not_absls_fatal():
+    out = _main("--dry_run", "--config.trainer.steps=abc")
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines()[-1] == (
+        "error: flag --config.trainer.steps=abc: invalid literal for int() with base 10: 'abc'")
+    assert "FATAL" not in out.stderr and "Traceback" not in out.stderr

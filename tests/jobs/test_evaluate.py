@@ -297,3 +297,26 @@ def test_wandb_project_logs_the_evaluated_versions_to_a_run_of_their_own(workdir
 
     assert len(runs) == 1 and runs[0]["kwargs"]["name"] == "run-eval"
     assert sorted(set(runs[0]["steps"])) == [2, 4]
+
+
+def test_a_job_waiting_for_another_final_version_than_the_runs_says_so(workdir):
+    import logging
+
+    class Records(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("meshrl.evaluate"), Records()
+    logger.addHandler(handler)
+    try:  # the run has 4 steps; the evaluate job was given 2 (its overrides forgotten)
+        summary = evaluate.run(_eval_config(**{"trainer.steps": 2}), str(workdir))
+    finally:
+        logger.removeHandler(handler)
+
+    assert summary["final_version"] == 2
+    assert any("written with trainer.steps = 4, this job has 2" in m for m in handler.messages), \
+        handler.messages
