@@ -149,11 +149,24 @@ def test_sample_job_loads_hf_checkpoint_and_samples_with_its_weights(tmp_path):
     cfg.model.num_layers = 1  # ignored: the checkpoint's config.json wins
     cfg.model.tokenizer = "char"  # a byte-vocabulary checkpoint without tokenizer.json
 
-    job.run(from_config_dict(cfg), str(tmp_path))
+    config = from_config_dict(cfg)
+
+    job.run(config, str(tmp_path))
 
     rows = _samples(tmp_path)
     assert len(rows) == 3
     assert all(r["prompt"].endswith("=") and r["tokens"] for r in rows)
+    # The checkpoint's weights, not another init: a sampler on them draws the same tokens.
+    from meshrl.models import load_hf_checkpoint, split_model
+    from meshrl.models.tokenizer import CharTokenizer
+
+    model = load_hf_checkpoint(ckpt)
+    sampler = Sampler(model.cfg, config.sampler, create_mesh(config.mesh))
+    sampler.update_weights(split_model(model)[1], 0)
+    stop = CharTokenizer().stop_ids
+    requests = [Request(r["prompt_ids"], seed=(config.trainer.seed + i) & 0x7FFFFFFF,
+                        stop_ids=stop) for i, r in enumerate(rows)]
+    assert [c.tokens for c in sampler.generate(requests)] == [r["tokens"] for r in rows]
 
 
 @pytest.mark.slow  # a BPE tokenizer and two prompt pipelines; seconds of set-up
