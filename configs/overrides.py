@@ -11,6 +11,7 @@ import dataclasses
 import importlib.util
 import os
 import pathlib
+import traceback
 import warnings
 from collections.abc import Sequence
 
@@ -74,9 +75,13 @@ def check_config_file(argv: Sequence[str], flag: str = "config") -> str | None:
     except ValueError as e:  # config files reject unknown variants with ValueError
         return f"--{flag} = {spec!r}: {' '.join(str(e).split())}"
     except Exception as e:  # not a config file (no get_config, another signature), or its bug
-        return (f"--{flag} = {spec!r}: loading it raised {type(e).__name__}: "
-                f"{' '.join(str(e).split())}: a config file defines get_config(arg) (arg: the "
-                f"text after ':', optional)")
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__)
+                 if os.path.abspath(f.filename) == os.path.abspath(path)]
+        where = f" at {os.path.basename(path)}:{lines[-1]}" if lines else ""
+        hint = ("" if lines else ": a config file defines get_config(arg) (arg: the text after "
+                "':', optional)")
+        return (f"--{flag} = {spec!r}: loading it raised {type(e).__name__}{where}: "
+                f"{' '.join(str(e).split())}{hint}")
     return None
 
 
