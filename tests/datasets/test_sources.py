@@ -196,29 +196,17 @@ def test_sft_iterator_over_countdown_masks_the_prompt(tmp_path):
 
 
 def test_over_long_training_examples_are_said_once_and_counted(tmp_path):
-    import logging
-
-    class Records(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
+    from meshrl.tests.logs import captured
 
     rows = [{"question": "1+1=", "answer": "2"}, {"question": "x" * 80, "answer": "y"},
             {"question": "2+2=", "answer": "4"}, {"question": "z" * 80, "answer": "w"}]
     path = _jsonl(tmp_path / "rows.jsonl", rows)
-    logger, handler = logging.getLogger("meshrl.datasets"), Records()
-    logger.addHandler(handler)
-    try:
+    with captured("meshrl.datasets") as messages:
         it = make_sft_iterator(DataConfig(source="jsonl", path=path, max_prompt_len=200), TOK,
                                batch_size=1, seq_len=32, seed=0, pack=False)
         for _ in range(6):
             next(it)
-    finally:
-        logger.removeHandler(handler)
 
-    drops = [m for m in handler.messages if "dropped (dropped_overlong_sequence" in m]
-    assert len(drops) == 1 and "rows.jsonl:" in drops[0], handler.messages
+    drops = [m for m in messages if "dropped (dropped_overlong_sequence" in m]
+    assert len(drops) == 1 and "rows.jsonl:" in drops[0], messages
     assert it.stats["dropped_overlong_sequence"] >= 2 and it.stats["examples"] == 6

@@ -300,23 +300,11 @@ def test_wandb_project_logs_the_evaluated_versions_to_a_run_of_their_own(workdir
 
 
 def test_a_job_waiting_for_another_final_version_than_the_runs_says_so(workdir):
-    import logging
+    from meshrl.tests.logs import captured
 
-    class Records(logging.Handler):
-        def __init__(self) -> None:
-            super().__init__()
-            self.messages: list[str] = []
-
-        def emit(self, record: logging.LogRecord) -> None:
-            self.messages.append(record.getMessage())
-
-    logger, handler = logging.getLogger("meshrl.evaluate"), Records()
-    logger.addHandler(handler)
-    try:  # the run has 4 steps; the evaluate job was given 2 (its overrides forgotten)
+    # The run has 4 steps; the evaluate job was given 2 (its overrides forgotten).
+    with captured("meshrl.evaluate") as messages:
         summary = evaluate.run(_eval_config(**{"trainer.steps": 2}), str(workdir))
-    finally:
-        logger.removeHandler(handler)
 
     assert summary["final_version"] == 2
-    assert any("written with trainer.steps = 4, this job has 2" in m for m in handler.messages), \
-        handler.messages
+    assert any("written with trainer.steps = 4, this job has 2" in m for m in messages), messages
