@@ -111,12 +111,21 @@ def sft_run(tmp_path_factory):
 
 
 def test_sft_from_hf_path_at_zero_lr_exports_the_input_tensors_bitwise(sft_run, tmp_path):
+    from safetensors.numpy import save_file
+
     hf, _, cfg, workdir, _ = sft_run
     out = tmp_path / "exported"
+    want = _tensors(hf)
+    # While the export runs, model.hf_path holds other weights: an export that read them
+    # instead of the run's checkpoint would show it.
+    original = (hf / "model.safetensors").read_bytes()
+    save_file({k: v * 2.0 + 1.0 for k, v in want.items()}, str(hf / "model.safetensors"))
+    try:
+        _export(cfg, workdir, out)
+    finally:
+        (hf / "model.safetensors").write_bytes(original)
 
-    _export(cfg, workdir, out)
-
-    want, got = _tensors(hf), _tensors(out)
+    got = _tensors(out)
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
         assert got[name].dtype == np.float32, name
