@@ -52,7 +52,8 @@ def sample_versions(config: Config, workdir: paths.PathLike,
         return []
     sampler = make_sampler(cfg, *weights_source.fill(cfg, workdir, src, target), workdir=workdir)
     requests = [Request(list(ex["prompt_ids"]), temperature=0.0, stop_ids=tokenizer.stop_ids,
-                        seed=config.trainer.seed * 1_000_003 + i, id=("versions", i))
+                        seed=(config.trainer.seed * 1_000_003 + i) & 0x7FFFFFFF,
+                        id=("versions", i))
                 for i, ex in enumerate(examples)]
     fields: dict[str, list[Any]] = {}
     for ex in examples:

@@ -4,8 +4,9 @@
 (``runtime.compile_cache_dir``, else ``$JAX_COMPILATION_CACHE_DIR``, else the user's cache
 directory) and caches every program, however fast it compiled: the sampler's many small
 variants are what a restart spends its first minute on. ``runtime.compile_cache = False``
-turns the cache off (``disable``). A local directory another user owns, or that group or others
-may write, is refused (``check_dir``). Returns the directory in use, or None.
+turns the cache off (``disable``). A local directory another user owns is refused (root's
+only when nobody else may write it); one of this user's that group or others may write loses
+that write (``check_dir``). Returns the directory in use, or None.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import jax
 from jax.experimental.compilation_cache import compilation_cache
 
 from meshrl.utils.errors import UserError
+from meshrl.utils.log import get_logger
+
+_log = get_logger("compile_cache")
 
 ENV = "JAX_COMPILATION_CACHE_DIR"
 
@@ -45,13 +49,22 @@ def disable() -> None:
 
 
 def check_dir(path: str) -> None:
-    """Create a missing local cache directory (mode 0700); refuse one that another user owns
-    or that group or others may write: JAX loads the executable stored under a program's key,
-    so whoever can write there chooses the program this run executes."""
+    """Create a missing local cache directory (mode 0700); refuse one that another user owns,
+    and take group/other write away from one of this user's (a umask of 002 gave earlier
+    versions 0775): JAX loads the executable stored under a program's key, so whoever can
+    write there chooses the program this run executes."""
     p = pathlib.Path(path)
     p.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = p.stat()
-    if st.st_uid != os.geteuid() or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if st.st_uid == os.geteuid() and writable:
+        p.chmod(stat.S_IMODE(st.st_mode) & ~(stat.S_IWGRP | stat.S_IWOTH))
+        _log.warning("compile cache %s: mode %04o let group or others write: now %04o", path,
+                     stat.S_IMODE(st.st_mode), stat.S_IMODE(p.stat().st_mode))
+        return
+    # Another user's directory only when root keeps it and nobody else may write (a cache
+    # baked into an image): root may change anything this run executes anyway.
+    if st.st_uid != os.geteuid() and (st.st_uid != 0 or writable):
         raise CacheDirError(
             f"compile cache {path}: owned by uid {st.st_uid} with mode "
             f"{stat.S_IMODE(st.st_mode):04o}: others could plant the programs this run executes; "

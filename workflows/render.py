@@ -77,7 +77,8 @@ class TurnRenderer:
             raise TemplateDriftError(
                 f"the chat template renders earlier turns differently once a "
                 f"{[m['role'] for m in messages]} turn follows (the assistant's content "
-                f"appears {text.count(_SENTINEL)} times, not once, in {text[:200]!r}): "
+                f"appears {text.count(_SENTINEL)} times, not once, in {text[:200]!r}; a template "
+                f"that drops or rewrites an earlier turn's content, e.g. its case, does this): "
                 f"multi-turn episodes need a template that renders each message on its own")
         return text[text.index(_SENTINEL) + len(_SENTINEL):]
 
