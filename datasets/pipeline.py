@@ -21,6 +21,7 @@ import numpy as np
 
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import sources
+from meshrl.datasets.render import encode_prompt, prompt_text, response_ids
 from meshrl.datasets.sources import DatasetError, row_errors
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils import multihost
@@ -37,46 +38,6 @@ _CACHED_EPOCHS = 4
 SFT_CACHE_TOKENS = 1 << 20
 # Keys that are pipeline plumbing, not reward fields handed to workflows.
 _INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask", "_answer_message")
-
-
-def prompt_text(example: dict, tokenizer: Tokenizer) -> str:
-    """Chat data is always templated; a plain prompt only if the tokenizer has a template."""
-    if example.get("messages") is not None:
-        return tokenizer.apply_chat_template(example["messages"], add_generation_prompt=True)
-    if tokenizer.has_chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": example["prompt"]}],
-                                             add_generation_prompt=True)
-    return example["prompt"]
-
-
-def encode_prompt(text: str, tokenizer: Tokenizer) -> list[int]:
-    ids = tokenizer.encode(text)
-    # Templates such as Llama 3's already start with BOS; never add a second one.
-    if tokenizer.bos_id is not None and (not ids or ids[0] != tokenizer.bos_id):
-        ids = [tokenizer.bos_id, *ids]
-    return ids
-
-
-def response_ids(example: dict, prompt: str, tokenizer: Tokenizer) -> list[int]:
-    """The SFT target: the last assistant turn as the template renders it (a prompt/answer row
-    too, when its prompt went through the template: the same end of turn), or the answer."""
-    text = example["answer"]
-    messages = example.get("messages")
-    if messages is None and tokenizer.has_chat_template:
-        messages = [{"role": "user", "content": example["prompt"]}]  # as ``prompt_text``
-    if messages is not None:
-        # The row's own assistant turn (its other keys too: Qwen3 renders reasoning_content).
-        turn = {**example.get("_answer_message", {"role": "assistant"}),
-                "content": example["answer"]}
-        full = tokenizer.apply_chat_template([*messages, turn], add_generation_prompt=False)
-        # Use the template's own rendering of the turn (end-of-turn tokens included) when the
-        # prompt is a prefix of it; trailing newlines after the end-of-turn are not trained on.
-        if full.startswith(prompt):
-            text = full[len(prompt):].rstrip()
-    ids = tokenizer.encode(text)
-    if not ids or ids[-1] != tokenizer.eos_id:
-        ids.append(tokenizer.eos_id)
-    return ids
 
 
 class _Tokenize:

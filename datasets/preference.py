@@ -23,7 +23,7 @@ import numpy as np
 from meshrl.configs.dpo_schema import DPOConfig
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
-from meshrl.datasets.pipeline import encode_prompt, prompt_text, response_ids
+from meshrl.datasets.render import encode_prompt, prompt_text, response_ids
 from meshrl.datasets.sources import (
     DatasetError,
     _check_messages,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import sources
-from meshrl.datasets.pipeline import encode_prompt, prompt_text
+from meshrl.datasets.render import encode_prompt, prompt_text
 from meshrl.datasets.sources import DatasetError
 from meshrl.models.tokenizer import Tokenizer
 

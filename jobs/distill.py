@@ -82,11 +82,11 @@ def check_teacher(config: Config, mesh: Mesh, student_tokenizer: Tokenizer,
     return source, skeleton
 
 
-def load_teacher(config: Config, mesh: Mesh, student_tokenizer: Tokenizer, student_rows: int
-                 ) -> LoadedModel:
+def load_teacher(config: Config, mesh: Mesh, student_tokenizer: Tokenizer, student_rows: int,
+                 checked: tuple[WeightSource, Any] | None = None) -> LoadedModel:
     """The teacher of ``distill.teacher`` on ``mesh`` for the train role, its weights read
-    after ``check_teacher``."""
-    source, skeleton = check_teacher(config, mesh, student_tokenizer, student_rows)
+    after ``check_teacher`` (``checked``: what an earlier call of it returned, not redone)."""
+    source, skeleton = checked or check_teacher(config, mesh, student_tokenizer, student_rows)
     loaded, _ = weights_source.fill(config, config.distill.teacher, source, skeleton)
     log.info("distillation teacher: %s (%d layers, hidden %d)", config.distill.teacher,
              loaded.arch.num_layers, loaded.arch.hidden_size)

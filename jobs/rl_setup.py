@@ -106,9 +106,10 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
     ``rl.warm_start_steps = -1`` a longer run would otherwise train the reference further).
     ``vocab_rows``: the student model's vocabulary rows (a loaded teacher needs as many)."""
     kl, restored = config.rl.kl_coef > 0.0, engine.restored
+    checked = None
     if config.distill.teacher:
         # A bad teacher path or another vocabulary fails before the warm start trains.
-        check_teacher(config, engine.mesh, tokenizer, vocab_rows)
+        checked = check_teacher(config, engine.mesh, tokenizer, vocab_rows)
     trainee = engine.trainee
     params = trainee.params
     sft_steps = warm_start_steps(config)
@@ -127,7 +128,7 @@ def reference_and_params(config: Config, workdir: epath.Path, engine: TrainEngin
                                 tokenizer, sft_steps)
     if config.distill.enabled:
         reference: ReferencePolicy | None = teacher_policy(config, workdir, engine, tokenizer,
-                                                           vocab_rows)
+                                                           vocab_rows, checked)
     else:
         # With LoRA the reference is the adapter-disabled forward over the engine's frozen
         # base (the params the engine starts from): no second copy of the weights.
@@ -149,7 +150,7 @@ def forward_microbatches(config: Config) -> int:
 
 
 def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tokenizer: Any,
-                   vocab_rows: int) -> ReferencePolicy:
+                   vocab_rows: int, checked: Any = None) -> ReferencePolicy:
     """The distillation teacher on the trainer's mesh, in the reference's place: loaded from
     ``distill.teacher`` (``jobs.distill``), or trained in this run first with
     ``distill.teacher_steps`` SFT steps under ``<workdir>/teacher`` (a resumed run restores
@@ -165,7 +166,7 @@ def teacher_policy(config: Config, workdir: epath.Path, engine: TrainEngine, tok
         params = run_warm_start(tcfg, workdir, engine.mesh, trainee, tokenizer,
                                 d.teacher_steps, subdir="teacher")
     else:
-        loaded = load_teacher(config, engine.mesh, tokenizer, vocab_rows)
+        loaded = load_teacher(config, engine.mesh, tokenizer, vocab_rows, checked)
         trainee = Trainee.of(loaded, config)
         params = trainee.params
     return ReferencePolicy(

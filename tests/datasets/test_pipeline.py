@@ -299,7 +299,7 @@ def test_sft_iterator_stops_caching_at_its_token_budget(monkeypatch):
 def test_a_prompt_answer_row_ends_its_turn_as_the_chat_template_does(tmp_path):
     # ChatML closes a turn with <|im_end|>, which is not EOS here: a row given as
     # prompt/answer must be trained on the same end of turn as the same row as messages.
-    from meshrl.datasets.pipeline import prompt_text, response_ids
+    from meshrl.datasets.render import prompt_text, response_ids
     from meshrl.models.tokenizer import HFTokenizer
     from meshrl.tests.jobs.real_model import train_tokenizer
 
