@@ -36,8 +36,9 @@ async def aevaluate_agent(engine: SamplerClient, reward_pool: Any, examples: Seq
                           version: int, spec: AgentSpec, settings: EpisodeSettings,
                           decode: Callable[[Sequence[int]], str], seed: int = 0
                           ) -> dict[str, float]:
-    """``eval/greedy_accuracy`` of agent episodes on ``examples`` at ``version``, with the
-    share of episodes that called a tool and the mean number of model turns."""
+    """``eval/greedy_accuracy`` and ``eval/reward_mean`` of agent episodes on ``examples`` at
+    ``version`` (a rejected episode scores 0), with the share of episodes that called a tool
+    and the mean number of model turns."""
     if not examples:
         return {}
     if engine.version != version:
@@ -55,10 +56,11 @@ async def aevaluate_agent(engine: SamplerClient, reward_pool: Any, examples: Seq
     if bad:
         raise EvalVersionError(f"evaluation of version {version} got tokens of versions {bad}; "
                                f"weights changed during evaluation")
-    right = [t is not None and t.reward > 0.5 for t in trajs]
+    rewards = [t.reward if t is not None else 0.0 for t in trajs]
     episodes = [t.metadata["episode"] for t in trajs if t is not None]
     turns = [sum(1 for x in e["turns"] if x["role"] == "assistant") for e in episodes]
-    return {"eval/greedy_accuracy": float(np.mean(right)), "eval/examples": float(len(examples)),
+    return {"eval/greedy_accuracy": float(np.mean([r > 0.5 for r in rewards])),
+            "eval/reward_mean": float(np.mean(rewards)), "eval/examples": float(len(examples)),
             "eval/tool_call_rate": float(np.mean([bool(e["tool_calls"]) for e in episodes]))
             if episodes else 0.0,
             "eval/turns": float(np.mean(turns)) if turns else 0.0}

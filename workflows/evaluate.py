@@ -1,5 +1,5 @@
-"""Held-out evaluation of a policy through the sampler the rollouts use: greedy accuracy
-(temperature 0, one completion per prompt) and, when ``n > 1``, pass@1 and pass@k from ``n``
+"""Held-out evaluation of a policy through the sampler the rollouts use: greedy accuracy and
+the greedy completions' mean verifier score (temperature 0, one completion per prompt) and, when ``n > 1``, pass@1 and pass@k from ``n``
 sampled completions per prompt (the unbiased estimator of Chen et al. 2021). A completion is
 correct when the verifier, the first reward of ``reward.names``, scores it > 0.5. Every
 generated token must come from the version being evaluated: a mismatch is an error, never a
@@ -39,9 +39,9 @@ def check_versions(outs: Sequence[Completion], version: int) -> None:
                                f"weights changed during evaluation")
 
 
-async def _correct(reward_pool: Any, examples: Sequence[dict], outs: Sequence[Completion],
-                   decode: Any, per_example: int) -> np.ndarray:
-    """Boolean ``[len(examples), per_example]``: verifier score > 0.5. Examples are scored in
+async def _scores(reward_pool: Any, examples: Sequence[dict], outs: Sequence[Completion],
+                  decode: Any, per_example: int) -> np.ndarray:
+    """Verifier scores ``[len(examples), per_example]`` (correct: > 0.5). Examples are scored in
     one call per set of reward fields: rows may carry optional fields the others lack, and a
     reward sees each row's own fields, as in the rollouts."""
     items = [ex for ex in examples for _ in range(per_example)]
@@ -49,13 +49,13 @@ async def _correct(reward_pool: Any, examples: Sequence[dict], outs: Sequence[Co
     by_keys: dict[tuple[str, ...], list[int]] = {}
     for i, ex in enumerate(items):
         by_keys.setdefault(tuple(sorted(reward_fields(ex))), []).append(i)
-    right = np.zeros(len(items), bool)
+    scores = np.zeros(len(items), np.float64)
     for keys, rows in by_keys.items():
         comps = await asyncio.to_thread(
             reward_pool.score_components, [items[i]["prompt"] for i in rows],
             [completions[i] for i in rows], **{k: [items[i][k] for i in rows] for k in keys})
-        right[rows] = np.asarray(comps[reward_pool.names[0]], np.float64) > 0.5
-    return right.reshape(len(examples), per_example)
+        scores[rows] = np.asarray(comps[reward_pool.names[0]], np.float64)
+    return scores.reshape(len(examples), per_example)
 
 
 async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, version: int,
@@ -76,15 +76,16 @@ async def aevaluate(engine: Any, reward_pool: Any, examples: Sequence[dict], *, 
     greedy = await gather_or_cancel(*(engine.agenerate(request(ex, i, 0.0))
                                     for i, ex in enumerate(examples)))
     check_versions(greedy, version)
-    right = await _correct(reward_pool, examples, greedy, decode, 1)
-    out = {"eval/greedy_accuracy": float(right.mean()), "eval/examples": float(len(examples)),
+    scores = await _scores(reward_pool, examples, greedy, decode, 1)
+    out = {"eval/greedy_accuracy": float((scores > 0.5).mean()),
+           "eval/reward_mean": float(scores.mean()), "eval/examples": float(len(examples)),
            "eval/completion_len": float(np.mean([len(o.tokens) for o in greedy]))}
     if n > 1:
         sampled = await gather_or_cancel(*(
             engine.agenerate(request(ex, i * n + j, temperature))
             for i, ex in enumerate(examples) for j in range(n)))
         check_versions(sampled, version)
-        c = await _correct(reward_pool, examples, sampled, decode, n)
+        c = await _scores(reward_pool, examples, sampled, decode, n) > 0.5
         counts = c.sum(-1)
         out["eval/pass_at_1"] = float(np.mean([pass_at_k(n, int(x), 1) for x in counts]))
         out[f"eval/pass_at_{n}"] = float(np.mean([pass_at_k(n, int(x), n) for x in counts]))

@@ -29,7 +29,10 @@ from meshrl.workflows.version_eval import VersionEvaluator
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SMOKE = [sys.executable, str(ROOT / "main.py"), "--config", str(ROOT / "configs/default.py:smoke")]
-RL_OVERRIDES = {"trainer.steps": 4, "checkpoint.publish_every": 2}
+# A reward that varies with the text: versions with other weights get other held-out scores,
+# so the equal-metrics checks below can tell weights apart.
+RL_OVERRIDES = {"trainer.steps": 4, "checkpoint.publish_every": 2, "data.eval_examples": 8,
+                "reward.names": ("meshrl.tests.jobs.varied_reward:reward",)}
 
 
 def _eval_config(**overrides):
@@ -81,9 +84,10 @@ def test_evaluate_after_rl_run_writes_every_published_version_with_version_as_st
     # The same evaluation as the RL job's own at its last version (the Orbax copy of the
     # weights is bitwise the in-process handoff's): identical held-out numbers.
     rl_eval = read_metrics(workdir / "metrics.jsonl")[4]
-    for key in ("eval/greedy_accuracy", "eval/completion_len", "eval/pass_at_1",
-                "eval/pass_at_2"):
+    for key in ("eval/greedy_accuracy", "eval/reward_mean", "eval/completion_len",
+                "eval/pass_at_1", "eval/pass_at_2"):
         assert metrics[4][key] == rl_eval[key], key
+    assert metrics[2]["eval/reward_mean"] != metrics[4]["eval/reward_mean"]
     assert list((workdir / "eval" / "tb").glob("events.out.tfevents.*"))
     saved = json.loads((workdir / "eval" / "summary.json").read_text())
     assert saved["accuracy_final"] == metrics[4]["eval/greedy_accuracy"]
@@ -109,6 +113,8 @@ def test_a_version_published_again_after_its_evaluation_is_evaluated_again(workd
                                                                           monkeypatch):
     config = _eval_config()
     evaluate.run(config, str(workdir))
+    before = read_metrics(workdir / "eval" / "metrics.jsonl")
+    assert before[2]["eval/reward_mean"] != before[4]["eval/reward_mean"]
     # As a resumed RL run publishes a version again, with other weights (here version 4's).
     weights = workdir / "weights"
     shutil.rmtree(weights / "2")
@@ -121,7 +127,8 @@ def test_a_version_published_again_after_its_evaluation_is_evaluated_again(workd
     assert seen == [2]  # once: the second rerun finds every evaluation current
     assert summary["versions"] == again["versions"] == [2, 4]
     metrics = read_metrics(workdir / "eval" / "metrics.jsonl")
-    for key in ("eval/greedy_accuracy", "eval/completion_len", "eval/pass_at_1"):
+    for key in ("eval/greedy_accuracy", "eval/reward_mean", "eval/completion_len",
+                "eval/pass_at_1"):
         assert metrics[2][key] == metrics[4][key], key
 
 

@@ -177,6 +177,19 @@ def test_evaluation_reports_greedy_accuracy_and_pass_at_k_from_the_verifier():
     assert out["eval/pass_at_1"] == 0.5 and out["eval/pass_at_4"] == 0.5
 
 
+def test_evaluation_reports_the_greedy_completions_mean_score_beside_accuracy():
+    class PartialPool(_ExactPool):  # 0.4 for a wrong answer: a score, never correct
+        def score_components(self, prompts, completions, answer, **_):
+            return {"exact": [1.0 if c == a else 0.4 for c, a in zip(completions, answer,
+                                                                       strict=True)]}
+
+    out = asyncio.run(aevaluate(_FakeEngine(3), PartialPool(), _examples(), version=3,
+                                decode=_decode, stop_ids=(2,), max_new_tokens=4))
+
+    assert out["eval/greedy_accuracy"] == 0.5
+    assert out["eval/reward_mean"] == pytest.approx(0.7, rel=0, abs=1e-12)
+
+
 def test_evaluation_scores_rows_with_and_without_an_optional_field_each_with_its_own():
     class NeedsAllFieldsPool(_ExactPool):
         def score_components(self, prompts, completions, answer, **extra):

@@ -142,7 +142,7 @@ def test_agent_evaluation_runs_the_tool_episode_greedily_and_scores_the_final_tu
             await spec.tools.aclose()
     ev = asyncio.run(go())
     assert ev["eval/greedy_accuracy"] == 1.0 and ev["eval/tool_call_rate"] == 1.0
-    assert ev["eval/turns"] == 2.0
+    assert ev["eval/reward_mean"] == 1.0 and ev["eval/turns"] == 2.0
     assert all(r.request.temperature == 0.0 for r in sampler.completions)
 
 
