@@ -67,6 +67,10 @@ class AgentConfig(Section):
         if (self.sft_traces or self.compare_without_tools) and self.env != "tools":
             raise ConfigError(f"agent.env = {self.env!r}: agent.sft_traces and "
                               f"agent.compare_without_tools need agent.env = 'tools'")
+        if self.sft_traces and "calculator" not in self.tools:
+            raise ConfigError(f"agent.tools = {self.tools!r}: agent.sft_traces teaches calls "
+                              f"to the calculator, which the episodes must have: add "
+                              f"'calculator' or set agent.sft_traces = False")
         if self.env == "tools" and not self.tools:
             raise ConfigError("agent.tools = (): agent.env = 'tools' needs at least one tool: "
                               "name one of " + ", ".join(TOOL_NAMES))

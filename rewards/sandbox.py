@@ -266,6 +266,13 @@ class ToolSandbox:
                 await self._drop_shared()
                 return ToolOutput(False, f"error: the tool ran past its {self.limits.wall_s:g} "
                                          f"s limit and was stopped", "timeout")
+            except BaseException:
+                # Cancelled (a sibling episode failed): this call's answer would stay in the
+                # pipe and reach the next call as its own. The child goes before the lock does.
+                self._shared = None
+                child.kill()
+                await asyncio.shield(child.close())
+                raise
             if line is None:
                 await self._drop_shared()
                 return ToolOutput(False, "error: the tool process died", "crashed")

@@ -28,7 +28,7 @@ from typing import Any
 
 from meshrl.inference.sampler import Request
 from meshrl.workflows.batch import Trajectory
-from meshrl.workflows.environment import EnvFactory
+from meshrl.workflows.environment import EnvFactory, close_env
 from meshrl.workflows.episode import (
     EpisodeSettings,
     RewardScorer,
@@ -121,13 +121,26 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
     """One agent episode; None (reject) when the model generated nothing or the episode went
     stale. The trajectory's ``metadata["episode"]`` is its ``episodes.jsonl`` record."""
     env = spec.env_factory()
+    try:
+        return await _episode(env, engine, item, spec=spec, reward_pool=reward_pool,
+                              decode=decode, settings=settings, group_id=group_id,
+                              sample_index=sample_index)
+    finally:
+        # However the episode ends (done, out of turns or tokens, stale, cancelled), what
+        # the environment holds goes with it.
+        await close_env(env)
+
+
+async def _episode(env: Any, engine: SamplerClient, item: dict, *, spec: AgentSpec,
+                   reward_pool: RewardScorer, decode: Callable[[Sequence[int]], str],
+                   settings: EpisodeSettings, group_id: int, sample_index: int
+                   ) -> Trajectory | None:
     first = await env.reset(item)
     ctx = _Context(spec.renderer.prompt_ids(item, first), 0)
     ctx.prompt_len = len(ctx.ids)
     turns: list[dict[str, Any]] = []
     rewards: list[float] = []
     finish, last_text, limit, ended = "", "", settings.max_total_len, False
-    eos = spec.renderer.tokenizer.eos_id
     for turn in range(settings.max_turns):
         if _stale(spec, engine, ctx):
             spec.counters["stale_episodes"] = spec.counters.get("stale_episodes", 0) + 1
@@ -161,10 +174,10 @@ async def arun_agent_episode(engine: SamplerClient, item: dict, *, spec: AgentSp
             break
         if turn == settings.max_turns - 1:
             break
-        # Only EOS itself closes the turn: a stop on another id (``agent.turn_stop``) leaves
-        # the template's end-of-turn token to the observation.
+        # A turn ended on the template's end-of-turn token is closed; one ended on another id
+        # (``agent.turn_stop``) or by its budget gets that token from the observation.
         obs_ids = spec.renderer.observation_ids(
-            observation, stopped_on_eos=bool(out.tokens) and out.tokens[-1] == eos)
+            observation, last_token=out.tokens[-1] if out.tokens else None)
         if limit is not None and len(ctx.ids) + len(obs_ids) >= limit:
             finish = "length"  # no room for the observation and one more model token
             break

@@ -12,6 +12,8 @@ An environment is any object with two async methods (no meshrl type is needed to
   ``(observation, reward, done)``. ``reward`` is this turn's reward or None; the episode's reward
   is the sum of the non-None rewards, or, when every turn returned None, the job's reward pool
   scores the model's final turn (``reward.names``).
+* An optional ``close()`` (sync or async) runs once when the episode ends, however it ends
+  (done, out of turns or tokens, stale, cancelled): release what the environment holds there.
 * An observation is text (shown as a user turn), a list of chat messages
   (``{"role": "tool" | "user", "content": ...}``), or None. It is tokenized once, appended to the
   context after the model's own tokens and never trained on (loss mask 0).
@@ -47,6 +49,14 @@ EnvFactory = Callable[[], AgentEnv]
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+async def close_env(env: Any) -> None:
+    """The environment's optional ``close()``, run to its end even when the episode was
+    cancelled."""
+    close = getattr(env, "close", None)
+    if close is not None:
+        await asyncio.shield(_maybe_await(close()))
 
 
 class FunctionEnv:
@@ -104,10 +114,12 @@ class GymEnv:
         except ValueError as e:
             return f"invalid action: {e}", self.invalid_reward, False
         obs, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, act)
-        done = bool(terminated or truncated)
-        if done and hasattr(self.env, "close"):
-            await asyncio.to_thread(self.env.close)
-        return self.render(obs), float(reward), done
+        return self.render(obs), float(reward), bool(terminated or truncated)
+
+    async def close(self) -> None:
+        env, self.env = self.env, None
+        if env is not None and hasattr(env, "close"):
+            await asyncio.to_thread(env.close)
 
 
 class ToolEnv:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshrl.datasets.render import encode_prompt
 from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils.errors import UserError
 from meshrl.workflows.environment import Observation
@@ -61,14 +62,11 @@ class TurnRenderer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.chat = bool(tokenizer.has_chat_template)
-        self.suffix, self.suffix_has_eos = "", False
+        self.suffix = ""
         if self.chat:
             base = tokenizer.apply_chat_template(_BASE, add_generation_prompt=False)
             self.suffix = self._after_sentinel(base, [])  # the end of an assistant turn
-            # A special token is encoded atomically, so the suffix starts with the EOS id
-            # exactly when the template closes a turn with the token the model stops on.
-            self.suffix_has_eos = tokenizer.encode(self.suffix)[:1] == [tokenizer.eos_id]
-            self.observation_ids("probe", stopped_on_eos=True)  # a drifting template fails now
+            self.observation_ids("probe", last_token=tokenizer.eos_id)  # drift fails now
 
     @staticmethod
     def _after_sentinel(text: str, messages: list[dict[str, Any]]) -> str:
@@ -90,14 +88,17 @@ class TurnRenderer:
         messages = list(example.get("messages") or
                         [{"role": "user", "content": example.get("prompt", "")}])
         messages += as_messages(first)
-        if self.chat:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            return self.tokenizer.encode(text)
-        bos = [] if self.tokenizer.bos_id is None else [self.tokenizer.bos_id]
-        return bos + self.tokenizer.encode(plain_text(messages))
+        # As the data pipeline encodes a prompt (BOS once): an episode's ids must not depend
+        # on whether its environment spoke first.
+        text = (self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                if self.chat else plain_text(messages))
+        return encode_prompt(text, self.tokenizer)
 
-    def observation_ids(self, observation: Observation, stopped_on_eos: bool) -> list[int]:
-        """Ids that close the model's turn, show ``observation`` and open the next turn."""
+    def observation_ids(self, observation: Observation, last_token: int | None) -> list[int]:
+        """Ids that close the model's turn, show ``observation`` and open the next turn.
+        ``last_token``: the turn's last sampled id; when it is one of the tokenizer's stop ids
+        (EOS, or one only generation_config.json lists) and the template closes a turn with
+        it, the model's own token already closed the turn."""
         messages = as_messages(observation)
         if not self.chat:
             return self.tokenizer.encode(plain_text(messages))
@@ -110,7 +111,9 @@ class TurnRenderer:
                 f"with {after[:len(self.suffix) + 20]!r}, {self.suffix!r} when the turn is "
                 f"last): multi-turn episodes need a template that renders each message on its "
                 f"own")
+        # A special token is encoded atomically: the suffix's first id is the template's
+        # end-of-turn token when it has one.
         ids = self.tokenizer.encode(after)
-        if stopped_on_eos and self.suffix_has_eos:
-            ids = ids[1:]  # the model's own EOS token already closed the turn
+        if last_token in self.tokenizer.stop_ids and ids[:1] == [last_token]:
+            ids = ids[1:]
         return ids

@@ -208,6 +208,31 @@ def test_a_crashed_shared_calculator_is_replaced_on_the_next_call(tool_tmp):
     assert_clean(tool_tmp)
 
 
+def test_a_call_cancelled_while_it_waits_leaves_no_answer_for_the_next_call(tool_tmp,
+                                                                          monkeypatch):
+    waiting = asyncio.Event()
+    answer = ToolSandbox._answer
+
+    async def signalling(self, child):
+        waiting.set()  # the request is written; its answer is on its way
+        return await answer(self, child)
+
+    monkeypatch.setattr(ToolSandbox, "_answer", signalling)
+
+    async def go():
+        async with Tools(["calculator"], LIMITS) as tools:
+            call = asyncio.create_task(tools.acall("calculator", {"expression": "2+2"}))
+            await waiting.wait()
+            call.cancel()  # as gather_or_cancel cancels a failed episode's siblings
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.sleep(0.2)  # the cancelled call's answer would arrive by now
+            return [(await tools.acall("calculator", {"expression": e})).text
+                    for e in ("3*3", "5*5")]
+    assert asyncio.run(go()) == ["9", "25"]
+    assert_clean(tool_tmp)
+
+
 def test_a_child_whose_parent_is_gone_removes_its_own_directory(tool_tmp):
     async def go():
         child = await sandbox_lib._start(LIMITS)

@@ -53,12 +53,15 @@ DRIFTING_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 
 
-def qwen_tokenizer(directory: pathlib.Path, template: str = QWEN_TOOL_TEMPLATE) -> HFTokenizer:
+def qwen_tokenizer(directory: pathlib.Path, template: str = QWEN_TOOL_TEMPLATE,
+                   **special: str) -> HFTokenizer:
+    """A ChatML tokenizer; ``special`` sets tokens of tokenizer_config.json (``eos_token``,
+    ``bos_token``)."""
     directory.mkdir(parents=True, exist_ok=True)
     real_model.train_tokenizer(directory)
     config = json.loads((directory / "tokenizer_config.json").read_text())
     config["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    (directory / "tokenizer_config.json").write_text(json.dumps({**config, **special}))
     return HFTokenizer(str(directory))
 
 

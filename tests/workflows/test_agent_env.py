@@ -60,6 +60,52 @@ def test_gym_env_drives_a_gymnasium_environment_by_text_and_reports_invalid_acti
     assert moved[0].startswith("state ") and moved[1] in (0.0, 1.0)
 
 
+class _Simulator:
+    """A gymnasium-style simulator that never ends an episode itself, counting opens/closes."""
+
+    opened = closed = 0
+
+    def __init__(self) -> None:
+        type(self).opened += 1
+
+    def reset(self, seed=None):
+        return 0, {}
+
+    def step(self, action):
+        return 1, 0.0, False, False, {}
+
+    def close(self) -> None:
+        type(self).closed += 1
+
+
+@pytest.mark.parametrize("how", ["out_of_turns", "cancelled"])
+def test_an_environment_is_closed_however_its_episode_ends(how, monkeypatch):
+    monkeypatch.setattr(_Simulator, "opened", 0)
+    monkeypatch.setattr(_Simulator, "closed", 0)
+    tok = CharTokenizer()
+    item = {"prompt": "go", "prompt_ids": [tok.bos_id] + tok.encode("go")}
+    sampler = ScriptedSampler([tok.encode("1") + [tok.eos_id]] * 3)
+    spec = AgentSpec(lambda: GymEnv(_Simulator, parse_action=int), TurnRenderer(tok))
+
+    async def go():
+        episode = asyncio.create_task(arun_episode(
+            sampler, item, reward_pool=ConstRewards(), decode=tok.decode, agent=spec,
+            settings=EpisodeSettings(max_turns=3, stop_ids=(tok.eos_id,))))
+        if how == "cancelled":
+            while not sampler.requests:  # inside its first turn
+                await asyncio.sleep(0)
+            episode.cancel()
+        return await asyncio.gather(episode, return_exceptions=True)
+
+    (out,) = asyncio.run(go())
+
+    if how == "cancelled":
+        assert isinstance(out, asyncio.CancelledError)
+    else:
+        assert out.finish_reason == "length"
+    assert _Simulator.opened == _Simulator.closed == 1
+
+
 def test_malformed_and_failing_tool_calls_become_error_observations_and_the_episode_goes_on():
     tok = CharTokenizer()
     item = {"prompt": "q", "prompt_ids": [tok.bos_id] + tok.encode("q"), "answer": "2"}

@@ -43,6 +43,8 @@ def test_config_tool_names_are_the_built_in_tools():
     ({"env": "tools", "tools": ("shell",)}, "agent.tools"),
     ({"env": "tools", "tools": ()}, "needs at least one tool"),
     ({"env": "", "sft_traces": True}, "need agent.env = 'tools'"),
+    ({"env": "tools", "tools": ("python",), "sft_traces": True},
+     r"agent.tools = \('python',\): agent.sft_traces teaches calls to the calculator"),
 ])
 def test_bad_agent_fields_fail_with_the_field_and_the_rule(agent, needle):
     with pytest.raises(ConfigError, match=needle):

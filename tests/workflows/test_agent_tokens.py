@@ -42,7 +42,7 @@ def messages_prompt(tok) -> tuple[list[dict], dict]:
 
 async def _episode_with_tools(tok, sampler, *, max_staleness=None, log=None, max_len=None):
     _, item = messages_prompt(tok)
-    settings = EpisodeSettings(max_turns=4, stop_ids=(tok.eos_id,), max_total_len=max_len)
+    settings = EpisodeSettings(max_turns=4, stop_ids=tok.stop_ids, max_total_len=max_len)
     async with Tools(["calculator"]) as tools:
         spec = AgentSpec(tool_env_factory(tools), TurnRenderer(tok),
                          max_staleness=max_staleness, log=log)
@@ -101,10 +101,60 @@ def test_incremental_rendering_equals_rendering_the_whole_conversation(tok):
     assert whole[:len(context)] == context and tok.decode(whole[len(context):]) == "\n"
 
 
+def test_a_turn_ended_on_a_generation_config_stop_id_is_closed_once(tmp_path):
+    # EOS is <|endoftext|>; the template closes turns with <|im_end|>, a stop id only
+    # generation_config.json lists (as some Llama 3 releases ship <|eot_id|>).
+    tok = qwen_tokenizer(tmp_path / "qwen", eos_token="<|endoftext|>")
+    (im_end,) = tok.encode("<|im_end|>")
+    (tmp_path / "qwen" / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [tok.eos_id, im_end]}))
+    tok = type(tok)(str(tmp_path / "qwen"))
+    sampler = ScriptedSampler([tok.encode(CALL) + [im_end],
+                               tok.encode("The answer is 56088.") + [im_end]])
+
+    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
+
+    messages, _ = messages_prompt(tok)
+    messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "56088"},
+                 {"role": "assistant", "content": "The answer is 56088."}]
+    whole = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
+    context = traj.prompt_ids + traj.completion_ids
+    assert whole[:len(context)] == context and tok.decode(whole[len(context):]) == "\n"
+
+
+def test_a_turn_ended_on_a_token_other_than_a_stop_id_gets_the_end_of_turn_from_the_template(
+        tok):
+    (im_end,) = tok.encode("<|im_end|>")
+    (close,) = tok.encode("\n")[-1:]  # an ordinary token the model ended its turn with
+    renderer = TurnRenderer(tok)
+    observation = [{"role": "tool", "content": "1"}]
+
+    after_stop = renderer.observation_ids(observation, last_token=im_end)
+    after_other = renderer.observation_ids(observation, last_token=close)
+
+    assert tok.eos_id == im_end and after_other == [im_end, *after_stop]
+
+
+def test_an_episode_whose_environment_speaks_first_starts_with_bos_as_the_pipeline_does(
+        tmp_path):
+    from meshrl.datasets.render import encode_prompt, prompt_text
+
+    # A BOS the template never writes: the pipeline prepends it, and so must the episode.
+    tok = qwen_tokenizer(tmp_path / "qwen", bos_token="<|endoftext|>")
+    ex = {"prompt": "What is 2+2?"}
+    ex["prompt_ids"] = encode_prompt(prompt_text(ex, tok), tok)
+    renderer = TurnRenderer(tok)
+
+    first = renderer.prompt_ids(ex, "You have 3 tries.")
+
+    assert renderer.prompt_ids(ex, None)[0] == first[0] == tok.bos_id
+    assert first.count(tok.bos_id) == 1
+
+
 def test_tool_messages_in_a_row_render_as_the_template_groups_them(tok):
     renderer = TurnRenderer(tok)
     ids = renderer.observation_ids([{"role": "tool", "content": "1"},
-                                    {"role": "tool", "content": "2"}], stopped_on_eos=True)
+                                    {"role": "tool", "content": "2"}], last_token=tok.eos_id)
     base = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
     new = [{"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
     before = tok.apply_chat_template(base, add_generation_prompt=False)
@@ -194,7 +244,7 @@ def test_a_template_that_rewrites_the_assistant_turn_before_its_content_renders_
     qwen3 = qwen_tokenizer(tmp_path / "qwen3", QWEN3_THINK_TEMPLATE)
 
     ids = TurnRenderer(qwen3).observation_ids([{"role": "tool", "content": "42"}],
-                                              stopped_on_eos=True)
+                                              last_token=qwen3.eos_id)
 
     want = qwen3.encode("<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response>"
                         "<|im_end|>\n<|im_start|>assistant\n")
