@@ -140,8 +140,11 @@ def run(config: Config, workdir: str) -> dict[str, Any]:
     """Evaluate the RL run's published versions until its final one; ``summary.json``; with
     ``logging.wandb_project``, a W&B run of its own named ``<run>-eval``."""
     if jax.process_count() > 1:
-        # TODO(meshrl): a multi-host evaluator must agree on the versions it lists first.
-        raise NotImplementedError("the evaluate job runs on one process in this build")
+        # Processes that poll the workdir on their own could list other versions, and every
+        # process must run the same programs in the same order.
+        raise ConfigError(f"job = 'evaluate' on {jax.process_count()} processes: it runs on "
+                          f"one; start main.py once (not through launch/local.py or a pod "
+                          f"launcher), on a host that reads the run's workdir")
     t0 = time.perf_counter()
     root = paths.as_path(workdir)
     eval_dir = root / "eval"

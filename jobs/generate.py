@@ -138,13 +138,14 @@ def run(config: Config, workdir: str) -> None:
     name = EPISODES_FILE if config.agent.env else "samples.jsonl"
     path = paths.first_free(paths.as_path(workdir) / name, config.generate.overwrite)
 
-    if config.agent.env:  # agent episodes instead of single completions: every process appends
-        if jax.process_index() == 0 and path.exists():
-            # Before the first sampler program, which every process runs together: no
-            # process has appended yet.
-            path.unlink()
-        rl_agent.generate_episodes(config, sampler, [rows[i] for i in share], share.start,
-                                   tokenizer, workdir, path)
+    if config.agent.env:  # agent episodes instead of single completions
+        mine = rl_agent.generate_episodes(config, sampler, [rows[i] for i in share],
+                                          share.start, tokenizer, workdir)
+        episodes = [r for part in multihost.allgather_json(mine) for r in part]
+        if jax.process_index() == 0:
+            paths.write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in episodes))
+        log.info("wrote %d agent episodes (%d tool calls) to %s", len(episodes),
+                 sum(len(r["tool_calls"]) for r in episodes), path)
         return
     t0 = time.perf_counter()
     # Seeds follow the prompt's index in the whole file: any process count draws the same.

@@ -14,7 +14,6 @@ from meshrl.datasets import agent_calc
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
-from meshrl.workflows.agent import EpisodeLog
 from meshrl.workflows.agent_eval import agenerate_episodes
 from meshrl.workflows.agent_setup import agent_spec
 from meshrl.workflows.setup import episode_settings
@@ -72,22 +71,20 @@ def baseline_fields(baseline: dict[str, Any]) -> dict[str, Any]:
 
 def generate_episodes(config: Config, sampler: Any, rows: list[tuple[dict, str, list[int]]],
                       first_index: int, tokenizer: Any, workdir: paths.PathLike,
-                      path: paths.PathLike) -> None:
+                      ) -> list[dict[str, Any]]:
     """``agent.env`` in the generate job: one sampled agent episode per prompt row
-    ``(example, text, ids)``, each a line of ``path`` (appended; every process appends its
-    own share). The episodes' seeds follow the prompts' indices."""
+    ``(example, text, ids)``, its ``episodes.jsonl`` record, in the rows' order (the caller
+    writes them). The episodes' seeds follow the prompts' indices."""
     from meshrl.inference.async_sampler import AsyncSampler
 
     spec = agent_spec(config, tokenizer, workdir=workdir)
     assert spec is not None, "generate_episodes needs agent.env"
-    spec.log = EpisodeLog(path)  # the job's output: written whatever agent.episodes_log says
+    spec.log = None  # the records are the job's output, written once by the caller
     examples = [{**ex, "prompt_ids": ids} for ex, _, ids in rows]
     engine = AsyncSampler(sampler)
     try:
-        records = run_sync(agenerate_episodes(
+        return run_sync(agenerate_episodes(
             engine, examples, spec=spec, settings=episode_settings(config, tokenizer),
             decode=tokenizer.decode, first_index=first_index))
     finally:
         engine.shutdown()
-    calls = sum(len(r["tool_calls"]) for r in records)
-    log.info("wrote %d agent episodes (%d tool calls) to %s", len(records), calls, path)

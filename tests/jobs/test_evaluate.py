@@ -315,3 +315,12 @@ def test_a_job_waiting_for_another_final_version_than_the_runs_says_so(workdir):
 
     assert summary["final_version"] == 2
     assert any("written with trainer.steps = 4, this job has 2" in m for m in messages), messages
+
+
+def test_the_evaluate_job_on_several_processes_is_one_clear_error(workdir, monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match="job = 'evaluate' on 2 processes: it runs on one"):
+        evaluate.run(_eval_config(), str(workdir))
+    assert not (workdir / "eval").exists()

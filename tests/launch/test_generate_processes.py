@@ -56,3 +56,38 @@ def test_two_processes_sample_a_checkpoint_like_one_process(tmp_path):
     assert [r["tokens"] for r in b] == [r["tokens"] for r in a]
     assert all(set(r["versions"]) == {2} for r in b)
     assert "[p1] " in multi.stdout
+
+
+# main.py with process 0 held back where the job picks its output file, as a slower host.
+SLOW_FIRST = '''
+import runpy, sys, time
+import jax
+from meshrl.utils import paths
+first_free = paths.first_free
+def held_back(path, overwrite):
+    if jax.process_index() == 0:
+        time.sleep(8)
+    return first_free(path, overwrite)
+paths.first_free = held_back
+sys.argv[0] = {main!r}
+runpy.run_path({main!r}, run_name="__main__")
+'''
+AGENT = ["--config", str(ROOT / "configs" / "agent_calc.py") + ":smoke", "--config.job=generate",
+         "--config.generate.source=random", "--config.data.num_examples=4",
+         "--config.sampler.max_new_tokens=16", "--config.logging.progress_bar=false"]
+
+
+def test_two_processes_write_agent_episodes_once_in_prompt_order(tmp_path):
+    run = tmp_path / "run"
+    _run([sys.executable, "main.py", *AGENT, "--workdir", str(run)], devices=1)
+    one = [json.loads(x) for x in (run / "episodes.jsonl").read_text().splitlines()]
+    script = tmp_path / "slow_first.py"
+    script.write_text(SLOW_FIRST.format(main=str(ROOT / "main.py")))
+
+    _run([*LAUNCH, "--num_processes", "2", "--devices_per_process", "1", "--", str(script),
+          *AGENT, "--config.generate.overwrite=true", "--workdir", str(run)], devices=1)
+
+    two = [json.loads(x) for x in (run / "episodes.jsonl").read_text().splitlines()]
+    assert [r["group_id"] for r in two] == [r["group_id"] for r in one] == [0, 1, 2, 3]
+    assert [r["turns"] for r in two] == [r["turns"] for r in one]
+    assert not list(run.glob("episodes-*.jsonl"))
