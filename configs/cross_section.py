@@ -76,6 +76,10 @@ def _microbatches(config: ConfigSections, job: str) -> None:
                           f"{name} = {value}")
 
 
+# Advantages that compare a prompt's samples with each other: 0 for a group of one.
+GROUP_ADVANTAGES = ("grpo", "drgrpo", "rloo")
+
+
 def _rl(config: ConfigSections) -> None:
     B = config.rollout.prompts_per_step * config.rollout.group_size  # sequences per step
     if B % config.trainer.microbatches:
@@ -88,6 +92,11 @@ def _rl(config: ConfigSections) -> None:
                           f"= {K * M} must divide rollout.prompts_per_step * "
                           f"rollout.group_size = {B} (each minibatch is split into "
                           f"trainer.microbatches)")
+    adv, n = config.rl.advantage, config.rollout.group_size
+    if n == 1 and adv in GROUP_ADVANTAGES and not config.distill.enabled:
+        raise ConfigError(f"rollout.group_size = 1: every advantage is 0 under rl.advantage = "
+                          f"{adv!r} (it compares the samples of a prompt's group): use "
+                          f"rollout.group_size >= 2, or rl.advantage = 'reinforce_pp'")
     s = config.sampler
     # The behaviour policy is softmax(logits / T), truncated by top-k/top-p/min-p to the kept
     # counts the sampler records; the trainer rescores with logits / T truncated to as many

@@ -43,8 +43,10 @@ _INTERNAL = ("messages", "origin", "_drop", "_input", "_target", "_mask", "_answ
 class _Tokenize:
     """grain map: example -> example with token ids, or marked ``_drop`` with the reason."""
 
-    def __init__(self, data: DataConfig, tokenizer: Tokenizer, seq_len: int | None) -> None:
+    def __init__(self, data: DataConfig, tokenizer: Tokenizer, seq_len: int | None,
+                 prompt_room: int | None = None) -> None:
         self.data, self.tokenizer, self.seq_len = data, tokenizer, seq_len
+        self.prompt_room = prompt_room  # RL: the longest prompt that leaves a completion room
 
     def _overlong(self, ex: dict, reason: str, detail: str) -> dict:
         if self.data.on_overlong == "raise":
@@ -63,6 +65,11 @@ class _Tokenize:
             return self._overlong(ex, "dropped_overlong_prompt",
                                   f"prompt has {len(ids)} tokens > data.max_prompt_len = "
                                   f"{self.data.max_prompt_len}")
+        if self.prompt_room is not None and len(ids) > self.prompt_room:
+            return self._overlong(ex, "dropped_overlong_prompt",
+                                  f"prompt has {len(ids)} tokens, leaving no room for a "
+                                  f"completion in min(trainer.seq_len, sampler.max_len) = "
+                                  f"{self.prompt_room + 1}")
         out = {k: v for k, v in ex.items() if k not in _INTERNAL}
         out.update(prompt=ex["prompt"], prompt_text=text, prompt_ids=ids)
         if self.seq_len is None:
@@ -114,7 +121,8 @@ class _StreamIterator:
     the saved state, which lists every row's cursor (see ``get_state``)."""
 
     def __init__(self, data: DataConfig, tokenizer: Tokenizer, *, seq_len: int | None,
-                 batch_size: int, seed: int, process_index: int, process_count: int) -> None:
+                 batch_size: int, seed: int, process_index: int, process_count: int,
+                 prompt_room: int | None = None) -> None:
         if process_count < 1 or not 0 <= process_index < process_count:
             raise ValueError(f"process_index = {process_index}, process_count = {process_count}: "
                              f"need 0 <= process_index < process_count")
@@ -133,7 +141,7 @@ class _StreamIterator:
         # grain.MapDataset.source would record per-element read metrics: 2x the cost per
         # element of this index -> example map.
         self._ds = grain.MapDataset.range(len(examples)).map(
-            _TokenizeAt(examples, _Tokenize(data, tokenizer, seq_len)))
+            _TokenizeAt(examples, _Tokenize(data, tokenizer, seq_len, prompt_room)))
         self._orders: dict[int, np.ndarray] = {}
         n = self.local_batch_size
         # Per owned row: next position in its sub-stream, examples taken, drops by reason.
@@ -345,18 +353,23 @@ def make_sft_iterator(data: DataConfig, tokenizer: Tokenizer, *, batch_size: int
 
 
 def make_prompt_iterator(data: DataConfig, tokenizer: Tokenizer, *, batch_size: int, seed: int,
-                         process_index: int = 0, process_count: int = 1) -> PromptIterator:
-    """Checkpointable prompt batches for RL rollouts on this process (see ``PromptIterator``)."""
+                         process_index: int = 0, process_count: int = 1,
+                         prompt_room: int | None = None) -> PromptIterator:
+    """Checkpointable prompt batches for RL rollouts on this process (see ``PromptIterator``);
+    prompts over ``prompt_room`` tokens (the episode's length less one) are over-long too."""
     return PromptIterator(data, tokenizer, seq_len=None, batch_size=batch_size, seed=seed,
-                          process_index=process_index, process_count=process_count)
+                          process_index=process_index, process_count=process_count,
+                          prompt_room=prompt_room)
 
 
-def eval_examples(data: DataConfig, tokenizer: Tokenizer, teacher_forced: bool = False
-                  ) -> list[dict]:
+def eval_examples(data: DataConfig, tokenizer: Tokenizer, teacher_forced: bool = False,
+                  prompt_room: int | None = None) -> list[dict]:
     """Tokenized held-out examples (over-long prompts follow data.on_overlong; drops logged).
     ``teacher_forced``: with the SFT rows ``_input``, ``_target`` and ``_mask`` built exactly as
-    training builds them (the whole conversation rendered; no length limit here)."""
-    tokenize = _Tokenize(data, tokenizer, seq_len=sys.maxsize if teacher_forced else None)
+    training builds them (the whole conversation rendered; no length limit here).
+    ``prompt_room``: as ``make_prompt_iterator``'s."""
+    tokenize = _Tokenize(data, tokenizer, seq_len=sys.maxsize if teacher_forced else None,
+                         prompt_room=prompt_room)
     out = [tokenize(ex) for ex in sources.load_eval(data)]
     kept = [ex for ex in out if "_drop" not in ex]
     if len(kept) < len(out):

@@ -55,6 +55,7 @@ from meshrl.trainer.wandb_sink import wandb_sink
 from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
+from meshrl.workflows.setup import prompt_room
 from meshrl.workflows.version_eval import (
     ACCURACY,
     EvaluateTimeoutError,
@@ -85,7 +86,8 @@ def _evaluator(config: Config, workdir: epath.Path) -> VersionEvaluator:
     # The model of this config (not the run's saved one): weights that do not fit it are an
     # error naming the version, never a silent switch of architecture.
     target = load(config, create_mesh(config.mesh), "sample", abstract=True)
-    examples = eval_examples(config.data, target.tokenizer)
+    examples = eval_examples(config.data, target.tokenizer,
+                             prompt_room=prompt_room(config))
     if not examples:
         d = config.data
         raise ConfigError(f"data.eval_examples = {d.eval_examples}, data.eval_path = "

@@ -35,7 +35,7 @@ from meshrl.utils import log as log_lib
 from meshrl.utils import paths
 from meshrl.utils.aio import run_sync
 from meshrl.utils.params import process_local_copy
-from meshrl.workflows.setup import routing_shape
+from meshrl.workflows.setup import prompt_room, routing_shape
 
 log = log_lib.get_logger("rl")
 
@@ -70,10 +70,12 @@ def build(config: Config, workdir: paths.PathLike) -> RLLoop:
         check_sampler_expert(config.rl.sampler_expert, model_cfg.num_experts)
     # One prompt per ``next``: the runner then never buffers a prompt the iterator has
     # passed, so the iterator state saved at a checkpoint is exactly what was consumed.
+    room = prompt_room(config)
     prompts = make_prompt_iterator(config.data, tokenizer, batch_size=n, seed=t.seed,
-                                   process_index=jax.process_index(), process_count=n)
+                                   process_index=jax.process_index(), process_count=n,
+                                   prompt_room=room)
     # Read the held-out set now: a bad file fails before the warm start trains anything.
-    examples = eval_examples(config.data, tokenizer)
+    examples = eval_examples(config.data, tokenizer, prompt_room=room)
     engine = TrainEngine(config, workdir, mesh, trainee,
                          rl_spec(config, mesh, routing_shape(config, model_cfg)))
     try:  # no orphaned Orbax threads or open metric files when anything below fails

@@ -21,6 +21,7 @@ from meshrl.utils import paths
 from meshrl.utils.log import get_logger
 from meshrl.workflows.episode import reward_fields
 from meshrl.workflows.evaluate import check_versions
+from meshrl.workflows.setup import prompt_room
 
 log = get_logger("rl")
 
@@ -47,7 +48,8 @@ def sample_versions(config: Config, workdir: paths.PathLike,
     src = resolve_source(cfg, workdir)
     target = weights_source.skeleton(cfg, src, create_mesh(config.mesh), "sample")
     tokenizer = target.tokenizer
-    examples = eval_examples(config.data, tokenizer)[:num_prompts]
+    examples = eval_examples(config.data, tokenizer,
+                             prompt_room=prompt_room(config))[:num_prompts]
     if not examples:
         return []
     sampler = make_sampler(cfg, *weights_source.fill(cfg, workdir, src, target), workdir=workdir)

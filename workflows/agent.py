@@ -33,6 +33,7 @@ from meshrl.workflows.episode import (
     EpisodeSettings,
     RewardScorer,
     SamplerClient,
+    check_room,
     episode_seed,
     reward_fields,
 )
@@ -138,6 +139,7 @@ async def _episode(env: Any, engine: SamplerClient, item: dict, *, spec: AgentSp
     first = await env.reset(item)
     ctx = _Context(spec.renderer.prompt_ids(item, first), 0)
     ctx.prompt_len = len(ctx.ids)
+    check_room(ctx.prompt_len, settings.max_total_len)
     turns: list[dict[str, Any]] = []
     rewards: list[float] = []
     finish, last_text, limit, ended = "", "", settings.max_total_len, False

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from meshrl.inference.sampler import Completion, Request
 from meshrl.utils.aio import gather_or_cancel
+from meshrl.utils.errors import UserError
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 
@@ -22,6 +23,21 @@ log = get_logger("workflows")
 
 # Example keys that are inputs of the episode itself, not reward fields.
 _NOT_REWARD_FIELDS = frozenset({"prompt", "prompt_ids", "prompt_text"})
+
+
+class PromptTooLongError(UserError):
+    """An episode's first context leaves no room for a completion: every such episode would be
+    rejected, and a run of them never fills a batch."""
+
+
+def check_room(prompt_len: int, max_total_len: int | None) -> None:
+    """Refuse a first context (the prompt, and an agent environment's first observation) that
+    fills the episode's token budget."""
+    if max_total_len is not None and prompt_len >= max_total_len:
+        raise PromptTooLongError(
+            f"an episode's first context has {prompt_len} tokens: no room for a completion in "
+            f"min(trainer.seq_len, sampler.max_len) = {max_total_len} (an environment's first "
+            f"observation counts): raise both, or lower data.max_prompt_len")
 
 
 class SamplerClient(Protocol):
@@ -102,6 +118,7 @@ async def arun_episode(engine: SamplerClient, item: dict, *, reward_pool: Reward
         return await agent.arun(engine, item, reward_pool=reward_pool, decode=decode,
                                 settings=settings, group_id=group_id, sample_index=sample_index)
     prompt_ids = list(item["prompt_ids"])
+    check_room(len(prompt_ids), settings.max_total_len)
     completion_ids: list[int] = []
     logprobs: list[float] = []
     versions: list[int] = []

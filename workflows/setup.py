@@ -33,6 +33,12 @@ def episode_settings(config: Config, tokenizer: Tokenizer) -> EpisodeSettings:
                            seed=config.trainer.seed)
 
 
+def prompt_room(config: Config) -> int:
+    """The longest RL prompt that leaves its episode (``episode_settings``' max_total_len) room
+    for one completion token: longer ones are over-long prompts (``data.on_overlong``)."""
+    return min(config.trainer.seq_len, config.sampler.max_len) - 1
+
+
 def make_runner(config: Config, engine: SamplerClient, reward_pool: RewardScorer,
                 prompts: Iterator[Any], tokenizer: Tokenizer, *,
                 env: Environment | None = None, version: int = 0,

@@ -44,6 +44,10 @@ CROSS_SECTION_ERRORS = [
      "rollout.prompts_per_step * rollout.group_size = 32"),
     ("rl", {"rl.ppo_minibatches": 8, "trainer.microbatches": 8},
      "rl.ppo_minibatches = 8: rl.ppo_minibatches * trainer.microbatches = 64 must divide"),
+    ("rl", {"rollout.group_size": 1, "trainer.microbatches": 1},
+     "rollout.group_size = 1: every advantage is 0 under rl.advantage = 'grpo'"),
+    ("rl", {"rollout.group_size": 1, "trainer.microbatches": 1, "rl.advantage": "rloo"},
+     "rollout.group_size = 1: every advantage is 0 under rl.advantage = 'rloo'"),
     ("rl", {"sampler.temperature": 0.0},
      "sampler.temperature = 0.0: the RL job needs a temperature > 0"),
     ("rl", {"sampler.top_p": 0.9, "sampler.min_p": 0.1, "agent.env": "tools"},
@@ -147,6 +151,13 @@ def test_rules_of_one_job_do_not_apply_to_another():
 
     assert from_config_dict(greedy).sampler.top_k == 5
     assert Config(job=Job.SFT, mesh=MeshConfig(expert=2)).mesh.expert == 2  # extra batch
+
+
+def test_a_group_of_one_is_accepted_with_a_batch_normalised_advantage():
+    config = from_config_dict(_cfg("rl", {"rollout.group_size": 1, "trainer.microbatches": 1,
+                                          "rl.advantage": "reinforce_pp"}))
+
+    assert config.rollout.group_size == 1
 
 
 def test_rl_config_with_a_sampling_temperature_other_than_one_is_accepted():

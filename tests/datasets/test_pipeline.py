@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -156,6 +157,22 @@ def test_when_every_example_is_overlong_the_iterator_raises_instead_of_spinning(
     data = DataConfig(num_examples=6, max_prompt_len=2)
     with pytest.raises(DatasetError, match="every example is dropped"):
         next(make_sft_iterator(data, TOK, batch_size=2, seq_len=32, seed=0))
+
+
+def test_rl_prompts_that_fill_the_episode_are_overlong_prompts():
+    # "123+456=" is 9 ids with BOS: an episode of 9 tokens leaves it no completion.
+    data = DataConfig(num_examples=6, difficulty=3)
+    with pytest.raises(DatasetError, match="every example is dropped"):
+        next(make_prompt_iterator(data, TOK, batch_size=2, seed=0, prompt_room=8))
+    assert eval_examples(data, TOK, prompt_room=8) == []
+    assert len(eval_examples(data, TOK, prompt_room=9)) == data.eval_examples
+    (ex,) = next(make_prompt_iterator(data, TOK, batch_size=1, seed=0, prompt_room=9))
+    assert len(ex["prompt_ids"]) == 9
+    strict = dataclasses.replace(data, on_overlong="raise")
+    with pytest.raises(DatasetError, match=r"prompt has 9 tokens, leaving no room for a "
+                                           r"completion in min\(trainer.seq_len, "
+                                           r"sampler.max_len\) = 9"):
+        next(make_prompt_iterator(strict, TOK, batch_size=1, seed=0, prompt_room=8))
 
 
 def test_batch_size_not_divisible_by_process_count_is_rejected():

@@ -181,6 +181,7 @@ def test_the_rl_runner_reports_agent_and_tool_counts_bad_calls_included():
     cfg.trainer.seq_len = 256
     cfg.data.max_prompt_len = 16
     cfg.rollout.update(max_turns=2, group_size=1)
+    cfg.rl.advantage = "reinforce_pp"  # a group of one has no GRPO advantage
     cfg.agent.update(env="tools", turn_stop="\n")
     bad = '<tool_call>{"name":"nope","arguments":{}}</tool_call><tool_call>{oops</tool_call>\n'
     sampler = ScriptedSampler([tok.encode(bad), tok.encode("#### 6") + [tok.eos_id]])
