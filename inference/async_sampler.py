@@ -15,6 +15,7 @@ import threading
 from typing import Any
 
 from meshrl.inference.sampler import Completion, Request, Sampler
+from meshrl.utils.errors import one_line
 from meshrl.utils.log import get_logger
 
 log = get_logger("inference")
@@ -22,6 +23,11 @@ log = get_logger("inference")
 
 class SamplerShutdownError(RuntimeError):
     """The engine was shut down before the request finished."""
+
+
+class SamplerFailedError(SamplerShutdownError):
+    """The decode loop failed (a device out of memory, say): the engine is shut down, and this
+    request, every one in flight and every later one fail with the cause."""
 
 
 class AsyncSampler:
@@ -33,6 +39,7 @@ class AsyncSampler:
         self._futures: dict[Any, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._ids = itertools.count()
         self._paused = self._stepping = self._shutdown = self._released = False
+        self._failure: SamplerFailedError | None = None  # why the decode loop stopped
         self._thread = threading.Thread(target=self._run, name="meshrl-sampler", daemon=True)
         self._thread.start()
 
@@ -47,6 +54,8 @@ class AsyncSampler:
         fut: asyncio.Future = loop.create_future()
         request = dataclasses.replace(request, id=("async", next(self._ids), request.id))
         with self._cv:
+            if self._failure is not None:
+                raise SamplerFailedError(str(self._failure)) from self._failure.__cause__
             if self._shutdown:
                 raise SamplerShutdownError("the engine is shut down")
             self._futures[request.id] = (loop, fut)
@@ -149,13 +158,17 @@ class AsyncSampler:
                 done = self.sampler.step()
             except Exception as e:  # surface to every waiter instead of dying silently
                 log.exception("sampler step failed")
+                failure = SamplerFailedError(f"the sampler's decode loop failed: "
+                                             f"{type(e).__name__}: {one_line(e)}")
+                failure.__cause__ = e
                 with self._cv:
                     waiters, self._futures = self._futures, {}
                     self._shutdown = True
+                    self._failure = failure
                     self._stepping = False
                     self._cv.notify_all()
                 for loop, fut in waiters.values():
-                    loop.call_soon_threadsafe(_fail, fut, e)
+                    loop.call_soon_threadsafe(_fail, fut, failure)
                 return
             with self._cv:
                 self._stepping = False

@@ -25,6 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
+from meshrl.inference.async_sampler import SamplerShutdownError
 from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
@@ -34,6 +35,10 @@ from meshrl.workflows.staleness import StalenessController
 from meshrl.workflows.watch import RolloutWatch, waiting_line
 
 log = get_logger("workflows")
+
+# Errors every later group would meet too: the run stops at the first (a user's mistake, or a
+# sampler whose decode loop is gone; the sampler logged its own traceback).
+FATAL = (UserError, SamplerShutdownError)
 
 Group = list[Trajectory]
 GroupFn = Callable[[dict, int], Awaitable[Group | None]]  # (item, group_id) -> group or None
@@ -202,7 +207,7 @@ class RolloutRunner:
             self.controller.on_reject()
             raise
         except Exception as e:  # noqa: BLE001  (one bad episode must not stop the pipeline)
-            if isinstance(e, UserError):  # stops the run: its one line says all
+            if isinstance(e, FATAL):  # stops the run: its one line says all
                 log.error("rollout group %d failed: %s", group_id, one_line(e))
             else:
                 log.exception("rollout group %d failed; counted in errored_groups", group_id)
@@ -229,7 +234,7 @@ class RolloutRunner:
         """End the stream (``get_batch`` raises) when ``error`` will fail every group."""
         if self._error is not None:
             return
-        if isinstance(error, UserError):
+        if isinstance(error, FATAL):
             self._error = error
         elif self._failed_in_row >= self.max_failed_groups:
             self._error = RolloutFailedError(
@@ -313,7 +318,7 @@ class RolloutRunner:
                     self._wake.set()
                     continue
                 self._queue.put_nowait(entry)  # keep the end marker for later calls
-                if isinstance(self._error, UserError):
+                if isinstance(self._error, FATAL):
                     raise self._error
                 if self._error is not None:
                     raise RuntimeError("the rollout filler failed") from self._error

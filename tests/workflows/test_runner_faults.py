@@ -75,3 +75,44 @@ def test_broken_reward_pool_stops_the_runner_at_once_with_the_pools_error():
     finally:
         pool.close()
 
+
+
+class _DyingSampler:
+    """A sampler whose decode step fails, as on a device out of memory."""
+
+    version = 0
+
+    def __init__(self) -> None:
+        self.queue: list = []
+
+    def validate(self, request) -> None:
+        pass
+
+    def submit(self, request) -> None:
+        self.queue.append(request)
+
+    def withdraw(self, request_id) -> bool:
+        return False
+
+    def has_work(self) -> bool:
+        return bool(self.queue)
+
+    def step(self):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory allocating 12.5GiB")
+
+
+def test_a_failed_sampler_stops_the_runner_at_once_naming_its_cause(caplog):
+    from meshrl.inference import AsyncSampler, SamplerFailedError
+
+    engine = AsyncSampler(_DyingSampler())
+    try:
+        group_fn = group_episode_fn(engine, group_size=2, filter_equal=False,
+                                    reward_pool=FakeRewards(), decode=decode)
+        # The bound is out of reach: only the sampler's own failure can stop the runner.
+        with pytest.raises(SamplerFailedError, match="decode loop failed: RuntimeError: "
+                                                     "RESOURCE_EXHAUSTED"):
+            asyncio.run(_first_batch(group_fn, max_failed_groups=10_000))
+    finally:
+        engine.shutdown()
+    # One traceback (the sampler's), not one per failed group.
+    assert sum(r.exc_info is not None for r in caplog.records) == 1
