@@ -191,6 +191,15 @@ def check_pair_rows(trainer: Any) -> None:
                           f"(strided microbatches would split the (chosen, rejected) row pairs)")
 
 
+def check_preference_source(dpo_path: str, data_source: str) -> None:
+    """Without a preference file (``dpo.path``) the DPO job trains on the synthetic preference
+    task, which only the arithmetic task has (``datasets/preference.py``)."""
+    if not dpo_path and data_source != "arithmetic":
+        raise ConfigError(f"data.source = {data_source!r}: the synthetic preference task needs "
+                          f"'arithmetic' (dpo.path is empty): set data.source = 'arithmetic', "
+                          f"or dpo.path to a preference JSONL file")
+
+
 def validate_config(config: ConfigSections) -> None:
     """Raise ``ConfigError`` on the first cross-section rule ``config`` breaks."""
     _unused_mesh_axes(config)
@@ -202,6 +211,7 @@ def validate_config(config: ConfigSections) -> None:
         job = config.compile.job
     if job == "dpo":
         check_pair_rows(config.trainer)
+        check_preference_source(config.dpo.path, config.data.source)
     _microbatches(config, job)
     if job == "rl":
         _rl(config)

@@ -59,6 +59,26 @@ def _data_problems(source: str, paths: dict[str, str]) -> list[str]:
     return out
 
 
+def preference_file_problem(name: str, path: str) -> str | None:
+    """What is wrong with ``path`` (the config field ``name``) as the preference JSONL file the
+    DPO job reads (``datasets/preference.py``), or None."""
+    if os.path.isfile(path):
+        return None
+    what = "a directory, not a file" if os.path.isdir(path) else "no such file"
+    return (f"{name} = {path!r}: {what}: give a local preference JSONL file (rows: messages, "
+            f"chosen, rejected)")
+
+
+def _preference_files(config: Config) -> list[tuple[str, str]]:
+    """(field, path) of the preference files the DPO job reads: set ones only (an empty
+    dpo.path means the synthetic task; an empty dpo.eval_path no held-out pairs)."""
+    if config.job != Job.DPO:
+        return []
+    dpo = config.dpo
+    return [(name, path) for name, path in (("dpo.path", dpo.path),
+                                            ("dpo.eval_path", dpo.eval_path)) if path]
+
+
 def _teacher_problems(config: Config) -> list[str]:
     # What the directory holds (config.json or a verified checkpoint) is checked where the RL
     # job loads the teacher (jobs/distill.py), before its warm start trains.
@@ -74,21 +94,25 @@ def check_input_paths(config: Config) -> None:
     ``model.hf_path`` (a directory with config.json and *.safetensors), ``model.tokenizer``
     unless ``'char'`` (a directory with tokenizer.json) and, for file sources of a job that
     reads data (``reads_data``), ``data.path`` and ``data.eval_path`` when held-out examples
-    are read (files). The generate job's weights
+    are read (files); for the DPO job ``dpo.path`` and ``dpo.eval_path`` instead (preference
+    JSONL files, ``preference_file_problem``). The generate job's weights
     read from the workdir are checked where that job resolves them."""
     data = config.data
     files = {"data.path": data.path, "data.eval_path": data.eval_path if data.eval_examples else ""}
     problems = [*_model_problems(config.model.hf_path),
                 *_tokenizer_problems(config.model.tokenizer),
                 *(_data_problems(data.source, files) if reads_data(config) else []),
+                *filter(None, (preference_file_problem(name, path)
+                               for name, path in _preference_files(config))),
                 *_teacher_problems(config)]
     if problems:
         raise ConfigError("; ".join(problems))
 
 
 def reads_data(config: Config) -> bool:
-    """Whether the job reads ``data.*`` files: export and compile read none."""
-    return config.job not in (Job.EXPORT, Job.COMPILE)
+    """Whether the job reads ``data.*`` files: export and compile read none, DPO its
+    ``dpo.*`` files."""
+    return config.job not in (Job.EXPORT, Job.COMPILE, Job.DPO)
 
 
 def input_paths(config: Config) -> list[tuple[str, str]]:
@@ -101,6 +125,7 @@ def input_paths(config: Config) -> list[tuple[str, str]]:
     if data.source in _FILE_SOURCES and reads_data(config):
         out += [("data.path", data.path), ("data.eval_path", data.eval_path
                                            if data.eval_examples else "")]
+    out += _preference_files(config)
     return [(name, path) for name, path in out if path]
 
 

@@ -14,13 +14,14 @@ the pair indices); the state is the count of pairs consumed, equal on every proc
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import grain
 import numpy as np
 
+from meshrl.configs.cross_section import check_preference_source
 from meshrl.configs.dpo_schema import DPOConfig
+from meshrl.configs.paths import preference_file_problem
 from meshrl.configs.schema import DataConfig
 from meshrl.datasets import synthetic
 from meshrl.datasets.render import encode_prompt, prompt_text, response_ids
@@ -68,9 +69,9 @@ def row_to_pair(row: Any, origin: str) -> dict:
 
 def read_pairs(path: str, field: str = "dpo.path") -> list[dict]:
     """The pairs of the JSONL file ``path`` (the config field ``field``), every row checked."""
-    if not os.path.isfile(path):
-        raise DatasetError(f"{field} = {path!r}: no such file: give a local preference JSONL "
-                           f"file (rows: messages, chosen, rejected)")
+    problem = preference_file_problem(field, path)  # the dry run's check of dpo.* paths too
+    if problem:
+        raise DatasetError(problem)
     pairs = [row_to_pair(row, f"{path}:{lineno}") for lineno, row in jsonl_rows(path)
              if row is not None]
     if not pairs:
@@ -82,9 +83,7 @@ def synthetic_pairs(data: DataConfig, stream: int, count: int, start: int = 0) -
     """``count`` pairs of the arithmetic task from index ``start``: chosen the correct answer,
     rejected a different number with as many digits (drawn from the example's own seed, so
     reproducible)."""
-    if data.source != "arithmetic":
-        raise DatasetError(f"data.source = {data.source!r}: the synthetic preference task "
-                           f"needs 'arithmetic' (or set dpo.path to a preference JSONL file)")
+    check_preference_source("", data.source)  # a Config has passed it; a bare DataConfig not
     pairs = []
     for i in range(start, start + count):
         ex = synthetic.arithmetic_example(data.shuffle_seed, stream, i, data.difficulty,

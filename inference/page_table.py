@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import ModelConfig, SamplerConfig
 from meshrl.inference import paged_programs
 from meshrl.inference.pages import PageAllocator
@@ -44,10 +45,10 @@ def pool_shards(cfg: SamplerConfig, num_pages: int, mesh: Mesh, rules: Rules,
     shards = math.prod(mesh.shape[a] for a in axes)
     per_seq = cfg.max_len // cfg.page_size
     if num_pages % shards or num_pages // shards < per_seq:  # a slot takes its shard's pages
-        raise ValueError(f"sampler.num_pages={num_pages}: the pool splits over the mesh axes "
-                         f"{axes} like sampler.slots={cfg.slots}, into {shards} shards, each "
-                         f"holding one max_len sequence ({per_seq} pages): use a multiple of "
-                         f"{shards} that is >= {shards * per_seq}, or 0")
+        raise ConfigError(f"sampler.num_pages = {num_pages}: the pool splits over the mesh "
+                          f"axes {axes} like sampler.slots = {cfg.slots}, into {shards} shards, "
+                          f"each holding one max_len sequence ({per_seq} pages): use a multiple "
+                          f"of {shards} that is >= {shards * per_seq}, or 0")
     return shards, axes
 
 
@@ -88,10 +89,11 @@ class SlotPages:
 
     def build_jits(self, graphdef: nnx.GraphDef, max_len: int, st_sh: NamedSharding,
                    pass_tokens: int) -> None:
-        """The shared-prefix programs (``paged_programs``) with the sampler's shardings; a
-        re-prefill tail's forward runs in passes of at most ``pass_tokens`` tokens."""
+        """The shared-prefix programs (``paged_programs``) with the sampler's shardings; the
+        prompt run after cached pages and a re-prefill tail's forward run in passes of at most
+        ``pass_tokens`` tokens (a row at least)."""
         out_sh = (self.sharding, st_sh)
-        self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len),
+        self.extend = jax.jit(paged_programs.make_extend(graphdef, max_len, pass_tokens),
                               donate_argnums=(1, 2), out_shardings=(*out_sh, st_sh))
         self.tail = jax.jit(paged_programs.make_tail(graphdef, pass_tokens), donate_argnums=(1,),
                             out_shardings=self.sharding)

@@ -59,7 +59,18 @@ def copy_pages(cache: PagedKVCache, src_N: jax.Array, dst_N: jax.Array) -> Paged
     return cache.replace(k=layers(cache.k), v=layers(cache.v))
 
 
-def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
+def extend_rows(n: int, length: int, max_tokens: int) -> int:
+    """Rows per pass of an extend call of ``n`` rows of ``length`` tokens: n / 8 (at least 1;
+    a row's cost is its attention over its prompt's pages more than its few tokens), and for
+    rows of several tokens (a prompt run after cached pages) no more than ``max_tokens``
+    tokens a pass (at least one row), as a prefill pass (``programs.pass_rows``)."""
+    rows = max(1, n // 8)
+    if length == 1:  # group members: one token each
+        return pass_rows(n, 1, rows)
+    return pass_rows(n, length, min(rows * length, max(max_tokens, length)))
+
+
+def make_extend(graphdef: nnx.GraphDef, max_len: int, max_tokens: int) -> Callable:
     """extend(params, cache, st, src_N, dst_N, tokens_NxL, pos_NxL, lens_N, slots_N, settings,
     n_rows).
 
@@ -69,8 +80,8 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
     token), then one forward of the rest of each prompt (``tokens_NxL`` at ``pos_NxL``, -1:
     padding) writes its entries over those pages and gives the logits after the prompt's
     ``lens_N`` tokens, which its first token is sampled from, under its own settings. The
-    forward runs in passes of N / 8 rows (at least 1; a row's cost is its attention over its
-    prompt's pages more than its few tokens) over the first ``n_rows`` (traced) rows only
+    forward runs in passes of ``extend_rows`` rows (N / 8, of at most ``max_tokens`` tokens
+    where a row holds several) over the first ``n_rows`` (traced) rows only
     (``programs.in_passes``)."""
 
     def extend(params: nnx.State, cache: PagedKVCache, st: SlotState, src_N: jax.Array,
@@ -94,7 +105,7 @@ def make_extend(graphdef: nnx.GraphDef, max_len: int) -> Callable:
         (cache, st), out = in_passes(
             one_pass, (copy_pages(cache, src_N, dst_N), st),
             (tokens_NxL, pos_NxL, lens_N, slots_N, settings), n_rows,
-            pass_rows(tokens_NxL.shape[0], 1, max(1, tokens_NxL.shape[0] // 8)))
+            extend_rows(*tokens_NxL.shape, max_tokens))
         return cache, st, out
 
     return extend

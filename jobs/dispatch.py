@@ -5,10 +5,11 @@ the module is imported only when that job runs. ``dry_run(config)`` runs every c
 before it compiles or writes anything (the config is already valid: ``Config`` runs the
 cross-section rules; here: ``preflight`` -- input paths, the effective model and tokenizer, chat
 data without a chat model -- then distributed start-up, the meshes with their device count, the
-split placement included) and returns the text a user checks, the model section as the run
-will build it. ``run`` makes the same checks (``preflight``), then checks the workdir and takes its lock (``utils/workdir.py``; one run per workdir
-and writing job: SFT and RL share a lock, generate and evaluate have their own, export takes none),
-then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
+split placement included, and the paged sampler's page pool over its mesh) and returns the text
+a user checks, the model section as the run will build it. ``run`` makes the same checks
+(``preflight``), then checks the workdir and takes its lock (``utils/workdir.py``; one run per
+workdir and writing job: SFT and RL share a lock, generate and evaluate have their own, export
+takes none), then calls the job. Design: docs/architecture.md, "Device placement and dispatch".
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import logging
 import os
 
 import jax
+from jax.sharding import Mesh
 
 from meshrl.configs.loader import render
 from meshrl.configs.paths import check_chat_model, check_input_paths, input_paths
@@ -113,8 +115,8 @@ def preflight(config: Config) -> EffectiveModel:
 
 def dry_run(config: Config) -> str:
     """Check what a run checks before its first compile (``preflight``, distributed start-up, the
-    trainer and sampler meshes on the devices); return the config with the effective model, the
-    inputs read, the meshes and rules. Raises the run's ``UserError`` (``ConfigError``,
+    trainer and sampler meshes on the devices, the page pool over the sampler's); return the
+    config with the effective model, the inputs read, the meshes and rules. Raises the run's ``UserError`` (``ConfigError``,
     ``MeshShapeError``) on the first problem."""
     effective = preflight(config)
     initialize_distributed(config.distributed)
@@ -131,6 +133,7 @@ def dry_run(config: Config) -> str:
     else:
         mesh, sampler_mesh = create_mesh(config.mesh), None
     log.set_process_index(jax.process_index())
+    check_page_pool(config, mesh, sampler_mesh)
     lines = [
         "# resolved config (model.*: the effective model the run builds)",
         render(config, replace={"model": effective.config}, notes=model_notes(effective)),
@@ -150,6 +153,28 @@ def dry_run(config: Config) -> str:
         describe_rules(rules_for("sample")),
     ]
     return "\n".join(lines)
+
+
+# The jobs that build a ``Sampler``, on the mesh each builds it on.
+_SAMPLING_JOBS = (Job.GENERATE, Job.RL, Job.EVALUATE)
+
+
+def check_page_pool(config: Config, mesh: Mesh, sampler_mesh: Mesh | None) -> None:
+    """``sampler.num_pages`` split over the sampler mesh's slot shards as the sampler splits it
+    (``page_table.pool_shards``), so a count it refuses fails the dry run, not the run after
+    its weights load. The sampler's mesh: ``sampler_mesh`` (the RL job's own), else ``mesh``,
+    or with several processes this process's devices (``process_sampler_mesh``, as the
+    generate and RL jobs build it; the evaluate job samples on ``mesh``)."""
+    s = config.sampler
+    if config.job not in _SAMPLING_JOBS or s.kv_cache != "paged" or not s.num_pages:
+        return  # the default pool holds every slot's max_len: it splits as the slots do
+    from meshrl.inference.page_table import pool_shards
+    from meshrl.mesh.placement import process_sampler_mesh
+
+    if sampler_mesh is None:
+        several = jax.process_count() > 1 and config.job != Job.EVALUATE
+        sampler_mesh = process_sampler_mesh(mesh) if several else mesh
+    pool_shards(s, s.num_pages, sampler_mesh, rules_for("sample"))
 
 
 def model_notes(effective: EffectiveModel) -> dict[str, str]:

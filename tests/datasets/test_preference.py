@@ -144,7 +144,7 @@ def test_synthetic_held_out_pairs_share_no_prompt_with_training_and_repeat_none(
 
 
 def test_synthetic_task_needs_arithmetic():
-    with pytest.raises(DatasetError, match=r"data.source = 'countdown': the synthetic "
+    with pytest.raises(ConfigError, match=r"data.source = 'countdown': the synthetic "
                                            r"preference task needs 'arithmetic'"):
         load_pairs(DPOConfig(), DataConfig(source="countdown"), held_out=False)
 

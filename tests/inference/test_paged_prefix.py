@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from meshrl.configs.fields import ConfigError
 from meshrl.configs.schema import MeshConfig
+from meshrl.inference import paged_programs
+from meshrl.inference.programs import in_passes
 from meshrl.inference.sampler import Request
 from meshrl.models import create_model, split_model
 from meshrl.tests.inference.tiny import TINY, make_sampler
@@ -147,6 +150,30 @@ def test_prefix_cache_serves_repeated_and_extended_prompts_without_prefilling_th
     assert sampler.pages.pages_in_use == 4  # held by the cache alone
 
 
+def test_cached_start_runs_passes_of_at_most_prefill_tokens_and_samples_like_dense(
+        tiny_params, monkeypatch):
+    _, params = tiny_params
+    passes = []  # (rows a pass, tokens a row) of each extend call traced
+
+    def record(fn, carry, xs, n_rows, rows):
+        if len(xs) == 5:  # extend's rows (tokens, positions, lens, slots, settings)
+            passes.append((rows, xs[0].shape[1]))
+        return in_passes(fn, carry, xs, n_rows, rows)
+
+    monkeypatch.setattr(paged_programs, "in_passes", record)
+    kw = {**KW, "slots": 16, "max_len": 64, "prompt_buckets": (16, 48), "prefill_tokens": 16}
+    dense = make_sampler(params, **kw)
+    sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=8, **kw)
+    sampler.generate(_solo(PROMPT, 1))  # caches PROMPT's 3 full pages
+
+    # 12 cached positions, 32 more run through extend in a row of the 48-token bucket.
+    longer = PROMPT + [(3 * i) % 90 + 1 for i in range(31)]
+    _assert_same(sampler.generate(_solo(longer, 2)), dense.generate(_solo(longer, 2)))
+
+    assert sampler.pages.prefix_cache.hits == 3 and sampler.pass_tokens == 16
+    assert passes and all(rows * length <= max(16, length) for rows, length in passes), passes
+
+
 def test_prefix_cache_is_cleared_by_new_weights_and_keeps_its_size(tiny_params):
     _, params = tiny_params
     sampler = make_sampler(params, kv_cache="paged", prefix_cache_pages=3, **KW)
@@ -222,12 +249,13 @@ def test_pool_sharded_over_data_groups_per_shard_and_samples_like_dense(tiny_par
 
 def test_page_count_that_does_not_split_like_the_slots_is_refused(tiny_params):
     _, params = tiny_params
-    with pytest.raises(ValueError, match="sampler.num_pages=33: the pool splits over the mesh"):
+    # A config error (one line), not a crash.
+    with pytest.raises(ConfigError, match="sampler.num_pages = 33: the pool splits over the mesh"):
         make_sampler(params, **SHARDED, num_pages=33, **KW)
     # 16 pages hold one max_len sequence, but 8 a shard do not.
-    with pytest.raises(ValueError, match="num_pages=16: .* into 2 shards, each holding one max"):
+    with pytest.raises(ConfigError, match="num_pages = 16: .* into 2 shards, each holding one max"):
         make_sampler(params, **SHARDED, num_pages=16, **KW)
-    with pytest.raises(ValueError, match="num_pages=16: .* into 2 shards"):
+    with pytest.raises(ConfigError, match="num_pages = 16: .* into 2 shards"):
         make_sampler(params, **{**SHARDED, "paged_decode": "window"}, num_pages=16, **KW)
 
 

@@ -19,6 +19,7 @@ from meshrl.configs import dpo as dpo_config
 from meshrl.configs.fields import ConfigError
 from meshrl.configs.loader import from_config_dict
 from meshrl.datasets import DatasetError
+from meshrl.jobs import dispatch
 from meshrl.jobs import dpo as job
 from meshrl.mesh import create_mesh
 from meshrl.tests.xla import cpu_env
@@ -145,6 +146,34 @@ def test_missing_preference_file_fails_before_training_naming_the_field(tmp_path
     with pytest.raises(DatasetError, match=r"dpo.path = '.*nope.jsonl': no such file"):
         job.run(config, str(tmp_path / "w"))
     assert not (tmp_path / "w" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("field", ["dpo.path", "dpo.eval_path"])
+def test_missing_preference_file_fails_the_dry_run_naming_the_field(tmp_path, field):
+    good = tmp_path / "pairs.jsonl"
+    good.write_text("{}\n")
+    config = _config(**{"dpo.path": str(good), field: str(tmp_path / "nope.jsonl")})
+
+    with pytest.raises(ConfigError, match=rf"^{field} = '.*nope.jsonl': no such file"):
+        dispatch.dry_run(config)
+
+
+def test_dry_run_lists_the_preference_files_as_its_inputs(tmp_path):
+    paths = {name: tmp_path / f"{name}.jsonl" for name in ("dpo.path", "dpo.eval_path")}
+    for path in paths.values():
+        path.write_text("{}\n")
+
+    out = dispatch.dry_run(_config(**{k: str(v) for k, v in paths.items()}))
+
+    inputs = out.split("# inputs (checked)\n")[1].split("\n# ")[0]
+    assert inputs.splitlines() == [f"  {k}: {v}" for k, v in paths.items()]
+
+
+def test_synthetic_preference_task_of_another_source_is_refused_by_the_config():
+    with pytest.raises(ConfigError, match=r"^data.source = 'countdown': the synthetic "
+                                          r"preference task needs 'arithmetic'"):
+        _config(**{"data.source": "countdown"})  # so the dry run refuses it too
+    assert _config(**{"data.source": "countdown", "dpo.path": "pairs.jsonl"}).dpo.path
 
 
 def test_data_shuffle_seed_reorders_the_pairs_of_a_file(tmp_path):
