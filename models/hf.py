@@ -82,6 +82,10 @@ def _tensor_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
         return dict.fromkeys(f.keys(), single)
 
 
+# safetensors' names of the dtypes a checkpoint's weights may be stored in.
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
 def open_safetensors(file: pathlib.Path) -> Any:
     """``safe_open`` of ``file``; a file cut short or not safetensors at all (an interrupted
     copy) is one ``CheckpointError`` naming it, not the library's traceback."""
@@ -125,6 +129,12 @@ def load_hf_checkpoint(path: str | pathlib.Path, *, mesh: Mesh | None = None,
                                   f"the checkpoint: its weights do not match its config.json")
         if files[name] not in handles:
             handles[files[name]] = open_safetensors(files[name]).__enter__()
+        stored = handles[files[name]].get_slice(name).get_dtype()
+        if stored not in FLOAT_DTYPES:
+            # Integer or float8 codes are a quantized model's, not weights: never cast them.
+            raise CheckpointError(f"{files[name]}: tensor {name!r} is stored as {stored}: "
+                                  f"only {'/'.join(FLOAT_DTYPES)} weights load (a quantized "
+                                  f"checkpoint?): use the model's bf16/fp16/fp32 release")
         try:
             return handles[files[name]].get_tensor(name)
         except SafetensorError as e:  # a header that reads, data cut short

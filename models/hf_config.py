@@ -60,10 +60,22 @@ def model_config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     if archs != [_ARCHS[model_type]]:
         raise ConfigError(f"HF config architectures = {archs}: unsupported; for model_type "
                           f"{model_type!r} only {[_ARCHS[model_type]]} is supported")
+    for key in ("quantization_config", "compression_config"):
+        if hf.get(key):
+            method = (hf[key].get("quant_method") if isinstance(hf[key], dict) else None)
+            raise ConfigError(f"HF config {key} (quant_method = {method!r}): quantized "
+                              f"checkpoints are unsupported: use the model's bf16/fp16/fp32 "
+                              f"release (lora.base_dtype quantizes a base for QLoRA)")
     moe = _moe_fields(hf, model_type)
-    if hf.get("use_sliding_window") or (model_type == "mixtral" and hf.get("sliding_window")):
-        raise ConfigError("HF config use_sliding_window = True: sliding-window attention is "
-                          "unsupported")
+    # Qwen's switch is use_sliding_window (sliding_window is set either way); Mixtral's is a
+    # non-null sliding_window.
+    window_key = "sliding_window" if model_type == "mixtral" else "use_sliding_window"
+    if hf.get(window_key):
+        raise ConfigError(f"HF config {window_key} = {hf[window_key]!r}: sliding-window "
+                          f"attention is unsupported")
+    if hf.get("attention_dropout"):
+        raise ConfigError(f"HF config attention_dropout = {hf['attention_dropout']}: "
+                          f"unsupported (only 0: training applies no attention dropout)")
     bad_layers = sorted({t for t in hf.get("layer_types") or () if t != "full_attention"})
     if bad_layers:
         raise ConfigError(f"HF config layer_types contains {bad_layers}: only full_attention is "

@@ -124,12 +124,27 @@ def test_rope_scaling_added_beside_rope_parameters_is_applied_as_transformers_do
     ({"num_local_experts": 8}, "num_local_experts"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"attention_bias": True}, "attention_bias"),
+    ({"attention_dropout": 0.1}, "attention_dropout = 0.1"),
+    ({"quantization_config": {"quant_method": "bitsandbytes", "load_in_8bit": True}},
+     "quantization_config [(]quant_method = 'bitsandbytes'[)]"),
+    ({"compression_config": {"quant_method": "compressed-tensors"}}, "compression_config"),
 ])
 def test_unsupported_hf_config_fails_naming_the_field(change, named):
     hf = {**hf_config_from_model(ModelConfig(arch="llama")), **change}
 
     with pytest.raises(ConfigError, match=named.replace("(", r"\(")):
         model_config_from_hf(hf)
+
+
+def test_a_mixtral_sliding_window_is_refused_naming_its_own_key():
+    hf = {**hf_config_from_model(ModelConfig(arch="mixtral", num_experts=4,
+                                             num_experts_per_tok=2, router="topk_softmax",
+                                             norm_topk_prob=True)),
+          "sliding_window": 4096}
+
+    with pytest.raises(ConfigError, match="HF config sliding_window = 4096: sliding-window"):
+        model_config_from_hf(hf)
+    assert model_config_from_hf({**hf, "sliding_window": None}).num_experts == 4
 
 
 def test_missing_tensor_fails_naming_it(hf_checkpoint):

@@ -98,3 +98,21 @@ def test_a_safetensors_file_cut_short_is_one_checkpoint_error_naming_it(exported
     with pytest.raises(CheckpointError, match=r"model.safetensors.*(not a readable safetensors "
                                               r"file|unreadable).*copy"):
         load_hf_checkpoint(path)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8])
+def test_weights_stored_as_integer_codes_are_refused_not_cast(exported, tmp_path, dtype):
+    # A quantized checkpoint whose config.json does not say so: its codes are not weights.
+    from safetensors.numpy import load_file, save_file
+
+    src, _ = exported
+    path = tmp_path / "model"
+    shutil.copytree(src, path)
+    tensors = load_file(path / "model.safetensors")
+    name = next(n for n in sorted(tensors) if n.endswith("q_proj.weight"))
+    tensors[name] = np.clip(np.round(tensors[name] * 100), 0, 127).astype(dtype)
+    save_file(tensors, path / "model.safetensors")
+
+    with pytest.raises(CheckpointError, match=rf"tensor '{name}' is stored as U?I?8: only "
+                                              r"BF16/F16/F32/F64 weights load"):
+        load_hf_checkpoint(path)
