@@ -22,7 +22,6 @@ from meshrl.trainer.engine import Trainee, TrainEngine
 from meshrl.trainer.reference import ReferencePolicy
 from meshrl.trainer.sft_loop import run_sft
 from meshrl.trainer.spec import rl_batch_size, sft_spec
-from meshrl.trainer.stop import stop_hook
 from meshrl.utils import log as log_lib
 
 log = log_lib.get_logger("rl")
@@ -72,7 +71,7 @@ def run_warm_start(config: Config, workdir: epath.Path, mesh: Any, trainee: Trai
     engine = TrainEngine(sft, workdir / subdir, mesh, trainee, sft_spec(sft, mesh))
     try:
         engine.start(data=data)
-        run_sft(engine, hooks=[stop_hook])
+        run_sft(engine)  # a stop request is honoured at its steps
         return engine.params
     finally:
         engine.close()

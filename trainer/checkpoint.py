@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from typing import Any
 
@@ -36,7 +37,7 @@ from etils import epath
 
 from meshrl.configs.schema import CheckpointConfig
 from meshrl.utils import multihost, paths
-from meshrl.utils.errors import UserError
+from meshrl.utils.errors import UserError, one_line
 from meshrl.utils.log import get_logger
 
 MANIFEST = "meshrl_manifest.json"
@@ -48,6 +49,14 @@ _log = get_logger("trainer.checkpoint")
 
 class CheckpointMismatchError(UserError, RuntimeError):
     """An intact checkpoint whose tree/shapes do not match the state being restored."""
+
+
+class CheckpointWriteError(UserError, RuntimeError):
+    """A checkpoint that cannot be written (a read-only or full disk). Orbax's threads of the
+    failed save never finish, so the process must end without waiting for them
+    (``hard_exit``)."""
+
+    hard_exit = True
 
 
 class UnverifiedCheckpointsError(UserError, RuntimeError):
@@ -130,9 +139,33 @@ class Checkpointer:
         # save or restore of this process.
         handlers = {"state": ocp.StandardCheckpointHandler(),
                     **{k: ocp.JsonCheckpointHandler() for k in ("data", "config", "counters")}}
+        self._check_writable()
         self._mngr = ocp.CheckpointManager(self.directory, options=options,
                                            item_handlers=handlers)
         self._empty_deleted()
+
+    def _check_writable(self) -> None:
+        """Fail now, in one line, where a save would fail later in Orbax's threads (a directory
+        copied read-only from an archive, say)."""
+        probe = self.directory / f".meshrl-write-probe.{jax.process_index()}.{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise CheckpointWriteError(f"checkpoint directory {self.directory}: cannot write "
+                                       f"there ({e.strerror or e}): make it writable, or pass "
+                                       f"another --workdir") from None
+
+    def _await_saves(self) -> None:
+        """Wait for the save in flight; its failure is one ``CheckpointWriteError``."""
+        try:
+            self._mngr.wait_until_finished()
+        except (OSError, ValueError) as e:  # ValueError: tensorstore's RESOURCE_EXHAUSTED
+            raise CheckpointWriteError(
+                f"checkpoint step {self._saving} under {self.directory} could not be written "
+                f"({type(e).__name__}: {one_line(e)}): free space or fix permissions there; "
+                f"the earlier steps are intact") from e
 
     def _empty_deleted(self) -> None:
         """Finish removing steps past ``keep`` (a kill may have interrupted it)."""
@@ -160,7 +193,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict[str, Any],
              config_dict: dict[str, Any], counters: dict[str, Any]) -> None:
         """Start saving ``step`` (returns before the write finishes when async)."""
-        self._mngr.wait_until_finished()  # one save in flight: the callback knows its step
+        self._await_saves()  # one save in flight: the callback knows its step
         self._empty_deleted()
         self._prune_quarantined()
         self._saving = step
@@ -173,7 +206,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every started save is durable (and manifested)."""
-        self._mngr.wait_until_finished()
+        self._await_saves()
         self._empty_deleted()
         self._prune_quarantined()
 

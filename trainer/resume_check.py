@@ -37,6 +37,11 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], step: int) -> N
     """Refuse or report the differences between ``saved`` (the snapshot of the checkpoint at
     ``step``) and ``current`` (``Config.to_dict()`` of this run)."""
     now = json.loads(json.dumps(current))  # as the snapshot was stored: tuples become lists
+    was_job = saved.get("job")
+    if was_job is not None and was_job != now.get("job"):
+        # Another job's state, data position and counters: nothing of it fits this job.
+        raise ResumeConfigError(f"job = {now.get('job')!r}: the workdir's checkpoints were "
+                                f"written by the {was_job!r} job; pass another --workdir")
     steps = now["trainer"]["steps"]
     if steps < step:
         raise ResumeConfigError(f"trainer.steps = {steps}: the workdir's checkpoint is at step "

@@ -30,7 +30,8 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
             ) -> list[dict[str, float]]:
     """Steps ``start_step + 1 .. trainer.steps`` over ``engine.data``, a checkpoint every
     ``checkpoint.every_steps`` and always at the last step, ``hook(step, engine)`` after each
-    step (its time is not the step's); returns the engine's history. Needs
+    step and before its checkpoint (its time is not the step's), then a requested stop
+    (``trainer.stop.stop_hook``); returns the engine's history. Needs
     ``engine.start(data=...)``. ``prepare(batch) -> (batch, metrics)`` runs on the device
     batch before each step (``engine.dispatch``), e.g. to add a frozen reference's logprobs:
     the data then fills only the fields ``prepare`` does not."""
@@ -61,11 +62,15 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
             # for the step's params first) is not.
             log(engine.read())
         with Stopwatch() as host:
-            if save:
-                engine.save(step)
             try:
+                # The hooks (the evaluation) first: a checkpoint never becomes durable before
+                # its step's evaluation row is written, so a kill between the two cannot leave a
+                # run that resumes past a step it never evaluated.
                 for hook in hooks:
                     hook(step, engine)
+                if save:
+                    engine.save(step)
+                stop_hook(step, engine)  # relies on the save above
             except interrupt.Stopped:
                 # The stop's save read the step's metrics; the resumed run starts after it.
                 log(engine.read())
@@ -120,7 +125,7 @@ def train_and_evaluate(engine: TrainEngine, evaluate: Evaluate, n_params: int, t
     """``run_sft`` with ``evaluate`` every ``trainer.eval_every`` steps and a stop request
     honoured, then the final evaluation written at the last step: (``sft_summary`` with the
     wall time since ``t0``, the history, the final evaluation)."""
-    history = run_sft(engine, hooks=[periodic_eval(evaluate), stop_hook], prepare=prepare)
+    history = run_sft(engine, hooks=[periodic_eval(evaluate)], prepare=prepare)
     wall = time.perf_counter() - t0
     after = evaluate(engine.params)
     if after:

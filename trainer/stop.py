@@ -8,8 +8,9 @@ from meshrl.utils import interrupt
 
 
 def stop_hook(step: int, engine: Any) -> None:
-    """A ``trainer.sft_loop.run_sft`` hook: after a Ctrl-C, checkpoint ``step`` (unless the loop just did) and
-    raise ``interrupt.Stopped``; the last step is left to the loop's own final save."""
+    """``trainer.sft_loop.run_sft`` after each step's save: after a Ctrl-C, checkpoint ``step``
+    (unless the loop just did) and raise ``interrupt.Stopped``; the last step is left to the
+    loop's own final save."""
     if not interrupt.requested() or step == engine.config.trainer.steps:
         return
     every = engine.config.checkpoint.every_steps

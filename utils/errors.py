@@ -9,6 +9,8 @@ Subclasses keep their historical builtin bases (``ValueError``, ``RuntimeError``
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -58,8 +60,15 @@ def quiet_shutdown_noise(verbose: Callable[[], bool] = lambda: False) -> None:
 
 
 def exit_on_user_error(error: UserError, *, verbose: bool) -> NoReturn:
-    """Print the traceback when ``verbose``, then ``error: <message>`` on one line, and exit 1."""
+    """Print the traceback when ``verbose``, then ``error: <message>`` on one line, and exit 1.
+    An error whose class sets ``hard_exit`` (work left in threads that never finish) ends the
+    process without waiting for them."""
     if verbose:
         traceback.print_exception(error)
     _exit.update(reported=True, verbose=verbose)
+    if getattr(error, "hard_exit", False):
+        print(f"error: {one_line(error)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        logging.shutdown()
+        os._exit(1)
     sys.exit(f"error: {one_line(error)}")

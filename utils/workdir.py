@@ -166,6 +166,10 @@ class WorkdirLock:
             return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
                            0o600)
         except OSError as e:  # ELOOP: the lock file is a symlink; EACCES: not ours
+            if not os.path.lexists(self.path):  # the directory refuses a new file
+                raise WorkdirError(f"workdir {self.workdir}: cannot create files there "
+                                   f"({e.strerror}): make it writable, or pass another "
+                                   f"--workdir") from None
             raise WorkdirError(f"workdir lock file {self.path}: cannot open it ({e.strerror}): "
                                f"remove it, or pass another --workdir") from None
 

@@ -218,3 +218,44 @@ def test_reading_a_version_retired_mid_read_is_a_clear_error(tmp_path, monkeypat
     again = restore_weights(tmp_path, 3, flat_params(params), {"w": sharding})
     np.testing.assert_array_equal(np.asarray(again["w"]), np.arange(8, dtype=np.float32))
     assert published_versions(tmp_path) == [3]
+
+
+def test_a_checkpoint_directory_that_cannot_be_written_fails_before_training(tmp_path):
+    from meshrl.trainer.checkpoint import CheckpointWriteError
+
+    (tmp_path / "checkpoints").write_text("")  # stands in for a read-only directory
+
+    with pytest.raises(CheckpointWriteError, match="checkpoint directory .*checkpoints: "
+                                                   "cannot write there"):
+        make_loop(tiny_config(), tmp_path)
+
+
+def test_a_save_that_fails_in_orbax_is_one_error_naming_the_step(tmp_path, monkeypatch):
+    from meshrl.trainer.checkpoint import Checkpointer, CheckpointWriteError
+
+    ckpt = Checkpointer(tmp_path, tiny_config().checkpoint)
+    ckpt._saving = 6
+
+    def full_disk():
+        raise ValueError("RESOURCE_EXHAUSTED: Error writing local file: No space left")
+
+    monkeypatch.setattr(ckpt._mngr, "wait_until_finished", full_disk)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint step 6 under .* could not be "
+                                                   r"written \(ValueError: RESOURCE_EXHAUSTED"):
+        ckpt.wait()
+    monkeypatch.undo()
+    ckpt.close()
+
+
+def test_a_failed_save_ends_the_process_though_threads_it_left_never_finish():
+    # Orbax's threads of a failed save wait forever; a normal exit would wait for them.
+    code = ("import threading\n"
+            "from meshrl.trainer.checkpoint import CheckpointWriteError\n"
+            "from meshrl.utils.errors import exit_on_user_error\n"
+            "threading.Thread(target=threading.Event().wait).start()\n"
+            "exit_on_user_error(CheckpointWriteError('checkpoint step 9: disk full'), "
+            "verbose=False)\n")
+    done = subprocess.run([sys.executable, "-c", code], env=cpu_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == "error: checkpoint step 9: disk full"

@@ -122,8 +122,30 @@ def test_an_evaluation_step_is_timed_before_its_evaluation_runs(tmp_path):
     assert seen == [2, 4]  # read before the hook: the history holds the step
 
 
+def test_a_steps_evaluation_is_written_before_its_checkpoint_starts(tmp_path):
+    # A kill after a durable checkpoint resumes past its step: that step's evaluation row must
+    # already be in metrics.jsonl, or it is never written.
+    from meshrl.trainer.sft_loop import periodic_eval
+
+    loop = make_loop(tiny_config(**{"trainer.steps": 6, "trainer.eval_every": 3,
+                                    "checkpoint.every_steps": 3,
+                                    "checkpoint.async_save": False}), tmp_path)
+    saved_at_eval: list[list[int]] = []
+
+    def evaluate(params):
+        saved_at_eval.append(loop.checkpointer.all_steps())
+        return {"eval_loss": 1.0}
+
+    try:
+        run_sft(loop, hooks=[periodic_eval(evaluate)])
+    finally:
+        loop.close()
+
+    assert saved_at_eval == [[]]  # step 3's checkpoint started after its evaluation
+    assert loop.checkpointer.all_steps()[-2:] == [3, 6]
+
+
 def test_a_stop_request_between_checkpoints_writes_the_stopped_steps_row_once(tmp_path):
-    from meshrl.trainer.stop import stop_hook
     from meshrl.utils import interrupt
 
     config = tiny_config(**{"checkpoint.every_steps": 0, "trainer.steps": 4})
@@ -135,7 +157,7 @@ def test_a_stop_request_between_checkpoints_writes_the_stopped_steps_row_once(tm
     engine = make_loop(config, tmp_path)
     try:
         with pytest.raises(interrupt.Stopped):
-            run_sft(engine, hooks=[ctrl_c_at_2, stop_hook])
+            run_sft(engine, hooks=[ctrl_c_at_2])
     finally:
         engine.close()
         interrupt.clear()

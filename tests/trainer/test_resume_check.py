@@ -36,6 +36,14 @@ def test_a_change_the_rl_counters_cannot_follow_is_refused_naming_both_values(fi
         check_resume(saved, _config(**{field: value}), step=4)
 
 
+def test_a_checkpoint_of_another_job_is_refused_naming_both_jobs():
+    saved = {**_config(), "job": "sft"}  # an SFT run left this workdir's checkpoints
+
+    with pytest.raises(ResumeConfigError, match="job = 'rl': the workdir's checkpoints were "
+                                                "written by the 'sft' job; pass another"):
+        check_resume(saved, _config(), 6)
+
+
 def test_fewer_total_steps_than_the_checkpoint_holds_is_refused():
     with pytest.raises(ResumeConfigError, match=r"trainer.steps = 3: .* at step 6"):
         check_resume(_config(**{"trainer.steps": 10}), _config(**{"trainer.steps": 3}), step=6)

@@ -235,6 +235,18 @@ def test_a_symlink_planted_as_the_lock_file_is_refused_and_not_followed(tmp_path
     assert victim.read_text() == "keep"
 
 
+def test_a_workdir_that_refuses_new_files_says_so_not_remove_the_lock(tmp_path, monkeypatch):
+    import errno
+
+    def read_only(path, flags, mode=0o777):  # as a read-only directory answers (root ignores
+        raise PermissionError(errno.EACCES, "Permission denied", path)  # chmod here)
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(WorkdirError, match=r"workdir .*run: cannot create files there "
+                                           r"\(Permission denied\): make it writable"):
+        WorkdirLock(tmp_path / "run", ".meshrl.lock", "rl").acquire()
+
+
 def test_a_file_system_without_flock_runs_unlocked_with_a_warning(tmp_path, monkeypatch, records):
     # No such file system is at hand in CI; flock fails there with ENOLCK, as raised here.
     def no_locks(fd: int, op: int) -> None:
