@@ -53,7 +53,9 @@ class TrainerConfig(Section):
     eval_every: int = field(0, "Steps between held-out evaluations; 0 disables.", at_least(0))
     on_nonfinite: Literal["raise", "skip"] = field(
         "raise", "A non-finite loss raises, or skips the update and counts it.")
-    peak_flops: float = field(0.0, "Peak FLOP/s per device for MFU; 0 looks up the device.",
+    peak_flops: float = field(0.0, "Peak FLOP/s per device for MFU; 0 looks up the device "
+                                   "kind's spec-sheet peak at model.compute_dtype (measures an "
+                                   "f32 matmul on a CPU).",
                               at_least(0.0))
     logits_chunk: int = field(
         1024, "Tokens (rows x positions, whole microbatch) whose float32 logits the loss, "

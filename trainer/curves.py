@@ -31,14 +31,17 @@ def plot_curves(metrics: dict[int, dict[str, float]], path: epath.Path) -> None:
     # (a notebook that runs the job keeps its inline plots).
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
+    values = [0.0, 1.0]  # the axis shows [0, 1] at least, and every reward outside it
     for key, label, style in (("rollout/reward_mean", "batch reward (mean)", "-"),
                               ("eval/greedy_accuracy", "held-out greedy accuracy", "o-"),
                               ("eval/pass_at_1", "held-out pass@1", "s--")):
         pts = sorted((s, m[key]) for s, m in metrics.items() if key in m)
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)
+            values += [p[1] for p in pts]
     ax.set_xlabel("RL step (weight version)")
-    ax.set_ylim(-0.02, 1.02)
+    pad = 0.02 * (max(values) - min(values))
+    ax.set_ylim(min(values) - pad, max(values) + pad)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right")
     ax.set_title("meshrl: asynchronous GRPO")

@@ -59,13 +59,16 @@ def measure_matmul_peak(n: int = 1024, repeats: int = 5, dtype: Any = jnp.float3
     return 2 * n**3 / statistics.median(times)
 
 
-def peak_flops_per_device(configured: float, device: jax.Device | None = None) -> float:
-    """``configured`` if > 0, else the table's bf16 peak for the device kind, else (CPU or an
-    unknown chip) a measured f32 matmul peak."""
+def peak_flops_per_device(configured: float, device: jax.Device | None = None, *,
+                          compute_dtype: str) -> float:
+    """``configured`` if > 0, else the table's peak for the device kind at the model's
+    ``compute_dtype`` (float32 matmuls against the float32 peak; 16-bit ones the bf16 peak),
+    else (CPU or an unknown chip) a measured f32 matmul peak."""
     if configured > 0:
         return configured
     device = device or jax.local_devices()[0]  # devices()[0] is remote on process > 0
-    peak = table_peak(device.device_kind)
+    column = "float32" if jnp.dtype(compute_dtype) == jnp.float32 else "bfloat16"
+    peak = table_peak(device.device_kind, column)
     if peak is not None:
         return peak
     peak = measure_matmul_peak(device=device)

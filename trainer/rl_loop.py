@@ -72,14 +72,20 @@ def publishes_at(config: Config, step: int) -> bool:
     return step % config.checkpoint.publish_every == 0 or saves_at(config, step)
 
 
-def rollout_stats(batch: RLTrainBatch, lags: np.ndarray, samples: int) -> dict[str, float]:
-    """The step's rollout metrics, from host data only."""
-    rewards = batch.sample_rewards()
-    return {"rollout/reward_mean": float(rewards.mean()),
-            "rollout/reward_std": float(rewards.std()),
-            "rollout/completion_len": float(np.asarray(batch.loss_mask).sum()) / samples,
-            "rollout/batch_staleness_mean": float(lags.mean()) if lags.size else 0.0,
-            "rollout/batch_staleness_max": float(lags.max()) if lags.size else 0.0}
+def rollout_stats(batch: RLTrainBatch, lags: np.ndarray, groups: list[list[Any]],
+                  shaped: bool) -> dict[str, float]:
+    """The step's rollout metrics, from host data only. Rewards are the reward pool's (as the
+    held-out evaluation and the all-groups figures); ``shaped``: the DAPO overlong penalty's
+    rewards the advantages came from too."""
+    rewards = np.asarray([t.reward for g in groups for t in g], np.float64)
+    out = {"rollout/reward_mean": float(rewards.mean()),
+           "rollout/reward_std": float(rewards.std()),
+           "rollout/completion_len": float(np.asarray(batch.loss_mask).sum()) / rewards.size,
+           "rollout/batch_staleness_mean": float(lags.mean()) if lags.size else 0.0,
+           "rollout/batch_staleness_max": float(lags.max()) if lags.size else 0.0}
+    if shaped:
+        out["rollout/shaped_reward_mean"] = float(batch.sample_rewards().mean())
+    return out
 
 
 @dataclasses.dataclass
@@ -294,10 +300,11 @@ class RLLoop:
         # line and metric row come before the next batch is gathered.
         result = train.read()
         assert result is not None and result.step == step, "the step's metrics were read early"
-        generated = float(np.asarray(host.loss_mask).sum())
-        samples = sum(len(g) for g in groups)
+        # The job's figures (process 0 writes them): every process's share of the batch.
+        generated, samples = map(sum, zip(*multihost.allgather_json(
+            [float(np.asarray(host.loss_mask).sum()), sum(len(g) for g in groups)])))
         record = result.record
-        record.update(rollout_stats(host, lags, samples))
+        record.update(rollout_stats(host, lags, groups, self.config.rl.overlong_buffer > 0))
         record.update(clock.lap(generated, at=t_end))
         # Where the trainer's side of the step went (host clocks; no extra sync: the handoff
         # waited for the step's params anyway).

@@ -37,7 +37,9 @@ def run_sft(engine: TrainEngine, hooks: Sequence[Hook] = (), prepare: Prepare | 
     the data then fills only the fields ``prepare`` does not."""
     cfg = engine.config.trainer
     assert engine.data is not None and engine.state is not None, "run_sft() needs start(data=)"
-    clock = StepClock(engine.trainee.flops_per_token, peak_flops_per_device(cfg.peak_flops),
+    peak = peak_flops_per_device(cfg.peak_flops,
+                                 compute_dtype=engine.config.model.compute_dtype)
+    clock = StepClock(engine.trainee.flops_per_token, peak,
                       int(engine.mesh.devices.size))
     tokens = cfg.batch_size * cfg.seq_len
 

@@ -227,6 +227,19 @@ def test_plot_curves_writes_the_png_and_leaves_the_callers_matplotlib_backend(tm
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plot_curves_shows_rewards_outside_zero_to_one(tmp_path, monkeypatch):
+    from matplotlib.axes import Axes
+
+    limits = []
+    monkeypatch.setattr(Axes, "set_ylim", lambda self, lo, hi: limits.append((lo, hi)))
+    plot_curves({1: {"rollout/reward_mean": -0.6}, 2: {"rollout/reward_mean": 1.45,
+                                                       "eval/greedy_accuracy": 0.5}},
+                tmp_path / "curves.png")
+
+    ((lo, hi),) = limits
+    assert lo < -0.6 and hi > 1.45
+
+
 def _rl_config(**overrides):
     from meshrl.configs.loader import base_config, from_config_dict
 

@@ -57,6 +57,13 @@ def test_smoke_rl_on_two_processes_ends_with_equal_params_within_the_staleness_b
     assert summary["sampler_devices"] == 2  # each process samples on its own two devices
     assert summary["max_staleness_seen"] <= summary["max_staleness"]
     assert sorted(int(p.name) for p in (tmp_path / "weights").iterdir()) == [2, 4]
+    # Rates count both processes' samples: every sample of every step over the RL wall time.
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = {r["step"]: r for r in rows if "perf/samples_per_s" in r}
+    assert sorted(steps) == [1, 2, 3, 4]
+    per_step = {round(r["perf/samples_per_s"] * r["perf/step_time_s"]) for r in steps.values()}
+    assert per_step == {4 * 4}, per_step  # prompts_per_step x group_size, both processes'
+    assert summary["samples_per_s"] * summary["rl_wall_s"] == pytest.approx(4 * 16, rel=1e-6)
 
 
 def test_default_rl_on_two_processes_raises_held_out_accuracy(tmp_path):

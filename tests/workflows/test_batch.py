@@ -52,6 +52,19 @@ def test_builder_advantages_sum_to_zero_per_group_and_sit_on_the_loss_mask():
     np.testing.assert_array_equal(batch.advantages[batch.loss_mask == 0], 0.0)
 
 
+def test_rollout_metrics_report_the_pool_rewards_and_the_shaped_ones_beside_them():
+    from meshrl.trainer.rl_loop import rollout_stats
+
+    groups = two_groups()
+    batch = build_rl_batch(groups, length_buckets=(8,), overlong_buffer=2, overlong_max_len=3)
+
+    out = rollout_stats(batch, np.zeros(4), groups, shaped=True)
+
+    assert out["rollout/reward_mean"] == pytest.approx(0.375, rel=0, abs=1e-12)  # 1, 0, .5, 0
+    assert out["rollout/shaped_reward_mean"] == pytest.approx(-0.125, rel=0, abs=1e-6)
+    assert "rollout/shaped_reward_mean" not in rollout_stats(batch, np.zeros(4), groups, False)
+
+
 def test_builder_applies_the_overlong_penalty_on_generated_token_counts():
     batch = build_rl_batch(two_groups(), length_buckets=(8,), overlong_buffer=2,
                            overlong_max_len=3)
