@@ -72,10 +72,13 @@ def kl_reward_advantages(rl: RLConfig, rewards_B: jax.Array, behaviour_logprobs_
     rows, not groups) and put the result in the batch's ``advantages``. Token arrays may be
     packed rows: ``sample_ids_BxL`` then names each token's sample (index into ``rewards_B``)."""
     rewards_B = rewards_B.astype(jnp.float32)
+    mask_BxL = loss_mask_BxL.astype(jnp.float32)
+    tokens_B = (mask_BxL.sum(-1) if sample_ids_BxL is None else jax.ops.segment_sum(
+        mask_BxL.reshape(-1), sample_ids_BxL.reshape(-1), num_segments=rewards_B.shape[0]))
     if rl.kl_coef > 0.0 and rl.kl_where == "reward":
-        mask_BxL = loss_mask_BxL.astype(jnp.float32)
         rewards_B = kl_in_reward(
             rewards_B, jnp.where(mask_BxL > 0, behaviour_logprobs_BxL, 0.0),
             jnp.where(mask_BxL > 0, ref_logprobs_BxL, 0.0), mask_BxL, coef=rl.kl_coef,
             estimator=rl.kl_estimator, sample_ids_BxL=sample_ids_BxL)
-    return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps)
+    return adv_lib.compute(rl.advantage, rewards_B, group_size, eps=rl.adv_eps,
+                           tokens_B=tokens_B)

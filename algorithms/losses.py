@@ -7,9 +7,9 @@ microbatches and divide once by the total weight. That makes gradient accumulati
 big batch (token-weighted), whatever the microbatch split, for every loss but an MoE model's
 load-balancing term: a product of per-expert fractions, it is computed per microbatch (as
 Megatron and MaxText do under gradient accumulation) and weighted by its tokens.
-``aux_sums`` are divided by the same total weight before they are reported, except a
-``MeanMax`` entry: a statistic over its own selection of tokens (e.g. the RL job's
-``logprob_mismatch``), whose sums and max the step combines itself.
+``aux_sums`` are divided by the same total weight before they are reported, except a ``Mean``
+or ``MeanMax`` entry: a statistic over its own selection of tokens (e.g. the RL job's
+``logprob_mismatch``), whose sums (and max) the step combines itself.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from meshrl.algorithms.logits import (
 )
 from meshrl.utils.registry import Registry
 
-__all__ = ["Hidden", "LossFn", "LossOutput", "MeanMax", "ModelOutput", "check_temperature",
+__all__ = ["Hidden", "LossFn", "LossOutput", "Mean", "MeanMax", "ModelOutput", "check_temperature",
            "add_outputs", "get_loss", "register", "report_aux", "router_terms", "sft_cross_entropy",
            "tempered",
            "token_logprobs"]
@@ -60,15 +60,36 @@ class MeanMax:
                        jnp.maximum(self.max, other.max))
 
 
+@flax.struct.dataclass
+class Mean:
+    """An aux statistic (of any sign) over its own selection of tokens, not over the loss
+    weight: ``total`` and ``count`` add over microbatches and minibatches, and ``report_aux``
+    reports total / count (0 when nothing is selected). A loss that drops tokens (a rollout
+    correction's rejections) still reports its statistics over the tokens it was given."""
+
+    total: jax.Array
+    count: jax.Array
+
+    def merge(self, other: Mean) -> Mean:
+        return Mean(self.total + other.total, self.count + other.count)
+
+    def value(self) -> jax.Array:
+        return self.total / jnp.maximum(self.count, 1.0)
+
+
 def is_mean_max(x: object) -> bool:
     return isinstance(x, MeanMax)
 
 
+def _is_stat(x: object) -> bool:
+    return isinstance(x, (Mean, MeanMax))
+
+
 def add_outputs(a: Any, b: Any) -> Any:
     """Sum of two microbatches' loss outputs (or any pytree holding aux dicts): leaves add,
-    ``MeanMax`` entries merge."""
-    return jax.tree.map(lambda x, y: x.merge(y) if is_mean_max(x) else jnp.add(x, y), a, b,
-                        is_leaf=is_mean_max)
+    ``Mean`` and ``MeanMax`` entries merge."""
+    return jax.tree.map(lambda x, y: x.merge(y) if _is_stat(x) else jnp.add(x, y), a, b,
+                        is_leaf=_is_stat)
 
 
 def report_aux(aux: dict[str, jax.Array | MeanMax], denom: jax.Array) -> dict[str, jax.Array]:
@@ -79,6 +100,8 @@ def report_aux(aux: dict[str, jax.Array | MeanMax], denom: jax.Array) -> dict[st
         if is_mean_max(v):
             out.update({k: v.total / jnp.maximum(v.count, 1.0), f"{k}_max": v.max,
                         f"{k}_tokens": v.count})
+        elif isinstance(v, Mean):
+            out[k] = v.value()
         else:
             out[k] = v / denom
     return out

@@ -41,6 +41,7 @@ from meshrl.algorithms.logits import ModelOutput, output_shape, token_stats
 from meshrl.algorithms.losses import (
     LossFn,
     LossOutput,
+    Mean,
     MeanMax,
     check_temperature,
     token_logprobs,  # noqa: F401 -- re-exported: callers score logits with pl.token_logprobs
@@ -334,10 +335,10 @@ def make_rl_loss_fn(rl: RLConfig, temperature: float = 1.0, kept_cap: int = 0) -
             loss_BxL = loss_BxL - rl.entropy_coef * entropy_BxL
             stats["entropy"] = jax.lax.stop_gradient(entropy_BxL)
         loss_sum, weight = aggregate(loss_BxL, terms.mask_BxL, rl.aggregation, seg_BxL)
-        # The trainer divides aux sums by the loss weight; rescale each statistic's own mean
-        # (over the input mask) so the reported value is that mean.
-        aux: dict[str, jax.Array | MeanMax] = {
-            k: _mean(aggregate(v, in_mask_BxL, rl.aggregation, seg_BxL)) * weight
+        # Each statistic over the tokens the loss was given (``Mean``), not over the loss
+        # weight, which counts only the tokens a rollout correction kept.
+        aux: dict[str, jax.Array | Mean | MeanMax] = {
+            k: Mean(*aggregate(v, in_mask_BxL, rl.aggregation, seg_BxL))
             for k, v in stats.items()}
         if version is not None:
             aux["logprob_mismatch"] = logprob_mismatch(logp_BxL, batch, version)

@@ -23,7 +23,8 @@ class RLConfig(Section):
     advantage: Literal["grpo", "drgrpo", "rloo", "reinforce_pp"] = field(
         "grpo", "Advantage estimator: grpo (group mean / population std; a group of equal "
                 "rewards gets 0), drgrpo (group mean only), rloo "
-                "(leave-one-out baseline), reinforce_pp (REINFORCE++: whole-batch normalised).")
+                "(leave-one-out baseline), reinforce_pp (REINFORCE++: whitened over the batch's "
+                "loss tokens).")
     policy_loss: Literal["ppo", "decoupled_ppo", "gspo"] = field(
         "decoupled_ppo", "Policy loss: ppo (ratio vs behaviour), decoupled_ppo (AReaL: ratio vs "
                          "the proximal policy times a capped behaviour weight), gspo "

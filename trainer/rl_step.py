@@ -51,7 +51,7 @@ from meshrl.algorithms import policy_loss as pl
 from meshrl.algorithms import truncation as trunc
 from meshrl.algorithms.batch import RLTrainBatch
 from meshrl.algorithms.logits import token_stats
-from meshrl.algorithms.losses import LossFn, MeanMax, is_mean_max, report_aux
+from meshrl.algorithms.losses import LossFn, Mean, MeanMax, is_mean_max, report_aux
 from meshrl.configs.schema import RLConfig
 from meshrl.trainer.optimizer import Schedule
 from meshrl.trainer.reference import reference_logprobs
@@ -69,6 +69,8 @@ from meshrl.trainer.step import (
     scaled_grads,
     split_rows,
 )
+
+MEANS = "means"  # the per-update ``Mean`` statistics, combined after the updates
 
 
 def updates_per_step(rl: RLConfig) -> int:
@@ -152,8 +154,12 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
             loss = loss_sum / denom
             params, opt_state, grad_norm, finite = guarded_update(tx, params, opt_state, grads,
                                                                   loss)
+            # A ``Mean`` adds over the minibatches and epochs as its sums; the rest is a share
+            # of the loss weight.
+            means = {k: v for k, v in aux.items() if isinstance(v, Mean)}
+            rest = {k: v for k, v in aux.items() if k not in means}
             return (params, opt_state), {"loss": loss, "grad_norm": grad_norm, "finite": finite,
-                                         **report_aux(aux, denom)}
+                                         MEANS: means, **report_aux(rest, denom)}
 
         def epoch(carry: tuple[Any, Any], _: None) -> tuple[tuple[Any, Any], Metrics]:
             return jax.lax.scan(update, carry, mbs)
@@ -161,13 +167,15 @@ def make_rl_train_step(forward_fn: ForwardFn, loss_fn: LossFn, tx: optax.Gradien
         (params, opt_state), per_ExK = jax.lax.scan(epoch, (state.params, state.opt_state),
                                                     None, length=E)
         finite_ExK = per_ExK.pop("finite")
+        means = {k: Mean(v.total.sum(), v.count.sum()).value()
+                 for k, v in per_ExK.pop(MEANS).items()}
         applied = finite_ExK.astype(jnp.int32).sum()
         new_state = state.replace(
             step=state.step + 1, params=params, opt_state=opt_state,
             weight_version=state.weight_version + (applied > 0).astype(jnp.int32),
             skipped=state.skipped + (K * E - applied))
         grad_norm = per_ExK.pop("grad_norm").mean()
-        metrics = {**{k: v.sum() / E for k, v in per_ExK.items()},
+        metrics = {**{k: v.sum() / E for k, v in per_ExK.items()}, **means,
                    "grad_norm": grad_norm, "learning_rate": schedule(state.step),
                    "tokens": weight, "finite": finite_ExK.all(), "skipped": new_state.skipped,
                    "step": state.step, "updates": applied, **report_aux(

@@ -225,8 +225,10 @@ def build_rl_batch(groups: Sequence[Sequence[Trajectory]], *, length_buckets: Se
     rewards_B = _shaped_rewards(trajs, overlong_buffer, overlong_max_len, overlong_penalty)
     # numpy in, numpy out: no device dispatch, which would queue behind the sampler's decode and
     # the train step and stall the event loop that runs this.
+    tokens_B = np.asarray([sum(t.loss_mask) for t in trajs], np.float32)
     advantages_B = (np.zeros_like(rewards_B) if advantage is None else
-                    np.asarray(adv_lib.compute(advantage, rewards_B, n, eps=adv_eps), np.float32))
+                    np.asarray(adv_lib.compute(advantage, rewards_B, n, eps=adv_eps,
+                                               tokens_B=tokens_B), np.float32))
     padded = _padded(trajs, L, pad_id, rewards_B, advantages_B, kept, routing)
     if rows is None:
         return padded

@@ -113,11 +113,29 @@ def test_estimators_on_numpy_stay_on_the_host_and_match_the_jax_result(name, gro
     # The rollout side calls them on numpy arrays so that no device work is queued.
     rewards_B = np.array([0.0, 1.0, 1.0, 0.5, 0.25, 0.0, 1.0, 0.75], np.float32)
 
-    host_B = advantages.compute(name, rewards_B, group_size)
-    device_B = advantages.compute(name, jnp.asarray(rewards_B), group_size)
+    tokens_B = np.array([3, 1, 4, 1, 5, 9, 2, 6], np.float32)
+    for tokens in (None, tokens_B):
+        host_B = advantages.compute(name, rewards_B, group_size, tokens_B=tokens)
+        device_B = advantages.compute(name, jnp.asarray(rewards_B), group_size,
+                                      tokens_B=None if tokens is None else jnp.asarray(tokens))
 
-    assert isinstance(host_B, np.ndarray) and host_B.dtype == np.float32
-    np.testing.assert_allclose(host_B, np.asarray(device_B), rtol=1e-6, atol=1e-6)
+        assert isinstance(host_B, np.ndarray) and host_B.dtype == np.float32
+        np.testing.assert_allclose(host_B, np.asarray(device_B), rtol=1e-6, atol=1e-6)
+
+
+def test_reinforce_pp_whitens_over_the_loss_tokens():
+    # REINFORCE++ (verl's masked_whiten of the token-level returns): over the batch's loss
+    # tokens the advantages have mean 0 and population std 1.
+    rewards_B = np.array([1.0, 0.0, 1.0, 1.0], np.float32)
+    tokens_B = np.array([2.0, 8.0, 3.0, 1.0], np.float32)
+
+    adv_B = np.asarray(advantages.compute("reinforce_pp", rewards_B, 2, tokens_B=tokens_B))
+
+    token_adv = np.repeat(adv_B, tokens_B.astype(int))
+    np.testing.assert_allclose(token_adv.mean(), 0.0, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(token_adv.std(), 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(
+        advantages.compute("reinforce_pp", np.full(4, 0.7, np.float32), 2, tokens_B=tokens_B), 0)
 
 
 def test_overlong_penalty_on_numpy_matches_the_jax_result():
