@@ -59,5 +59,11 @@ def check_resume(saved: dict[str, Any], current: dict[str, Any], step: int) -> N
                and isinstance(saved.get(s), dict)
                for k, v in fields.items()
                if k in saved[s] and saved[s][k] != v and (s, k) not in FREE_FIELDS]
+    was_steps = saved.get("trainer", {}).get("steps")
+    schedule = now.get("optimizer", {}).get("schedule")
+    if was_steps is not None and was_steps != steps and schedule != "constant":
+        # trainer.steps may change freely, but a decaying schedule's horizon moves with it.
+        changed.append(f"trainer.steps: {was_steps!r} -> {steps!r} (the {schedule} learning-rate "
+                       f"schedule now decays to step {steps})")
     if changed:
         _log.warning("resuming step %d with config changes: %s", step, "; ".join(changed))

@@ -13,7 +13,7 @@ from meshrl.algorithms.losses import token_logprobs
 from meshrl.algorithms.policy_loss import make_rl_loss_fn
 from meshrl.configs.schema import RLConfig
 from meshrl.inference.sampling import sample
-from meshrl.tests.trees import assert_trees_equal
+from meshrl.tests.trees import assert_trees_close, assert_trees_equal
 
 B, L, V = 3, 5, 11
 
@@ -84,8 +84,7 @@ def test_rl_loss_at_temperature_t_equals_the_untempered_loss_of_logits_over_t(po
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
     assert got_aux.keys() == want_aux.keys()
-    for k in got_aux:
-        np.testing.assert_allclose(got_aux[k], want_aux[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert_trees_close(got_aux, want_aux, rtol=1e-5, atol=1e-6)  # ``Mean`` statistics too
 
 
 def test_sampler_logprobs_at_temperature_t_are_the_trainers_tempered_logprobs():
@@ -107,10 +106,10 @@ def test_sampler_logprobs_at_temperature_t_are_the_trainers_tempered_logprobs():
     np.testing.assert_allclose(np.asarray(tempered_BxL).ravel(), np.asarray(sampled_N),
                                rtol=1e-5, atol=1e-6)
     # pi_prox / pi_behav is 1 on every token at the same weights and temperature ...
-    np.testing.assert_allclose(float(aux["behav_weight_mean"] / weight), 1.0, rtol=1e-5,
+    np.testing.assert_allclose(float(aux["behav_weight_mean"].value()), 1.0, rtol=1e-5,
                                atol=1e-6)
     # ... and not when the trainer ignores the temperature (the bug this guards against).
-    assert abs(float(aux_untempered["behav_weight_mean"] / weight) - 1.0) > 1e-2
+    assert abs(float(aux_untempered["behav_weight_mean"].value()) - 1.0) > 1e-2
     assert not np.allclose(np.asarray(raw_N).reshape(B, L)[mask],
                            np.asarray(sampled_N).reshape(B, L)[mask], rtol=1e-3, atol=1e-3)
 

@@ -50,9 +50,10 @@ def test_fewer_total_steps_than_the_checkpoint_holds_is_refused():
 
 
 def test_other_changes_are_logged_in_one_line_and_where_the_run_writes_is_not(caplog):
-    saved = _config(**{"trainer.steps": 10})
+    saved = _config(**{"trainer.steps": 10, "optimizer.schedule": "constant"})
     now = _config(**{"trainer.steps": 20, "optimizer.weight_decay": 0.5,
-                     "logging.level": "DEBUG", "checkpoint.keep": 5})
+                     "optimizer.schedule": "constant", "logging.level": "DEBUG",
+                     "checkpoint.keep": 5})
 
     with caplog.at_level(logging.WARNING):
         check_resume(saved, now, step=4)
@@ -61,6 +62,18 @@ def test_other_changes_are_logged_in_one_line_and_where_the_run_writes_is_not(ca
     assert len(lines) == 1 and "optimizer.weight_decay" in lines[0], lines
     assert "trainer.steps" not in lines[0] and "logging" not in lines[0]
     assert "checkpoint" not in lines[0]
+
+
+def test_more_steps_under_a_decaying_schedule_say_its_horizon_moved(caplog):
+    saved = _config(**{"trainer.steps": 10, "optimizer.schedule": "cosine"})
+
+    with caplog.at_level(logging.WARNING):
+        check_resume(saved, _config(**{"trainer.steps": 20, "optimizer.schedule": "cosine"}),
+                     step=4)
+
+    (line,) = [r.getMessage() for r in caplog.records if "config changes" in r.getMessage()]
+    assert "trainer.steps: 10 -> 20 (the cosine learning-rate schedule now decays to step 20)" \
+        in line
 
 
 def test_unchanged_config_resumes_without_a_word(caplog):
