@@ -19,8 +19,8 @@ Contract:
 * Prompts: ``data.*`` rows (JSONL/Parquet, the answer field optional; or the synthetic task),
   rendered by the pipeline's ``prompt_text`` + ``encode_prompt`` (chat template when the
   tokenizer has one, BOS): the ids of the RL prompt iterator for the same row. Prompts over
-  min(data.max_prompt_len, the largest prompt bucket) follow ``data.on_overlong``; none left is a
-  ``DatasetError``.
+  min(data.max_prompt_len, the largest prompt bucket; with ``agent.env`` the episode's room for
+  a completion too) follow ``data.on_overlong``; none left is a ``DatasetError``.
 * Output: ``<workdir>/samples.jsonl``; when one exists it is kept and the samples go to the first
   free ``samples-<n>.jsonl``, unless ``generate.overwrite``. One record per prompt: its row's
   fields (one named like a key below as ``row.<name>``; dates as ISO text, bytes as UTF-8,
@@ -57,14 +57,17 @@ from meshrl.models.tokenizer import Tokenizer
 from meshrl.utils import multihost, paths
 from meshrl.utils.log import get_logger
 from meshrl.workflows.agent_setup import EPISODES_FILE
+from meshrl.workflows.setup import prompt_room
 
 log = get_logger("inference")
 
 
 def prompt_limit(config: Config) -> int:
     """The longest prompt the job samples for: data.max_prompt_len, capped by the sampler's
-    largest prompt bucket (as ``Sampler`` resolves an empty ``sampler.prompt_buckets``)."""
-    return min(config.data.max_prompt_len, prompt_buckets(config.sampler)[-1])
+    largest prompt bucket (as ``Sampler`` resolves an empty ``sampler.prompt_buckets``) and,
+    for agent episodes, by their room for a completion (``workflows.setup.prompt_room``)."""
+    limit = min(config.data.max_prompt_len, prompt_buckets(config.sampler)[-1])
+    return min(limit, prompt_room(config)) if config.agent.env else limit
 
 
 def resolve_source(config: Config, workdir: paths.PathLike) -> weights_source.WeightSource:

@@ -27,17 +27,20 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from meshrl.inference.sampler import Request
+from meshrl.utils.log import get_logger
 from meshrl.workflows.batch import Trajectory
 from meshrl.workflows.environment import EnvFactory, close_env
 from meshrl.workflows.episode import (
     EpisodeSettings,
     RewardScorer,
     SamplerClient,
-    check_room,
     episode_seed,
+    no_room,
     reward_fields,
 )
 from meshrl.workflows.render import TurnRenderer, as_messages
+
+log = get_logger("workflows")
 
 OBSERVATION_CHARS_LOGGED = 2000  # per observation in episodes.jsonl
 
@@ -139,7 +142,18 @@ async def _episode(env: Any, engine: SamplerClient, item: dict, *, spec: AgentSp
     first = await env.reset(item)
     ctx = _Context(spec.renderer.prompt_ids(item, first), 0)
     ctx.prompt_len = len(ctx.ids)
-    check_room(ctx.prompt_len, settings.max_total_len)
+    if no_room(ctx.prompt_len, settings.max_total_len):
+        # An environment's first observation can overflow a prompt the pipeline let through:
+        # this episode is rejected (its group too), counted and said once; the run goes on.
+        if not spec.counters.get("overlong_first_contexts"):
+            log.warning("agent: an episode's first context (prompt and the environment's first "
+                        "observation) has %d tokens: no room for a completion in "
+                        "min(trainer.seq_len, sampler.max_len) = %d; such episodes are "
+                        "rejected, counted in agent/overlong_first_contexts", ctx.prompt_len,
+                        settings.max_total_len)
+        spec.counters["overlong_first_contexts"] = (
+            spec.counters.get("overlong_first_contexts", 0) + 1)
+        return None
     turns: list[dict[str, Any]] = []
     rewards: list[float] = []
     finish, last_text, limit, ended = "", "", settings.max_total_len, False

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -101,11 +102,28 @@ class GymEnv:
         self.make, self.parse_action, self.render = make, parse_action, render
         self.seed_key, self.invalid_reward = seed_key, invalid_reward
         self.env: Any = None
+        # A cancelled episode's simulator call runs on in its thread: every call holds this, so
+        # ``close`` waits for it (simulators are not safe to close mid-step).
+        self._busy = threading.Lock()
+
+    def _start(self, seed: int | None) -> Any:
+        with self._busy:
+            self.env = self.make()
+            return self.env.reset(seed=seed)
+
+    def _step(self, action: Any) -> Any:
+        with self._busy:
+            return self.env.step(action)
+
+    def _close(self) -> None:
+        with self._busy:
+            env, self.env = self.env, None
+            if env is not None and hasattr(env, "close"):
+                env.close()
 
     async def reset(self, example: dict) -> Observation:
-        self.env = await asyncio.to_thread(self.make)
         seed = example.get(self.seed_key)
-        obs, _ = await asyncio.to_thread(self.env.reset, seed=None if seed is None else int(seed))
+        obs, _ = await asyncio.to_thread(self._start, None if seed is None else int(seed))
         return self.render(obs)
 
     async def step(self, action: str) -> StepResult:
@@ -113,13 +131,11 @@ class GymEnv:
             act = self.parse_action(action)
         except ValueError as e:
             return f"invalid action: {e}", self.invalid_reward, False
-        obs, reward, terminated, truncated, _ = await asyncio.to_thread(self.env.step, act)
+        obs, reward, terminated, truncated, _ = await asyncio.to_thread(self._step, act)
         return self.render(obs), float(reward), bool(terminated or truncated)
 
     async def close(self) -> None:
-        env, self.env = self.env, None
-        if env is not None and hasattr(env, "close"):
-            await asyncio.to_thread(env.close)
+        await asyncio.to_thread(self._close)
 
 
 class ToolEnv:

@@ -26,18 +26,23 @@ _NOT_REWARD_FIELDS = frozenset({"prompt", "prompt_ids", "prompt_text"})
 
 
 class PromptTooLongError(UserError):
-    """An episode's first context leaves no room for a completion: every such episode would be
-    rejected, and a run of them never fills a batch."""
+    """A prompt leaves its episode no room for a completion (the RL job's prompt pipeline drops
+    such prompts first: ``workflows.setup.prompt_room``)."""
+
+
+def no_room(prompt_len: int, max_total_len: int | None) -> bool:
+    """Whether a first context of ``prompt_len`` tokens fills the episode's token budget."""
+    return max_total_len is not None and prompt_len >= max_total_len
 
 
 def check_room(prompt_len: int, max_total_len: int | None) -> None:
-    """Refuse a first context (the prompt, and an agent environment's first observation) that
-    fills the episode's token budget."""
-    if max_total_len is not None and prompt_len >= max_total_len:
+    """Refuse a prompt that fills the episode's token budget: every episode of it would be
+    rejected, and a run of them never fills a batch."""
+    if no_room(prompt_len, max_total_len):
         raise PromptTooLongError(
-            f"an episode's first context has {prompt_len} tokens: no room for a completion in "
-            f"min(trainer.seq_len, sampler.max_len) = {max_total_len} (an environment's first "
-            f"observation counts): raise both, or lower data.max_prompt_len")
+            f"an episode's prompt has {prompt_len} tokens: no room for a completion in "
+            f"min(trainer.seq_len, sampler.max_len) = {max_total_len}: raise both, or lower "
+            f"data.max_prompt_len")
 
 
 class SamplerClient(Protocol):

@@ -21,7 +21,7 @@ def test_an_rl_run_whose_prompts_fill_the_episode_stops_with_one_clear_error(tmp
         run_rl(config, tmp_path)
 
 
-def test_an_episode_whose_first_context_fills_its_budget_is_refused():
+def test_an_episode_whose_prompt_fills_its_budget_is_refused():
     class Unused:
         version = 0
 
@@ -29,7 +29,35 @@ def test_an_episode_whose_first_context_fills_its_budget_is_refused():
             raise AssertionError("nothing to sample")
 
     item = {"prompt": "p", "prompt_ids": [1, 2, 3, 4]}
-    with pytest.raises(PromptTooLongError, match="first context has 4 tokens: no room for a "
+    with pytest.raises(PromptTooLongError, match="prompt has 4 tokens: no room for a "
                                                  "completion in .* = 4"):
         asyncio.run(arun_episode(Unused(), item, reward_pool=None, decode=str,
                                  settings=EpisodeSettings(max_total_len=4)))
+
+
+def test_an_agent_episode_whose_first_observation_overflows_is_rejected_and_counted(caplog):
+    from meshrl.models.tokenizer import CharTokenizer
+    from meshrl.tests.workflows.agent_fakes import ConstRewards, ScriptedSampler
+    from meshrl.workflows.agent import AgentSpec
+    from meshrl.workflows.environment import FunctionEnv
+    from meshrl.workflows.render import TurnRenderer
+
+    tok = CharTokenizer()
+    briefing = {"long": "x" * 40, "short": "go"}
+    spec = AgentSpec(lambda: FunctionEnv(lambda ex, a, t: (None, 1.0, True),
+                                         reset_fn=lambda ex: briefing[ex["prompt"]]),
+                     TurnRenderer(tok))
+    sampler = ScriptedSampler([tok.encode("7") + [tok.eos_id]])
+    settings = EpisodeSettings(max_turns=2, stop_ids=(tok.eos_id,), max_total_len=32)
+
+    async def go():
+        return [await arun_episode(sampler, {"prompt": p, "prompt_ids": [tok.bos_id, 5]},
+                                   reward_pool=ConstRewards(), decode=tok.decode,
+                                   settings=settings, agent=spec)
+                for p in ("long", "short", "long")]
+
+    long1, short, long2 = asyncio.run(go())
+
+    assert long1 is None and long2 is None and short is not None
+    assert spec.metrics()["agent/overlong_first_contexts"] == 2.0
+    assert sum("first context" in r.getMessage() for r in caplog.records) == 1  # said once

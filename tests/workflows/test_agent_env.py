@@ -9,6 +9,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -205,3 +206,62 @@ def test_generate_job_with_an_env_writes_one_episode_per_prompt_and_keeps_earlie
     generate.run(from_config_dict(cfg), str(tmp_path))
     assert prompts_in("episodes.jsonl") == ["1+1=", "2+3="]
     assert not (tmp_path / "episodes-2.jsonl").exists()
+
+
+def test_generate_with_an_env_keeps_only_prompts_its_episodes_have_room_for():
+    from meshrl.configs import generate as generate_config
+    from meshrl.configs.loader import from_config_dict
+    from meshrl.jobs import generate
+
+    cfg = generate_config.get_config()
+    cfg.data.max_prompt_len = 16
+    cfg.sampler.update(max_len=32, prompt_buckets=(16, 31))
+    cfg.trainer.seq_len = 12
+    plain = from_config_dict(cfg)
+    cfg.rollout.max_turns = 2
+    cfg.agent.env = "meshrl.tests.workflows.user_env:make"
+
+    assert generate.prompt_limit(plain) == 16  # one completion: the sampler's own length
+    assert generate.prompt_limit(from_config_dict(cfg)) == 11  # the episode's, less one
+
+
+def test_a_cancelled_episode_closes_its_simulator_only_after_the_step_in_its_thread():
+    import threading
+
+    events: list[str] = []
+    stepping = threading.Event()
+
+    class SlowSimulator:
+        in_step = False
+
+        def reset(self, seed=None):
+            return 0, {}
+
+        def step(self, action):
+            self.in_step = True
+            stepping.set()
+            time.sleep(0.3)  # a slow physics step; a cancelled thread call runs on
+            self.in_step = False
+            return 1, 0.0, False, False, {}
+
+        def close(self):
+            events.append(f"close during a step: {self.in_step}")
+
+    tok = CharTokenizer()
+    item = {"prompt": "go", "prompt_ids": [tok.bos_id] + tok.encode("go")}
+    sampler = ScriptedSampler([tok.encode("1") + [tok.eos_id]] * 3)
+    spec = AgentSpec(lambda: GymEnv(SlowSimulator, parse_action=int), TurnRenderer(tok))
+
+    async def go():
+        episode = asyncio.create_task(arun_episode(
+            sampler, item, reward_pool=ConstRewards(), decode=tok.decode, agent=spec,
+            settings=EpisodeSettings(max_turns=3, stop_ids=(tok.eos_id,))))
+        while not stepping.is_set():
+            await asyncio.sleep(0.01)
+        episode.cancel()
+        return await asyncio.gather(episode, return_exceptions=True)
+
+    (out,) = asyncio.run(go())
+
+    assert isinstance(out, asyncio.CancelledError)
+    assert events == ["close during a step: False"]
