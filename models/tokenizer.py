@@ -141,7 +141,7 @@ class HFTokenizer:
                                  f"missing or not in the vocabulary: set eos_token to a token of "
                                  f"tokenizer.json (generation stops at EOS)")
         self.eos_id = eos_id
-        self.stop_ids = (eos_id, *_generation_eos_ids(directory, self.vocab_size, eos_id))
+        self.stop_ids = (eos_id, *checkpoint_eos_ids(directory, self.vocab_size, eos_id))
         pad_id = self._id_of(self._special["pad_token"])
         # Models without a pad token (Llama) pad with EOS; padded positions are masked anyway.
         self.pad_id = eos_id if pad_id is None else pad_id
@@ -181,18 +181,24 @@ class HFTokenizer:
                                  f"use the model's original template") from e
 
 
-def _generation_eos_ids(directory: str, vocab_size: int, eos_id: int) -> list[int]:
-    """The ``eos_token_id`` ids (an int or a list) of ``<directory>/generation_config.json``
-    other than ``eos_id``, in order; none without the file."""
-    path = os.path.join(directory, "generation_config.json")
-    if not os.path.isfile(path):
-        return []
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f).get("eos_token_id")
-    except (OSError, ValueError, AttributeError) as e:
-        raise TokenizerError(f"{path}: not a readable JSON object ({e}): copy the file from "
-                             f"the model's original release") from None
+def checkpoint_eos_ids(directory: str, vocab_size: int, eos_id: int) -> list[int]:
+    """The ids other than ``eos_id`` that end generation for the checkpoint in ``directory``,
+    in order, where transformers' ``generate`` finds them: ``eos_token_id`` (an int or a list)
+    of ``generation_config.json``, else of ``config.json`` (``GenerationConfig.
+    from_model_config``); none when neither file names any."""
+    value, path = None, ""
+    for name in ("generation_config.json", "config.json"):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                value = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as e:
+            raise TokenizerError(f"{path}: not a readable JSON object ({e}): copy the file "
+                                 f"from the model's original release") from None
+        if value is not None:
+            break
     ids = [] if value is None else value if isinstance(value, list) else [value]
     bad = [i for i in ids if isinstance(i, bool) or not isinstance(i, int)
            or not 0 <= i < vocab_size]
@@ -258,4 +264,8 @@ def tokenizer_for(model: ModelConfig, vocab_size: int | None = None) -> Tokenize
         raise ConfigError(f"model.vocab_size = {vocab}: smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} ids ({spec!r}): use the model the tokenizer "
                           f"belongs to, or a vocab_size of at least {tokenizer.vocab_size}")
+    if model.hf_path and isinstance(tokenizer, HFTokenizer):
+        # A tokenizer from another directory: the checkpoint's own stop ids end generation too.
+        extra = checkpoint_eos_ids(model.hf_path, tokenizer.vocab_size, tokenizer.eos_id)
+        tokenizer.stop_ids = tuple(dict.fromkeys((*tokenizer.stop_ids, *extra)))
     return tokenizer

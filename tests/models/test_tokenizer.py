@@ -126,6 +126,41 @@ def test_generation_stops_at_every_eos_the_checkpoints_generation_config_lists(
     assert CharTokenizer().stop_ids == (CharTokenizer.EOS,)
 
 
+@pytest.mark.parametrize("files, stops", [
+    ({"config.json": {"eos_token_id": [2, 4]}}, [2, 4]),  # no generation_config.json
+    ({"generation_config.json": {"eos_token_id": 5}, "config.json": {"eos_token_id": 4}},
+     [2, 5]),  # generation_config.json first, as transformers
+    ({"generation_config.json": {"do_sample": True}, "config.json": {"eos_token_id": 4}},
+     [2, 4])])
+def test_stop_ids_come_from_the_checkpoints_files_as_transformers_reads_them(
+        hf_dir, tmp_path, files, stops):
+    d = tmp_path / "tok"
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((hf_dir / name).read_bytes())
+    for name, content in files.items():
+        (d / name).write_text(json.dumps(content))
+
+    assert list(HFTokenizer(str(d)).stop_ids) == stops
+
+
+def test_a_tokenizer_from_another_directory_stops_at_the_checkpoints_ids_too(hf_dir, tmp_path):
+    from meshrl.configs.schema import ModelConfig
+    from meshrl.models.tokenizer import tokenizer_for
+
+    tok_dir, ckpt = tmp_path / "tok", tmp_path / "ckpt"
+    tok_dir.mkdir()
+    ckpt.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tok_dir / name).write_bytes((hf_dir / name).read_bytes())
+    (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4, 5]}))
+
+    tok = tokenizer_for(ModelConfig(hf_path=str(ckpt), tokenizer=str(tok_dir),
+                                    vocab_size=HFTokenizer(str(tok_dir)).vocab_size))
+
+    assert list(tok.stop_ids) == [2, 4, 5]
+
+
 @pytest.mark.parametrize("listed", [[2, 10_000], ["</s>"], [True]])
 def test_a_generation_config_eos_outside_the_vocabulary_is_a_clear_error(hf_dir, tmp_path,
                                                                         listed):

@@ -89,16 +89,21 @@ def test_trainer_batch_holds_exactly_the_sampler_ids_across_a_weight_handoff(tok
     assert [t["versions"] for t in record["turns"] if t["role"] == "assistant"] == [[0], [1]]
 
 
-def test_incremental_rendering_equals_rendering_the_whole_conversation(tok):
-    sampler = ScriptedSampler(two_turns(tok))
-    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
+def _assert_context_is_the_whole_rendering(tok, traj) -> None:
+    """The episode's ids are the whole conversation's rendering, up to what closes the last
+    turn after the end-of-turn token the model stopped on ("\n" in ChatML)."""
     messages, _ = messages_prompt(tok)
     messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "56088"},
                  {"role": "assistant", "content": "The answer is 56088."}]
     whole = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
     context = traj.prompt_ids + traj.completion_ids
-    # The whole rendering also closes the last turn after the EOS the model stopped on.
     assert whole[:len(context)] == context and tok.decode(whole[len(context):]) == "\n"
+
+
+def test_incremental_rendering_equals_rendering_the_whole_conversation(tok):
+    sampler = ScriptedSampler(two_turns(tok))
+    traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
+    _assert_context_is_the_whole_rendering(tok, traj)
 
 
 def test_a_turn_ended_on_a_generation_config_stop_id_is_closed_once(tmp_path):
@@ -114,12 +119,7 @@ def test_a_turn_ended_on_a_generation_config_stop_id_is_closed_once(tmp_path):
 
     traj, _, _ = asyncio.run(_episode_with_tools(tok, sampler))
 
-    messages, _ = messages_prompt(tok)
-    messages += [{"role": "assistant", "content": CALL}, {"role": "tool", "content": "56088"},
-                 {"role": "assistant", "content": "The answer is 56088."}]
-    whole = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=False))
-    context = traj.prompt_ids + traj.completion_ids
-    assert whole[:len(context)] == context and tok.decode(whole[len(context):]) == "\n"
+    _assert_context_is_the_whole_rendering(tok, traj)
 
 
 def test_a_turn_ended_on_a_token_other_than_a_stop_id_gets_the_end_of_turn_from_the_template(
