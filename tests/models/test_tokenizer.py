@@ -108,15 +108,20 @@ def test_hf_tokenizer_without_eos_in_vocab_is_a_clear_error(hf_dir, tmp_path):
         HFTokenizer(str(tmp_path))
 
 
+def _copy_of(hf_dir: pathlib.Path, d: pathlib.Path) -> pathlib.Path:
+    """``d`` holding a copy of the fixture's tokenizer files."""
+    d.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (d / name).write_bytes((hf_dir / name).read_bytes())
+    return d
+
+
 @pytest.mark.parametrize("listed, stops", [(None, [2]), (4, [2, 4]), ([4, 2, 4], [2, 4])])
 def test_generation_stops_at_every_eos_the_checkpoints_generation_config_lists(
         hf_dir, tmp_path, listed, stops):
     # </s> (2) is tokenizer_config's eos_token; an instruct model also ends its turn at
     # <|im_end|> (4), which only generation_config.json names.
-    d = tmp_path / "tok"
-    d.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (d / name).write_bytes((hf_dir / name).read_bytes())
+    d = _copy_of(hf_dir, tmp_path / "tok")
     if listed is not None:
         (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
 
@@ -134,10 +139,7 @@ def test_generation_stops_at_every_eos_the_checkpoints_generation_config_lists(
      [2, 4])])
 def test_stop_ids_come_from_the_checkpoints_files_as_transformers_reads_them(
         hf_dir, tmp_path, files, stops):
-    d = tmp_path / "tok"
-    d.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (d / name).write_bytes((hf_dir / name).read_bytes())
+    d = _copy_of(hf_dir, tmp_path / "tok")
     for name, content in files.items():
         (d / name).write_text(json.dumps(content))
 
@@ -148,11 +150,8 @@ def test_a_tokenizer_from_another_directory_stops_at_the_checkpoints_ids_too(hf_
     from meshrl.configs.schema import ModelConfig
     from meshrl.models.tokenizer import tokenizer_for
 
-    tok_dir, ckpt = tmp_path / "tok", tmp_path / "ckpt"
-    tok_dir.mkdir()
+    tok_dir, ckpt = _copy_of(hf_dir, tmp_path / "tok"), tmp_path / "ckpt"
     ckpt.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tok_dir / name).write_bytes((hf_dir / name).read_bytes())
     (ckpt / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 4, 5]}))
 
     tok = tokenizer_for(ModelConfig(hf_path=str(ckpt), tokenizer=str(tok_dir),
@@ -164,10 +163,7 @@ def test_a_tokenizer_from_another_directory_stops_at_the_checkpoints_ids_too(hf_
 @pytest.mark.parametrize("listed", [[2, 10_000], ["</s>"], [True]])
 def test_a_generation_config_eos_outside_the_vocabulary_is_a_clear_error(hf_dir, tmp_path,
                                                                         listed):
-    d = tmp_path / "tok"
-    d.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (d / name).write_bytes((hf_dir / name).read_bytes())
+    d = _copy_of(hf_dir, tmp_path / "tok")
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
 
     with pytest.raises(TokenizerError, match=r"generation_config.json: eos_token_id .*every id "

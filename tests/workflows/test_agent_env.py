@@ -10,6 +10,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -79,26 +80,34 @@ class _Simulator:
         type(self).closed += 1
 
 
-@pytest.mark.parametrize("how", ["out_of_turns", "cancelled"])
-def test_an_environment_is_closed_however_its_episode_ends(how, monkeypatch):
-    monkeypatch.setattr(_Simulator, "opened", 0)
-    monkeypatch.setattr(_Simulator, "closed", 0)
+def _gym_episode(simulator: type, cancel_when: Any = None) -> Any:
+    """One agent episode of up to 3 turns over ``GymEnv(simulator)``, cancelled once
+    ``cancel_when(sampler)`` holds (None: run to its end); its result or its exception."""
     tok = CharTokenizer()
     item = {"prompt": "go", "prompt_ids": [tok.bos_id] + tok.encode("go")}
     sampler = ScriptedSampler([tok.encode("1") + [tok.eos_id]] * 3)
-    spec = AgentSpec(lambda: GymEnv(_Simulator, parse_action=int), TurnRenderer(tok))
+    spec = AgentSpec(lambda: GymEnv(simulator, parse_action=int), TurnRenderer(tok))
 
     async def go():
         episode = asyncio.create_task(arun_episode(
             sampler, item, reward_pool=ConstRewards(), decode=tok.decode, agent=spec,
             settings=EpisodeSettings(max_turns=3, stop_ids=(tok.eos_id,))))
-        if how == "cancelled":
-            while not sampler.requests:  # inside its first turn
+        if cancel_when is not None:
+            while not cancel_when(sampler):
                 await asyncio.sleep(0)
             episode.cancel()
         return await asyncio.gather(episode, return_exceptions=True)
 
-    (out,) = asyncio.run(go())
+    return asyncio.run(go())[0]
+
+
+@pytest.mark.parametrize("how", ["out_of_turns", "cancelled"])
+def test_an_environment_is_closed_however_its_episode_ends(how, monkeypatch):
+    monkeypatch.setattr(_Simulator, "opened", 0)
+    monkeypatch.setattr(_Simulator, "closed", 0)
+
+    out = _gym_episode(_Simulator, (lambda sampler: sampler.requests)  # in its first turn
+                       if how == "cancelled" else None)
 
     if how == "cancelled":
         assert isinstance(out, asyncio.CancelledError)
@@ -247,21 +256,7 @@ def test_a_cancelled_episode_closes_its_simulator_only_after_the_step_in_its_thr
         def close(self):
             events.append(f"close during a step: {self.in_step}")
 
-    tok = CharTokenizer()
-    item = {"prompt": "go", "prompt_ids": [tok.bos_id] + tok.encode("go")}
-    sampler = ScriptedSampler([tok.encode("1") + [tok.eos_id]] * 3)
-    spec = AgentSpec(lambda: GymEnv(SlowSimulator, parse_action=int), TurnRenderer(tok))
-
-    async def go():
-        episode = asyncio.create_task(arun_episode(
-            sampler, item, reward_pool=ConstRewards(), decode=tok.decode, agent=spec,
-            settings=EpisodeSettings(max_turns=3, stop_ids=(tok.eos_id,))))
-        while not stepping.is_set():
-            await asyncio.sleep(0.01)
-        episode.cancel()
-        return await asyncio.gather(episode, return_exceptions=True)
-
-    (out,) = asyncio.run(go())
+    out = _gym_episode(SlowSimulator, lambda sampler: stepping.is_set())
 
     assert isinstance(out, asyncio.CancelledError)
     assert events == ["close during a step: False"]
