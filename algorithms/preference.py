@@ -9,7 +9,10 @@ reward_r_P)``: the per-pair loss and each completion's implicit reward.
   epsilon as in conservative DPO, Mitchell 2023, and TRL's ``sigmoid`` loss):
   ``h = beta * ((pc - rc) - (pr - rr))``, ``loss = -(1 - eps) log s(h) - eps log s(-h)``.
 * ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
-  Preferences", eq. 17): ``loss = ((pc - rc) - (pr - rr) - 1 / (2 beta))^2``.
+  Preferences", eq. 17) over per-token log-ratios, as TRL's ``ipo`` and as the authors advise
+  (summed ones make the target gap 1 / (2 beta) depend on the completions' lengths):
+  ``h = (pc - rc) / nc - (pr - rr) / nr``, ``loss = (h - 1 / (2 beta))^2``, rewards
+  ``beta * (pc - rc) / nc`` and ``beta * (pr - rr) / nr``.
 * ``simpo`` (Meng et al. 2024, "SimPO", eq. 6): no reference;
   ``loss = -log s(beta * pc / nc - beta * pr / nr - gamma)``.
 
@@ -35,6 +38,8 @@ get = _PREFERENCE.get
 names = _PREFERENCE.names
 # Losses that read the reference's logprobs (the others skip the reference forward).
 NEEDS_REFERENCE = ("dpo", "ipo")
+# Losses whose implicit rewards are per-token averages.
+PER_TOKEN_REWARDS = ("ipo", "simpo")
 
 
 @register("dpo")
@@ -53,9 +58,11 @@ def dpo_loss(pc_P: jax.Array, pr_P: jax.Array, rc_P: jax.Array, rr_P: jax.Array,
 def ipo_loss(pc_P: jax.Array, pr_P: jax.Array, rc_P: jax.Array, rr_P: jax.Array,
              nc_P: jax.Array, nr_P: jax.Array, *, beta: float, label_smoothing: float = 0.0,
              gamma: float = 0.0) -> tuple[jax.Array, jax.Array, jax.Array]:
-    del nc_P, nr_P, label_smoothing, gamma
-    h_P = (pc_P - rc_P) - (pr_P - rr_P)
-    return (h_P - 1.0 / (2.0 * beta)) ** 2, beta * (pc_P - rc_P), beta * (pr_P - rr_P)
+    del label_smoothing, gamma
+    ratio_c_P = (pc_P - rc_P) / jnp.maximum(nc_P, 1.0)
+    ratio_r_P = (pr_P - rr_P) / jnp.maximum(nr_P, 1.0)
+    h_P = ratio_c_P - ratio_r_P
+    return (h_P - 1.0 / (2.0 * beta)) ** 2, beta * ratio_c_P, beta * ratio_r_P
 
 
 @register("simpo")
@@ -79,8 +86,8 @@ def make_preference_loss_fn(name: str, *, beta: float, label_smoothing: float = 
                                                             LossOutput]:
     """The train step's loss: ``(sum of pair losses, pairs, aux sums)`` with aux
     ``reward_margin`` (chosen minus rejected implicit reward), ``reward_accuracy`` (chosen
-    reward > rejected by more than float rounding of the logprob sums: 1e-6 x beta x their
-    magnitudes) and ``reward_chosen`` / ``reward_rejected``, each summed over pairs (the
+    reward > rejected; with a reference, by more than float rounding of the logprob sums:
+    1e-6 x beta x their magnitudes, over the lengths where the rewards are per token) and ``reward_chosen`` / ``reward_rejected``, each summed over pairs (the
     step divides by the pair count). A pair whose rows are all masked (padding) counts for
     nothing."""
     pair_loss = get(name)
@@ -105,7 +112,11 @@ def make_preference_loss_fn(name: str, *, beta: float, label_smoothing: float = 
         # The reference is a separately compiled forward: while the policy equals it the
         # margin is float rounding of the sums, not a preference. A pair counts as ranked right
         # only past that rounding.
-        noise_P = 1e-6 * beta * (jnp.abs(pc_P) + jnp.abs(pr_P) + jnp.abs(rc_P) + jnp.abs(rr_P))
+        # Without a reference there is no such rounding: plain ``margin > 0``.
+        noise_P = (1e-6 * beta * (jnp.abs(pc_P) + jnp.abs(pr_P) + jnp.abs(rc_P) + jnp.abs(rr_P))
+                   / (jnp.minimum(jnp.maximum(nc_P, 1.0), jnp.maximum(nr_P, 1.0))
+                      if name in PER_TOKEN_REWARDS else 1.0)
+                   if uses_ref else 0.0)
         aux = {"reward_margin": (margin_P * real_P).sum(),
                "reward_accuracy": ((margin_P > noise_P) * real_P).sum(),
                "reward_chosen": (reward_c_P * real_P).sum(),

@@ -37,10 +37,13 @@ def test_dpo_loss_equals_numpy_sigmoid_loss_with_label_smoothing(eps):
     np.testing.assert_allclose(rc - rr, h, rtol=1e-6, atol=1e-6)
 
 
-def test_ipo_loss_equals_numpy_squared_margin_loss():
-    loss, _, _ = _run("ipo", beta=0.25)
-    expected = ((PC - RC) - (PR - RR) - 1 / (2 * 0.25)) ** 2
-    np.testing.assert_allclose(loss, expected, rtol=1e-6, atol=1e-6)
+def test_ipo_loss_equals_numpy_squared_margin_loss_of_per_token_log_ratios():
+    # TRL's ``ipo``: log-ratios averaged over each completion's tokens (unequal lengths here).
+    loss, rc, rr = _run("ipo", beta=0.25)
+    h = (PC - RC) / NC - (PR - RR) / NR
+    np.testing.assert_allclose(loss, (h - 1 / (2 * 0.25)) ** 2, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rc, 0.25 * (PC - RC) / NC, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rr, 0.25 * (PR - RR) / NR, rtol=1e-6, atol=1e-6)
 
 
 def test_simpo_loss_equals_numpy_length_normalised_loss_and_ignores_reference():
@@ -103,3 +106,21 @@ def test_a_margin_of_float_rounding_is_not_counted_as_a_right_ranking():
 
     assert float(aux["reward_margin"]) != 0.0  # rounding shows in the margin ...
     assert float(aux["reward_accuracy"]) == 0.0  # ... and is no preference
+
+
+def test_a_reference_free_loss_counts_every_positive_margin_as_a_right_ranking():
+    # SimPO over 1,000-token completions: chosen 0.0015 nats a token likelier, a margin far
+    # above float rounding of per-token averages, yet below the sums' rounding bound.
+    L = 1001
+    logp = np.stack([np.full(L, np.log(0.0640)), np.full(L, np.log(0.0639))]).astype(np.float32)
+    mask = np.ones((2, L), np.float32)
+    mask[:, 0] = 0
+    logits, targets = _logits_for(logp, V=64)
+    batch = PreferenceBatch(input_ids=None, targets=jnp.asarray(targets),
+                            loss_mask=jnp.asarray(mask), positions=None, segment_ids=None,
+                            ref_logprobs=None)
+    fn = preference.make_preference_loss_fn("simpo", beta=2.0)
+
+    _, _, aux = fn(jnp.asarray(logits), batch)
+
+    assert float(aux["reward_margin"]) > 0.0 and float(aux["reward_accuracy"]) == 1.0
