@@ -264,7 +264,8 @@ def tokenizer_for(model: ModelConfig, vocab_size: int | None = None) -> Tokenize
         raise ConfigError(f"model.vocab_size = {vocab}: smaller than the tokenizer's "
                           f"{tokenizer.vocab_size} ids ({spec!r}): use the model the tokenizer "
                           f"belongs to, or a vocab_size of at least {tokenizer.vocab_size}")
-    if model.hf_path and isinstance(tokenizer, HFTokenizer):
+    if (model.hf_path and isinstance(tokenizer, HFTokenizer)
+            and os.path.realpath(model.hf_path) != os.path.realpath(tokenizer._directory)):
         # A tokenizer from another directory: the checkpoint's own stop ids end generation too.
         extra = checkpoint_eos_ids(model.hf_path, tokenizer.vocab_size, tokenizer.eos_id)
         tokenizer.stop_ids = tuple(dict.fromkeys((*tokenizer.stop_ids, *extra)))
